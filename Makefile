@@ -1,0 +1,38 @@
+# Two commands do all the set-up on a fresh machine:  make demo  and  make test.
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+NP      ?= 4
+READY   := $(VENV)/.lsgd_hpc_ready
+# Open MPI refuses root unless told; harmless elsewhere. One thread per rank: ranks share cores.
+export OMPI_ALLOW_RUN_AS_ROOT=1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMP_NUM_THREADS ?= 1
+# The venv's mpirun (PyPI Open MPI) when there is one, else the system's.
+MPIRUN  = $(shell [ -x $(VENV)/bin/mpirun ] && echo $(VENV)/bin/mpirun || echo mpirun)
+MPIFLAGS ?= --oversubscribe
+DEMO_DIR ?= runs/demo
+
+.PHONY: venv demo test test-fast bench horovod clean
+
+venv: $(READY)
+
+$(READY): setup.cfg scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+
+demo: $(READY)
+	rm -rf $(DEMO_DIR)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(MPIRUN) $(MPIFLAGS) -np $(NP) \
+	    $(PY) -m lsgd_hpc.train --run-dir $(DEMO_DIR) --ranks-per-node 2
+	$(PY) -m lsgd_hpc.summary $(DEMO_DIR)
+
+test: $(READY)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra tests
+
+bench: $(READY)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks
+
+horovod: $(READY)
+	bash scripts/install_horovod.sh $(VENV)
+
+clean:
+	rm -rf runs build *.egg-info .pytest_cache

@@ -1,0 +1,188 @@
+"""The narrow communication interface every algorithm uses, and its shared bookkeeping."""
+
+from __future__ import annotations
+
+import abc
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+__all__ = ["CommStats", "Election", "Communicator", "CommError", "check_tensor", "sanitize_score"]
+
+#: dtypes the backends can move (mapped to MPI datatypes by the MPI backend).
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int32, torch.int64, torch.uint8)
+
+
+class CommError(ValueError):
+    """A caller handed the communication layer something it cannot move safely."""
+
+
+@dataclass
+class CommStats:
+    """Cumulative traffic of this rank: payload bytes it sent and received, and seconds spent.
+
+    Conventions (logical payload, independent of the MPI library's algorithm):
+    allreduce of n bytes: sent n, received n.  broadcast: the root sends n, every other rank
+    receives n.  neighbour exchange: n per out-neighbour sent, n per in-neighbour received.
+    Sub-communicators share their parent's stats, so the totals are per rank.
+    """
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    def snapshot(self) -> "CommStats":
+        return CommStats(self.bytes_sent, self.bytes_recv, self.seconds, self.calls)
+
+    def state_dict(self) -> dict:
+        return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv,
+                "seconds": self.seconds, "calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bytes_sent = int(state["bytes_sent"])
+        self.bytes_recv = int(state["bytes_recv"])
+        self.seconds = float(state["seconds"])
+        self.calls = int(state["calls"])
+
+
+@dataclass(frozen=True)
+class Election:
+    """Result of a leader election over one communicator."""
+
+    rank: int          # leader's rank in the communicator the election ran on
+    world_rank: int    # the same leader's rank in the world communicator
+    score: float       # leader's score (+inf when no member had a finite score)
+
+
+def sanitize_score(score: float) -> float:
+    """Map a score to what an election compares: any non-finite value becomes +inf.
+
+    +inf never beats a finite score under MINLOC, and among all-non-finite members the
+    tie-break (lowest rank) still gives every member the same answer.
+    """
+    score = float(score)
+    return score if math.isfinite(score) else math.inf
+
+
+def check_tensor(t, name: str = "tensor") -> torch.Tensor:
+    """Refuse what would corrupt memory or hang: non-tensors, non-contiguous views, odd dtypes."""
+    if not isinstance(t, torch.Tensor):
+        raise CommError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise CommError(f"{name} must be contiguous (got strides {tuple(t.stride())}); "
+                        "call .contiguous() or use a FlatParams buffer")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise CommError(f"{name} has unsupported dtype {t.dtype}")
+    return t
+
+
+class Communicator(abc.ABC):
+    """One group of ranks. Every method is collective over the group unless stated.
+
+    In-place methods end in ``_`` like torch's. A size-1 communicator returns at once.
+    """
+
+    stats: CommStats
+    #: world rank of each member, indexed by rank in this communicator
+    world_ranks: Sequence[int]
+
+    @property
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @property
+    def world_rank(self) -> int:
+        return self.world_ranks[self.rank]
+
+    # -- collectives ---------------------------------------------------------------------
+    @abc.abstractmethod
+    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In place: tensor <- sum (op='sum') or mean (op='mean') over the group."""
+
+    @abc.abstractmethod
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        """In place: every member's tensor <- root's tensor (root is a rank in this group)."""
+
+    @abc.abstractmethod
+    def elect(self, score: float) -> Election:
+        """Leader = argmin of score over the group, ties to the lowest rank, one MINLOC reduction.
+
+        A non-finite score never wins while a finite one exists.
+        """
+
+    @abc.abstractmethod
+    def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
+                           destinations: Sequence[int], out: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+        """Send ``tensor`` to every rank in ``destinations``; receive one tensor from every rank
+        in ``sources``. Returns ``out`` of shape (len(sources), *tensor.shape), row k holding
+        the tensor of ``sources[k]``. Collective over the group: every member calls it with
+        its own lists, and the lists must be consistent (j in destinations of i iff i in
+        sources of j). The graph communicator is created once per distinct graph and cached.
+        """
+
+    @abc.abstractmethod
+    def split(self, color: int, key: Optional[int] = None) -> Optional["Communicator"]:
+        """Sub-communicator of the members with the same color (color < 0: none, returns None).
+
+        The result shares this communicator's stats.
+        """
+
+    @abc.abstractmethod
+    def allgather_object(self, obj) -> list:
+        """Small Python objects (host names, configuration checks); not counted as traffic."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def any_true(self, flag: bool) -> bool:
+        """True on every member when any member passed True (one tiny allreduce)."""
+        buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        self.allreduce_(buf, "sum")
+        return bool(buf.item() > 0)
+
+    def free(self) -> None:
+        """Release backend resources (sub-communicators, graph communicators)."""
+
+    # -- bookkeeping shared by backends --------------------------------------------------
+    @contextmanager
+    def _counted(self, sent: int, recv: int) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds += time.perf_counter() - t0
+            self.stats.bytes_sent += int(sent)
+            self.stats.bytes_recv += int(recv)
+            self.stats.calls += 1
+
+    @staticmethod
+    def _check_op(op: str) -> str:
+        if op not in ("sum", "mean"):
+            raise CommError(f"op must be 'sum' or 'mean', got {op!r}")
+        return op
+
+    def _check_root(self, root: int) -> int:
+        if not isinstance(root, int) or not 0 <= root < self.size:
+            raise CommError(f"root must be a rank in [0, {self.size}), got {root!r}")
+        return root
+
+    def _check_graph(self, sources: Sequence[int], destinations: Sequence[int]) -> tuple:
+        src, dst = tuple(int(s) for s in sources), tuple(int(d) for d in destinations)
+        for name, lst in (("sources", src), ("destinations", dst)):
+            bad = [r for r in lst if not 0 <= r < self.size]
+            if bad:
+                raise CommError(f"{name} holds ranks outside [0, {self.size}): {bad}")
+            if len(set(lst)) != len(lst):
+                raise CommError(f"{name} holds a rank twice: {list(lst)}")
+        return src, dst

@@ -1,0 +1,84 @@
+"""A fused parameter buffer: a model's parameters (and their gradients) as views of one flat tensor.
+
+A whole-model broadcast, average or pull is then one collective over one contiguous buffer,
+as in Horovod's tensor fusion, without the copy in and out of a fusion buffer.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["FlatParams"]
+
+
+class FlatParams:
+    """Re-seat ``model``'s parameters and floating-point buffers into one flat tensor.
+
+    ``flat`` holds the parameters first (``flat[:n_params]``), then the floating-point buffers
+    (BatchNorm running statistics), so that the model's whole state moves in one call.
+    ``grad`` holds the parameters' gradients in the same order; the parameters' ``.grad``
+    are views into it, and autograd accumulates into them in place. Call ``zero_grad()``
+    (not ``optimizer.zero_grad()``, whose default sets .grad to None and breaks the views).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        params = [p for p in model.parameters()]
+        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        if not params:
+            raise ValueError("model has no parameters")
+        dtypes = {p.dtype for p in params} | {b.dtype for b in buffers}
+        devices = {p.device for p in params} | {b.device for b in buffers}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"FlatParams needs one dtype and one device, got {dtypes} {devices}")
+        dtype, device = dtypes.pop(), devices.pop()
+        self.n_params = sum(p.numel() for p in params)
+        self.numel = self.n_params + sum(b.numel() for b in buffers)
+        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
+        self.grad = torch.zeros(self.n_params, dtype=dtype, device=device)
+        self.slices: List[Tuple[str, int, int]] = []
+        offset = 0
+        for name, p in model.named_parameters():
+            n = p.numel()
+            view = self.flat[offset:offset + n].view_as(p)
+            view.copy_(p.data)
+            p.data = view
+            p.grad = self.grad[offset:offset + n].view_as(p)
+            self.slices.append((name, offset, n))
+            offset += n
+        for name, b in model.named_buffers():
+            if not b.is_floating_point():
+                continue
+            n = b.numel()
+            view = self.flat[offset:offset + n].view_as(b)
+            view.copy_(b)
+            b.data = view
+            self.slices.append((name, offset, n))
+            offset += n
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The parameter part of the flat buffer (a view)."""
+        return self.flat[: self.n_params]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def check(self) -> None:
+        """Assert the views are still in place (an optimizer or user may have replaced them)."""
+        ptr = self.flat.data_ptr()
+        end = ptr + self.nbytes
+        for p in self.model.parameters():
+            if not ptr <= p.data_ptr() < end:
+                raise RuntimeError("a parameter no longer lives in the flat buffer")
+            if p.grad is None or not (self.grad.data_ptr() <= p.grad.data_ptr()
+                                      < self.grad.data_ptr() + self.grad.numel()
+                                      * self.grad.element_size()):
+                raise RuntimeError("a gradient no longer lives in the flat gradient buffer")

@@ -1,0 +1,177 @@
+"""The communication interface over mpi4py: zero-copy for CPU tensors, CUDA-aware buffers for GPU."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .base import CommError, CommStats, Communicator, Election, check_tensor, sanitize_score
+
+__all__ = ["MPICommunicator", "mpi_library"]
+
+_MPI_TYPES = {
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.uint8: MPI.UINT8_T,
+    # No portable MPI type for half precision: moved as raw 2-byte words. Sum/mean are
+    # refused for them below instead of silently adding bit patterns.
+    torch.float16: MPI.UINT16_T,
+    torch.bfloat16: MPI.UINT16_T,
+}
+_REDUCIBLE = (torch.float32, torch.float64, torch.int32, torch.int64)
+
+# MPI.DOUBLE_INT is C's struct {double; int;}: 8 + 4 bytes padded to 16.
+_DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
+
+
+def mpi_library() -> str:
+    """First line of the MPI library's own version string (which MPI is really used)."""
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+def _buffer(t: torch.Tensor, count: Optional[int] = None):
+    """An MPI buffer spec over the tensor's own memory (no copy); ``count`` elements per peer
+    (default: the whole tensor).
+
+    CPU tensors go through numpy (shares storage). CUDA tensors are handed to mpi4py as
+    they are: torch exposes __cuda_array_interface__, which a CUDA-aware MPI reads directly.
+    """
+    mpitype = _MPI_TYPES[t.dtype]
+    count = t.numel() if count is None else count
+    if t.is_cuda:
+        # Kernels writing this buffer run on a stream; MPI reads device memory now.
+        torch.cuda.current_stream(t.device).synchronize()
+        return [t.detach(), count, mpitype]
+    if t.dtype in (torch.float16, torch.bfloat16):
+        arr = t.detach().view(torch.int16).numpy()
+    else:
+        arr = t.detach().numpy()
+    return [arr, count, mpitype]
+
+
+class MPICommunicator(Communicator):
+    """An mpi4py communicator behind the lsgd_hpc interface."""
+
+    def __init__(self, comm: Optional[MPI.Comm] = None, stats: Optional[CommStats] = None,
+                 world_ranks: Optional[Sequence[int]] = None):
+        self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.stats = stats if stats is not None else CommStats()
+        if world_ranks is None:
+            world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
+        self.world_ranks = tuple(world_ranks)
+        self._rank = self.comm.Get_rank()
+        self._size = self.comm.Get_size()
+        self._graphs: Dict[Tuple[tuple, tuple], MPI.Distgraphcomm] = {}
+        self._children: list = []
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    # -- collectives ---------------------------------------------------------------------
+    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        check_tensor(tensor)
+        self._check_op(op)
+        if tensor.dtype not in _REDUCIBLE:
+            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
+        if self._size == 1:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._counted(nbytes, nbytes):
+            self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
+        if op == "mean":
+            if tensor.is_floating_point():
+                tensor.div_(self._size)
+            else:
+                tensor.floor_divide_(self._size)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        check_tensor(tensor)
+        self._check_root(root)
+        if self._size == 1:
+            return tensor
+        nbytes = tensor.numel() * tensor.element_size()
+        is_root = self._rank == root
+        with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes):
+            self.comm.Bcast(_buffer(tensor), root=root)
+        return tensor
+
+    def elect(self, score: float) -> Election:
+        mine = sanitize_score(score)
+        if self._size == 1:
+            return Election(0, self.world_ranks[0], mine)
+        send = np.zeros(1, dtype=_DOUBLE_INT)
+        send["score"], send["rank"] = mine, self._rank
+        recv = np.zeros(1, dtype=_DOUBLE_INT)
+        with self._counted(_DOUBLE_INT.itemsize, _DOUBLE_INT.itemsize):
+            self.comm.Allreduce([send, MPI.DOUBLE_INT], [recv, MPI.DOUBLE_INT], op=MPI.MINLOC)
+        leader = int(recv["rank"][0])
+        return Election(leader, self.world_ranks[leader], float(recv["score"][0]))
+
+    def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
+                           destinations: Sequence[int], out: Optional[torch.Tensor] = None
+                           ) -> torch.Tensor:
+        check_tensor(tensor)
+        src, dst = self._check_graph(sources, destinations)
+        shape = (len(src),) + tuple(tensor.shape)
+        if out is None:
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            check_tensor(out, "out")
+            if tuple(out.shape) != shape or out.dtype != tensor.dtype:
+                raise CommError(f"out must have shape {shape} and dtype {tensor.dtype}, "
+                                f"got {tuple(out.shape)} {out.dtype}")
+        graph = self._graph(src, dst)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._counted(nbytes * len(dst), nbytes * len(src)):
+            graph.Neighbor_allgather(_buffer(tensor), _buffer(out, tensor.numel()))
+        return out
+
+    def _graph(self, src: tuple, dst: tuple) -> MPI.Distgraphcomm:
+        """The distributed-graph communicator of this (sources, destinations), made once."""
+        key = (src, dst)
+        graph = self._graphs.get(key)
+        if graph is None:
+            # reorder=False: ranks in the graph stay the ranks of this communicator.
+            graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst), reorder=False)
+            self._graphs[key] = graph
+        return graph
+
+    def split(self, color: int, key: Optional[int] = None) -> Optional["MPICommunicator"]:
+        key = self._rank if key is None else key
+        sub = self.comm.Split(MPI.UNDEFINED if color < 0 else int(color), key)
+        if sub == MPI.COMM_NULL:
+            return None
+        child = MPICommunicator(sub, self.stats, sub.allgather(self.world_rank))
+        self._children.append(child)
+        return child
+
+    def allgather_object(self, obj) -> list:
+        return self.comm.allgather(obj)
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def free(self) -> None:
+        for g in self._graphs.values():
+            g.Free()
+        self._graphs.clear()
+        for child in self._children:
+            child.free()
+            child.comm.Free()
+        self._children.clear()
+
+    def abort(self, code: int = 1) -> None:
+        """End every rank of the job now (fail fast instead of hanging in the next collective)."""
+        MPI.COMM_WORLD.Abort(code)
+
