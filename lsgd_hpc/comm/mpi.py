@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -24,6 +25,10 @@ _MPI_TYPES = {
     torch.bfloat16: MPI.UINT16_T,
 }
 _REDUCIBLE = (torch.float32, torch.float64, torch.int32, torch.int64)
+_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_MPI_TYPES)}
+
+#: Set to 0 to skip the agreement check that precedes every collective (one 32-byte reduction).
+VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 
 # MPI.DOUBLE_INT is C's struct {double; int;}: 8 + 4 bytes padded to 16.
 _DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
@@ -68,6 +73,7 @@ class MPICommunicator(Communicator):
         self._size = self.comm.Get_size()
         self._graphs: Dict[Tuple[tuple, tuple], MPI.Distgraphcomm] = {}
         self._children: list = []
+        self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
 
     @property
     def rank(self) -> int:
@@ -77,6 +83,36 @@ class MPICommunicator(Communicator):
     def size(self) -> int:
         return self._size
 
+    # -- agreement check -----------------------------------------------------------------
+    def _agree(self, what: str, tensor: torch.Tensor, root: int = 0,
+               graph: Optional[MPI.Distgraphcomm] = None) -> None:
+        """Raise the same CommError on every member when members disagree on (numel, dtype,
+        root): MPI would otherwise truncate, overrun a buffer or wait forever.
+
+        Over a graph only the neighbours compare, so gossip stays neighbour-only.
+        """
+        if not self.validate:
+            return
+        sig = np.array([tensor.numel(), _DTYPE_CODE[tensor.dtype], root], dtype=np.int64)
+        if graph is None:
+            both = np.concatenate([sig, -sig])
+            self.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+            ok = np.array_equal(both[:3], -both[3:])
+            lo, hi = -both[3:], both[:3]
+        else:
+            indeg = graph.Get_dist_neighbors_count()[0]
+            theirs = np.zeros((indeg, 3), dtype=np.int64)
+            graph.Neighbor_allgather(sig, theirs)
+            mismatch = int(bool((theirs != sig).any()))
+            # A neighbour that disagrees makes both sides raise; nobody waits on it.
+            flag = np.zeros(indeg, dtype=np.int64)
+            graph.Neighbor_allgather(np.array([mismatch], dtype=np.int64), flag)
+            ok = not mismatch and not flag.any()
+            lo, hi = np.vstack([theirs, sig]).min(axis=0), np.vstack([theirs, sig]).max(axis=0)
+        if not ok:
+            raise CommError(f"{what}: ranks disagree on the buffer (numel {lo[0]}..{hi[0]}, "
+                            f"dtype code {lo[1]}..{hi[1]}, root {lo[2]}..{hi[2]})")
+
     # -- collectives ---------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         check_tensor(tensor)
@@ -85,6 +121,7 @@ class MPICommunicator(Communicator):
             raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
         if self._size == 1:
             return tensor
+        self._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes):
             self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
@@ -100,6 +137,7 @@ class MPICommunicator(Communicator):
         self._check_root(root)
         if self._size == 1:
             return tensor
+        self._agree("broadcast_", tensor, root)
         nbytes = tensor.numel() * tensor.element_size()
         is_root = self._rank == root
         with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes):
@@ -132,6 +170,7 @@ class MPICommunicator(Communicator):
                 raise CommError(f"out must have shape {shape} and dtype {tensor.dtype}, "
                                 f"got {tuple(out.shape)} {out.dtype}")
         graph = self._graph(src, dst)
+        self._agree("neighbor_allgather", tensor, graph=graph)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes * len(dst), nbytes * len(src)):
             graph.Neighbor_allgather(_buffer(tensor), _buffer(out, tensor.numel()))
@@ -142,10 +181,24 @@ class MPICommunicator(Communicator):
         key = (src, dst)
         graph = self._graphs.get(key)
         if graph is None:
+            if self.validate:
+                self._check_graph_consistent(src, dst)
             # reorder=False: ranks in the graph stay the ranks of this communicator.
             graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst), reorder=False)
             self._graphs[key] = graph
         return graph
+
+    def _check_graph_consistent(self, src: tuple, dst: tuple) -> None:
+        """Every edge must be declared at both ends, or the neighbour collective waits forever."""
+        graphs = self.comm.allgather((src, dst))
+        me = self._rank
+        bad = sorted({j for j in src if me not in graphs[j][1]}
+                     | {j for j in dst if me not in graphs[j][0]})
+        all_bad = self.comm.allgather(bad)
+        if any(all_bad):
+            r = next(i for i, b in enumerate(all_bad) if b)
+            raise CommError(f"neighbor_allgather: rank {r} and ranks {all_bad[r]} disagree on "
+                            "the edges between them (each edge needs both ends declared)")
 
     def split(self, color: int, key: Optional[int] = None) -> Optional["MPICommunicator"]:
         key = self._rank if key is None else key
