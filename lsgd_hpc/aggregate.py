@@ -34,7 +34,8 @@ Plots: one line per configuration. Runs whose config.yaml differ only in ``seed`
 bookkeeping keys in ``NON_CONFIG_KEYS``) form one configuration and are drawn as the mean
 over seeds with a shaded min-max band. The y value of a run is the per-evaluation mean over
 ranks (test accuracy) or the per-step mean over ranks (training loss); its wall time is the
-latest rank's, its bytes sent the total over all ranks. The legend names a configuration by
+latest rank's, its bytes sent the total over all ranks; with 300 or more steps the training
+loss is smoothed by a centred moving average over 1% of the steps. The legend names a configuration by
 its algorithm plus the options that differ between the configurations shown.
 
 In curves.csv, ``consensus_distance`` rows take their wall time from the rank's /train rows
@@ -581,19 +582,21 @@ def plot_all(runs: list[Run], out_dir: str | os.PathLike,
     written = []
     for fname, (x, y) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+        smoothed = False
         for i, g in enumerate(groups):
             color = f"C{i % 10}"
             gx, mean, lo, hi = band([run_curve(r, x, y) for r in g.runs])
             if not len(gx):
                 continue
-            if y == "train_loss":
+            if y == "train_loss" and _smooth(mean, len(gx)) is not mean:
                 mean, lo, hi = (_smooth(a, len(gx)) for a in (mean, lo, hi))
+                smoothed = True
             ax.plot(gx, mean, color=color, lw=1.6, label=g.label,
                     marker="o" if len(gx) <= 30 else None, ms=3)
             if len(g.runs) > 1:
                 ax.fill_between(gx, lo, hi, color=color, alpha=0.2, lw=0)
         ax.set_xlabel(_XLABEL[x])
-        ax.set_ylabel(_YLABEL[y])
+        ax.set_ylabel(_YLABEL[y][:-1] + ", smoothed)" if smoothed else _YLABEL[y])
         if x == "bytes_sent":
             ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
         ax.set_title(f"{_YLABEL[y].split(' (')[0]} vs {_XLABEL[x].split(',')[0].split(' (')[0]}"
