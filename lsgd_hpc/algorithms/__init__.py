@@ -1,0 +1,30 @@
+"""Training methods, one small module each, over the communication interface."""
+
+from .allreduce import AllreduceSGD
+from .base import Algorithm, uncounted
+from .easgd import EASGD
+from .gossip import GossipSGD
+from .local_sgd import LocalSGD
+from .lsgd import LeaderSGD
+
+__all__ = ["Algorithm", "AllreduceSGD", "EASGD", "GossipSGD", "LeaderSGD", "LocalSGD",
+           "build_algorithm", "uncounted"]
+
+
+def build_algorithm(cfg, groups, flat, log, steps_per_epoch: int) -> Algorithm:
+    """The method that ``cfg.algorithm`` names, configured from the resolved options."""
+    if cfg.algorithm == "lsgd":
+        return LeaderSGD(groups, flat, cfg.tau_local, cfg.tau_global, cfg.pull_local,
+                         cfg.pull_global, cfg.leader_window, log=log)
+    if cfg.algorithm == "allreduce":
+        return AllreduceSGD(groups, flat, consensus_every=cfg.eval_every, log=log)
+    if cfg.algorithm == "easgd":
+        alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / groups.world.size
+        return EASGD(groups, flat, alpha, cfg.easgd_tau or cfg.tau_local, log=log)
+    if cfg.algorithm == "local-sgd":
+        return LocalSGD(groups, flat, cfg.local_steps, t_max=max(1, steps_per_epoch), log=log)
+    if cfg.algorithm == "gossip":
+        from ..topology import build_topology
+        topo = build_topology(cfg.topology, groups.world.size, node_of=groups.node_of)
+        return GossipSGD(groups, flat, topo, cfg.consensus_every, log=log)
+    raise ValueError(f"unknown algorithm {cfg.algorithm!r}")

@@ -1,0 +1,296 @@
+"""Training options: defaults, YAML config files, command line, and validation before any MPI call."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+__all__ = ["Config", "ConfigError", "parse_config", "ALGORITHMS", "DATASET_DEFAULTS"]
+
+ALGORITHMS = ("lsgd", "allreduce", "easgd", "local-sgd", "gossip")
+BACKENDS = ("mpi", "horovod")
+LR_SCHEDULES = ("constant", "step", "cosine")
+
+
+class ConfigError(ValueError):
+    """A user's mistake in an option: ``option`` names it, the message says why."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+@dataclass
+class Config:
+    """Every option of ``python -m lsgd_hpc.train``; field names are the options' with ``_``."""
+
+    algorithm: str = "lsgd"
+    topology: str = "ring"
+    dataset: str = "digits"
+    data_dir: Optional[str] = None
+    model: Optional[str] = None            # None: the dataset's default model
+    epochs: Optional[float] = None         # None: the dataset's default (see DATASET_DEFAULTS)
+    batch_size: Optional[int] = None
+    lr: Optional[float] = None
+    lr_schedule: str = "constant"
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    seed: int = 0
+    run_dir: Optional[str] = None
+    resume: bool = False
+    tau_local: Optional[int] = None
+    tau_global: Optional[int] = None
+    pull_local: float = 0.1
+    pull_global: float = 0.1
+    leader_window: int = 10
+    local_steps: str = "8"                # an integer T, or "auto"
+    easgd_alpha: Optional[float] = None   # None: 0.9 / world size (beta = p * alpha = 0.9)
+    easgd_tau: Optional[int] = None       # None: tau_local
+    ranks_per_node: Optional[int] = None
+    eval_every: Optional[int] = None
+    consensus_every: int = 10             # gossip: steps between consensus-distance probes
+    backend: str = "mpi"
+    log_every: int = 1                    # steps between rows of /train
+    flush_every: int = 50                 # steps between metric flushes ...
+    flush_seconds: float = 30.0           # ... or seconds, whichever comes first
+    checkpoint_every: int = 0             # steps; 0 = only on preemption and at the end
+    max_steps: Optional[int] = None       # stop early (benchmarks, tests)
+    synthetic_size: int = 4096
+    eval_batch_size: int = 1000
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+#: Per-data-set defaults for options left unset. CIFAR-10 follows the LSGD reference
+#: implementation; digits is sized so the default run takes about a minute on 4 ranks.
+DATASET_DEFAULTS: Dict[str, Dict[str, Any]] = {
+    "digits": dict(epochs=8, batch_size=32, lr=0.05, tau_local=4, tau_global=8, eval_every=40),
+    "cifar10": dict(epochs=200, batch_size=128, lr=0.1, tau_local=64, tau_global=128,
+                    eval_every=390, lr_schedule="step"),
+    "synthetic": dict(epochs=2, batch_size=64, lr=0.05, tau_local=4, tau_global=8,
+                      eval_every=50),
+}
+
+_HELP = {
+    "algorithm": "training method", "topology": "gossip graph (see python -m lsgd_hpc.topology)",
+    "dataset": "data set (digits is embedded)", "data_dir": "folder of a staged data set",
+    "model": "network; default depends on the data set", "epochs": "passes over each shard",
+    "batch_size": "per-rank minibatch", "lr": "learning rate eta",
+    "lr_schedule": "constant, step (x0.1 at 50%% and 75%%) or cosine",
+    "momentum": "SGD momentum", "weight_decay": "L2 weight decay", "seed": "random seed",
+    "run_dir": "output folder (default runs/<job id> under SLURM, else runs/<algorithm>-<time>)",
+    "resume": "continue from the latest complete checkpoint in --run-dir",
+    "tau_local": "steps between local (in-node) leader pulls",
+    "tau_global": "steps between global leader pulls (a multiple of --tau-local)",
+    "pull_local": "c_L: pull strength toward the node's leader",
+    "pull_global": "c_G: pull strength toward the global leader",
+    "leader_window": "K: a worker's score is its mean loss over its last K minibatches",
+    "local_steps": "local SGD: T local steps between averages, or auto",
+    "easgd_alpha": "EASGD moving rate alpha (default 0.9 / world size)",
+    "easgd_tau": "EASGD: steps between elastic updates (default --tau-local)",
+    "ranks_per_node": "group K consecutive ranks as one node (default: by host name)",
+    "eval_every": "steps between test evaluations (and log lines)",
+    "consensus_every": "gossip: steps between consensus-distance measurements",
+    "backend": "communication backend", "log_every": "steps between rows of /train",
+    "flush_every": "steps between metric flushes", "flush_seconds": "seconds between flushes",
+    "checkpoint_every": "steps between checkpoints (0: on preemption and at the end)",
+    "max_steps": "stop after this many steps", "synthetic_size": "synthetic training samples",
+    "eval_batch_size": "batch size of evaluation",
+}
+_CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as argparse does, but with our prefix
+        raise ConfigError("command line", message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m lsgd_hpc.train", argument_default=argparse.SUPPRESS,
+                description="Train with Leader SGD or a baseline on MPI ranks.")
+    p.add_argument("--config", help="YAML file of options (the command line wins)")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",) or isinstance(f.default, bool):
+            p.add_argument(flag, action="store_true", help=_HELP.get(f.name))
+        else:
+            # Strings here; types are checked in one place (_coerce) for YAML and CLI alike.
+            p.add_argument(flag, metavar=f.name.upper(), choices=_CHOICES.get(f.name),
+                           help=_HELP.get(f.name))
+    return p
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML or command-line value into the field's type, or say why not."""
+    opt = "--" + name.replace("_", "-")
+    kind = {f.name: f.type for f in fields(Config)}[name]
+    if value is None:
+        if "Optional" in str(kind):
+            return None
+        raise ConfigError(opt, "must not be empty")
+    try:
+        if "bool" in str(kind):
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("1", "true", "yes", "on"):
+                return True
+            if str(value).lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if "int" in str(kind):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(str(value)) if not isinstance(value, float) else int(value)
+        if "float" in str(kind):
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+            if not math.isfinite(out):
+                raise ValueError
+            return out
+        return str(value)
+    except (TypeError, ValueError):
+        want = "an integer" if "int" in str(kind) else "a number" if "float" in str(kind) \
+            else "true or false"
+        raise ConfigError(opt, f"must be {want}, got {value!r}") from None
+
+
+def load_yaml(path: str) -> Dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError("--config", f"no such file: {path}")
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where else ""
+        raise ConfigError("--config", f"{path} is not valid YAML{line}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("--config", f"{path} must hold a mapping of option: value")
+    known = {f.name for f in fields(Config)}
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError("--config", f"unknown key {key!r} in {path}")
+        out[name] = value
+    return out
+
+
+def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None) -> Config:
+    """Defaults < data-set defaults < YAML file < command line; then validated."""
+    args = vars(_parser().parse_args(argv))
+    values: Dict[str, Any] = {}
+    if "config" in args:
+        values.update(load_yaml(args.pop("config")))
+    values.update(args)
+    for name in list(values):
+        values[name] = _coerce(name, values[name])
+    dataset = values.get("dataset", Config.dataset)
+    if dataset not in DATASET_DEFAULTS:
+        raise ConfigError("--dataset", f"must be one of {', '.join(DATASET_DEFAULTS)}, "
+                                       f"got {dataset!r}")
+    for name, default in DATASET_DEFAULTS[dataset].items():
+        values.setdefault(name, default)
+    cfg = Config(**values)
+    validate(cfg, env if env is not None else os.environ)
+    return cfg
+
+
+def _positive(cfg: Config, names: List[str], strict: bool = True) -> None:
+    for name in names:
+        v = getattr(cfg, name)
+        if v is None:
+            continue
+        if (strict and v <= 0) or (not strict and v < 0):
+            raise ConfigError("--" + name.replace("_", "-"),
+                              f"must be {'>' if strict else '>='} 0, got {v}")
+
+
+def validate(cfg: Config, env: dict) -> None:
+    """Checks that need no MPI: ranges, choices, files. World-size checks are in check_world."""
+    from . import data, models, topology
+
+    if cfg.algorithm not in ALGORITHMS:
+        raise ConfigError("--algorithm", f"must be one of {', '.join(ALGORITHMS)}")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError("--backend", f"must be one of {', '.join(BACKENDS)}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError("--lr-schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
+    if cfg.topology not in topology.TOPOLOGIES:
+        raise ConfigError("--topology", f"must be one of {', '.join(topology.TOPOLOGIES)}")
+    _positive(cfg, ["epochs", "batch_size", "lr", "tau_local", "tau_global", "leader_window",
+                    "eval_every", "consensus_every", "log_every", "flush_every",
+                    "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
+                    "ranks_per_node", "easgd_tau"])
+    _positive(cfg, ["weight_decay", "checkpoint_every", "seed"], strict=False)
+    if not 0 <= cfg.momentum < 1:
+        raise ConfigError("--momentum", f"must be in [0, 1), got {cfg.momentum}")
+    for name in ("pull_local", "pull_global"):
+        v = getattr(cfg, name)
+        if not 0 <= v <= 1:
+            raise ConfigError("--" + name.replace("_", "-"), f"must be in [0, 1], got {v}")
+    if cfg.easgd_alpha is not None and not 0 < cfg.easgd_alpha < 1:
+        raise ConfigError("--easgd-alpha", f"must be in (0, 1), got {cfg.easgd_alpha}")
+    if cfg.tau_global % cfg.tau_local:
+        raise ConfigError("--tau-global", f"must be a multiple of --tau-local "
+                                          f"({cfg.tau_global} vs {cfg.tau_local})")
+    if cfg.local_steps != "auto":
+        try:
+            t = int(cfg.local_steps)
+        except ValueError:
+            raise ConfigError("--local-steps", f"must be a positive integer or auto, "
+                                               f"got {cfg.local_steps!r}") from None
+        if t < 1:
+            raise ConfigError("--local-steps", f"must be >= 1 or auto, got {t}")
+    model = cfg.model or models.default_model(cfg.dataset)
+    if model not in models.MODELS:
+        raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, "
+                                     f"got {model!r}")
+    try:
+        data.check_data_dir(cfg.dataset, cfg.data_dir)
+    except data.DataError as exc:
+        raise ConfigError("--data-dir", str(exc)) from None
+    if cfg.resume:
+        if not cfg.run_dir:
+            raise ConfigError("--resume", "needs --run-dir (the run to continue)")
+        from .checkpoint import latest_checkpoint
+        if latest_checkpoint(cfg.run_dir) is None:
+            raise ConfigError("--resume", f"no complete checkpoint in {cfg.run_dir}/checkpoints")
+    rpn = env.get("LSGD_HPC_RANKS_PER_NODE")
+    if cfg.ranks_per_node is None and rpn:
+        try:
+            if int(rpn) < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError("LSGD_HPC_RANKS_PER_NODE", f"must be a positive integer, "
+                                                         f"got {rpn!r}") from None
+
+
+def check_world(cfg: Config, world_size: int, env: dict) -> None:
+    """Checks that need the world size (known locally after MPI_Init, no collective)."""
+    from . import topology
+
+    ntasks = env.get("SLURM_NTASKS")
+    if ntasks and ntasks.isdigit() and int(ntasks) != world_size:
+        raise ConfigError("MPI world size", f"is {world_size} but SLURM_NTASKS={ntasks}: the "
+                          "ranks did not join one MPI job (use srun --mpi=pmix, or mpirun "
+                          "from the MPI that mpi4py was built with)")
+    if cfg.algorithm == "gossip":
+        try:
+            topology.build_topology(cfg.topology, world_size)
+        except ValueError as exc:
+            raise ConfigError("--topology", str(exc)) from None
+    if cfg.algorithm == "easgd":
+        alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / world_size
+        if world_size * alpha >= 2:
+            raise ConfigError("--easgd-alpha", f"p * alpha = {world_size * alpha:.3g} >= 2 "
+                                               "makes the centre update unstable")

@@ -1,0 +1,382 @@
+"""Train with LSGD or a baseline: config -> data, model, comm, algorithm, metrics (one flat loop).
+
+    mpirun -np 4 python -m lsgd_hpc.train [options]
+    srun --mpi=pmix python -m lsgd_hpc.train [options]
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Optional, Sequence
+
+__all__ = ["main", "EXIT_USAGE", "EXIT_STOPPED"]
+
+PROG = "lsgd_hpc.train"
+EXIT_USAGE = 2        # a user's mistake, found before any collective
+EXIT_STOPPED = 143    # stopped by SIGTERM/SIGUSR1 after a complete checkpoint (not requeued)
+
+
+def _env_rank() -> int:
+    """This process's rank before MPI starts (to print a usage error once, not once per rank)."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _usage_error(message: str) -> int:
+    if _env_rank() == 0:
+        print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+class StopFlag:
+    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption) sets a flag;
+    the loop acts on it at the next step boundary, after every rank agrees."""
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signum = signum
+
+    @property
+    def raised(self) -> bool:
+        return self.signum is not None
+
+
+def _git_sha() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() if out.returncode == 0 else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _default_run_dir(cfg, env) -> str:
+    job = env.get("SLURM_JOB_ID")
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+    if job:
+        return os.path.join("runs", job)
+    return os.path.join("runs", f"{cfg.algorithm}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def _lr_at(cfg, step: int, total: int) -> float:
+    if cfg.lr_schedule == "step":
+        return cfg.lr * (0.1 ** (int(step >= 0.5 * total) + int(step >= 0.75 * total)))
+    if cfg.lr_schedule == "cosine":
+        return 0.5 * cfg.lr * (1 + math.cos(math.pi * step / max(1, total)))
+    return cfg.lr
+
+
+def _fmt_eta(seconds: float) -> str:
+    return str(_dt.timedelta(seconds=int(max(0, seconds))))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .config import ConfigError, check_world, parse_config
+
+    env = dict(os.environ)
+    try:
+        cfg = parse_config(argv, env)
+    except ConfigError as exc:
+        return _usage_error(str(exc))
+
+    from mpi4py import MPI  # MPI_Init here, after the options are known to be good
+
+    try:
+        check_world(cfg, MPI.COMM_WORLD.Get_size(), env)
+        from .comm import CommError, make_world
+        world = make_world(cfg.backend)
+    except (ConfigError, CommError) as exc:
+        return _usage_error(str(exc))
+    stop = StopFlag()
+    try:
+        return Trainer(cfg, world, stop, env).run()
+    except BaseException as exc:  # fail fast: one rank's error ends every rank now
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            raise
+        print(f"{PROG}: rank {MPI.COMM_WORLD.Get_rank()}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        traceback.print_exc(file=sys.stderr)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+        return 1
+
+
+class Trainer:
+    """One rank's training run. Everything it holds is in its checkpoint."""
+
+    def __init__(self, cfg, world, stop: StopFlag, env: dict):
+        import torch
+        from torch import nn
+
+        from . import __version__, checkpoint, data, models
+        from .algorithms import build_algorithm
+        from .comm import FlatParams, NodeGroups
+        from .metrics import SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+
+        torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1") or 1))
+        self.torch, self.cfg, self.world, self.stop, self.env = torch, cfg, world, stop, env
+        self.ckpt = checkpoint
+        self.rank, self.size = world.rank, world.size
+        self.groups = NodeGroups.build(world, cfg.ranks_per_node)
+
+        # Rank 0 decides what every rank must agree on (not traffic of the method).
+        shared = None
+        if self.rank == 0:
+            shared = {"run_dir": cfg.run_dir or _default_run_dir(cfg, env), "git_sha": _git_sha(),
+                      "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        shared = world.allgather_object(shared)[0]
+        cfg.run_dir = shared["run_dir"]
+        self.run_dir = cfg.run_dir
+        self.pointer = checkpoint.latest_checkpoint(self.run_dir) if cfg.resume else None
+        if cfg.resume and self.pointer is None:
+            raise RuntimeError(f"no complete checkpoint in {self.run_dir}")
+
+        self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size)
+        model_name = cfg.model or models.default_model(cfg.dataset)
+        torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
+        self.model = models.build_model(model_name, self.ds.num_classes, self.ds.input_shape)
+        self.flat = FlatParams(self.model)
+        torch.manual_seed(cfg.seed * 100003 + self.rank)   # per-rank dropout etc.
+        self.param = nn.Parameter(self.flat.params)   # one fused tensor for the optimizer
+        self.param.grad = self.flat.grad
+        self.opt = torch.optim.SGD([self.param], lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay)
+        self.sampler = data.ShardedBatches(self.ds, self.rank, self.size, cfg.batch_size, cfg.seed)
+        self.spe = self.sampler.steps_per_epoch
+        self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+
+        resolved = cfg.to_dict()
+        resolved.update(model=model_name, world_size=self.size, n_nodes=self.groups.n_nodes,
+                        steps_per_epoch=self.spe, total_steps=self.total_steps,
+                        ranks_per_node=cfg.ranks_per_node)
+        self.resolved = resolved
+        self.algo = build_algorithm(cfg, self.groups, self.flat, self._log, self.spe)
+        attrs = {
+            "schema_version": SCHEMA_VERSION, "rank": self.rank, "world_size": self.size,
+            "local_rank": self.groups.local_rank, "node_index": self.groups.node_index,
+            "n_nodes": self.groups.n_nodes, "hostname": socket.gethostname(),
+            "algorithm": cfg.algorithm, "config": encode_config(resolved),
+            "lsgd_hpc_version": __version__, "git_sha": shared["git_sha"],
+            "torch_version": torch.__version__, "mpi_library": _mpi_library(),
+            "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
+        }
+        self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
+                                     cfg.flush_every, cfg.flush_seconds,
+                                     extra_columns=self.algo.extra_columns)
+        self.step = 0
+        self.elapsed0 = 0.0          # wall time before this process (resume)
+        self.compute_seconds = 0.0
+        self.losses_since_print: list = []
+
+    def _log(self, group: str, **row) -> None:
+        self.metrics.log(group, **row)
+
+    # -- time --------------------------------------------------------------------------------
+    def wall(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self.t_start
+
+    # -- main loop ---------------------------------------------------------------------------
+    def run(self) -> int:
+        torch, cfg = self.torch, self.cfg
+        self.t_start = time.perf_counter()
+        if self.pointer is not None:
+            self._restore(self.pointer)
+        else:
+            self._start_fresh()
+        self.metrics.flush()
+        t_print, step_print = time.perf_counter(), self.step
+        loss_fn = torch.nn.CrossEntropyLoss()
+        self.model.train()
+        if self.rank == 0:
+            print(f"[lsgd_hpc] {cfg.algorithm} on {self.size} ranks / {self.groups.n_nodes} "
+                  f"node(s), {cfg.dataset} ({self.resolved['model']}), {self.total_steps} steps "
+                  f"({self.spe}/epoch), run dir {self.run_dir}"
+                  + (f", resumed at step {self.step}" if self.pointer else ""), flush=True)
+        while self.step < self.total_steps:
+            epoch, start = divmod(self.step, self.spe)
+            for xb, yb in self.sampler.batches(epoch, start):
+                t0 = time.perf_counter()
+                comm0 = self.world.stats.seconds
+                lr = _lr_at(cfg, self.step, self.total_steps)
+                for group in self.opt.param_groups:
+                    group["lr"] = lr
+                out = self.model(xb)
+                loss = loss_fn(out, yb)
+                self.flat.zero_grad()
+                loss.backward()
+                self.step += 1
+                self.algo.before_step(self.step)
+                self.opt.step()
+                loss_v = float(loss.detach())
+                self.algo.after_step(self.step, loss_v)
+                self.compute_seconds += (time.perf_counter() - t0) - (self.world.stats.seconds - comm0)
+                self.losses_since_print.append(loss_v)
+                if self.step % cfg.log_every == 0 or self.step == self.total_steps:
+                    acc = float((out.argmax(1) == yb).float().mean())
+                    self._log_train(loss_v, acc, lr)
+                if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
+                    test_acc = self.evaluate()
+                    if self.rank == 0:
+                        now = time.perf_counter()
+                        self._print_line(test_acc, (self.step - step_print) / max(now - t_print, 1e-9))
+                        t_print, step_print = now, self.step
+                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+                if self._stop_agreed():
+                    return self._preempted()
+                self.metrics.maybe_flush()
+                if self.step >= self.total_steps:
+                    break
+        self.save_checkpoint()
+        self.metrics.flush()
+        if self.rank == 0:
+            print(f"[lsgd_hpc] done: {self.step} steps in {self.wall():.1f} s; metrics in "
+                  f"{os.path.join(self.run_dir, 'metrics')}", flush=True)
+        self.groups.free()
+        return 0
+
+    def _start_fresh(self) -> None:
+        from .algorithms import uncounted
+        if self.rank == 0:
+            os.makedirs(self.run_dir, exist_ok=True)
+            path = os.path.join(self.run_dir, "config.yaml")
+            if not os.path.exists(path):
+                import yaml
+                with open(path, "w") as fh:
+                    yaml.safe_dump(self.resolved, fh, sort_keys=True)
+        with uncounted(self.world):  # the common x_0, whatever the init's determinism
+            self.world.broadcast_(self.flat.flat, 0)
+        # EASGD's centre and similar copies of x_0 are taken after this broadcast
+        for v in self.algo.eval_models().values():
+            v.copy_(self.flat.flat)
+
+    def _log_train(self, loss: float, acc: float, lr: float) -> None:
+        s = self.world.stats
+        self._log("train", step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
+                  loss=loss, accuracy=acc, lr=lr, comm_bytes_sent=s.bytes_sent,
+                  comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
+                  compute_seconds=self.compute_seconds, **self.algo.train_columns())
+
+    def _print_line(self, test_acc: float, steps_per_s: float) -> None:
+        losses, self.losses_since_print = self.losses_since_print, []
+        loss = sum(losses) / max(1, len(losses))
+        leader = getattr(self.algo, "last_global", None)
+        lead = f"leader {leader.world_rank} ({leader.score:.3f})" if leader else "leader -"
+        samples = steps_per_s * self.cfg.batch_size * self.size
+        eta = (self.total_steps - self.step) / max(steps_per_s, 1e-9)
+        print(f"step {self.step:>7d}/{self.total_steps} | epoch {self.step / self.spe:6.2f} | "
+              f"loss {loss:.4f} | test acc {100 * test_acc:5.2f}% | {lead} | "
+              f"{samples:,.0f} samples/s | ETA {_fmt_eta(eta)}", flush=True)
+
+    # -- evaluation --------------------------------------------------------------------------
+    def _eval_current(self):
+        torch = self.torch
+        self.model.eval()
+        total, correct, loss_sum = 0, 0, 0.0
+        with torch.no_grad():
+            for xb, yb in self.ds.test_batches(self.cfg.eval_batch_size):
+                out = self.model(xb)
+                loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
+                correct += int((out.argmax(1) == yb).sum())
+                total += len(yb)
+        self.model.train()
+        return loss_sum / total, correct / total
+
+    def evaluate(self) -> float:
+        loss, acc = self._eval_current()
+        row = dict(step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
+                   test_loss=loss, test_accuracy=acc)
+        extra = self.algo.eval_models()
+        if extra:
+            saved = self.flat.flat.clone()
+            for name, vec in extra.items():
+                self.flat.flat.copy_(vec)
+                row[f"{name}_test_loss"], row[f"{name}_test_accuracy"] = self._eval_current()
+            self.flat.flat.copy_(saved)
+        self._log("eval", **row)
+        return acc
+
+    # -- preemption and checkpoints -----------------------------------------------------------
+    def _stop_agreed(self) -> bool:
+        from .algorithms import uncounted
+        with uncounted(self.world):
+            return self.world.any_true(self.stop.raised)
+
+    def _preempted(self) -> int:
+        self.save_checkpoint()
+        requeued = False
+        job = self.env.get("SLURM_JOB_ID")
+        if self.rank == 0:
+            print(f"[lsgd_hpc] stop requested: checkpoint at step {self.step} in "
+                  f"{self.run_dir}/checkpoints", flush=True)
+            if job:
+                try:
+                    res = subprocess.run(["scontrol", "requeue", job], capture_output=True,
+                                         text=True, timeout=60)
+                    requeued = res.returncode == 0
+                    print(f"[lsgd_hpc] scontrol requeue {job}: "
+                          f"{'ok' if requeued else res.stderr.strip()}", flush=True)
+                except (OSError, subprocess.SubprocessError) as exc:
+                    print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
+            else:
+                print(f"[lsgd_hpc] continue with: --resume --run-dir {self.run_dir}", flush=True)
+        requeued = self.world.allgather_object(requeued)[0]
+        return 0 if requeued else EXIT_STOPPED
+
+    def save_checkpoint(self) -> None:
+        torch = self.torch
+        state = {
+            "step": self.step, "world_size": self.size,
+            "flat": self.flat.flat.clone(), "optimizer": self.opt.state_dict(),
+            "algorithm": self.algo.state_dict(), "torch_rng": torch.get_rng_state(),
+            "comm_stats": self.world.stats.state_dict(), "wall_time": self.wall(),
+            "compute_seconds": self.compute_seconds, "metrics_rows": self.metrics.row_counts(),
+        }
+        self.ckpt.save_rank(self.run_dir, self.step, self.rank, state)
+        self.metrics.flush()                 # rows up to this step are on disk before the pointer
+        self.world.barrier()
+        if self.rank == 0:
+            self.ckpt.commit_set(self.run_dir, self.step, self.size)
+        self.world.barrier()
+
+    def _restore(self, pointer: dict) -> None:
+        if int(pointer["world_size"]) != self.size:
+            raise RuntimeError(f"checkpoint was written by {pointer['world_size']} ranks, "
+                               f"this job has {self.size}")
+        state = self.ckpt.load_rank(self.run_dir, int(pointer["step"]), self.rank)
+        self.step = int(state["step"])
+        self.flat.flat.copy_(state["flat"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.algo.load_state_dict(state["algorithm"])
+        self.torch.set_rng_state(state["torch_rng"])
+        self.world.stats.load_state_dict(state["comm_stats"])
+        self.elapsed0 = float(state["wall_time"])
+        self.compute_seconds = float(state["compute_seconds"])
+        self.metrics.load_existing(state["metrics_rows"])
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI
+    return MPI.Get_library_version().strip().splitlines()[0]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
