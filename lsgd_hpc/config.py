@@ -259,6 +259,23 @@ def validate(cfg: Config, env: dict) -> None:
         data.check_data_dir(cfg.dataset, cfg.data_dir)
     except data.DataError as exc:
         raise ConfigError("--data-dir", str(exc)) from None
+    if cfg.run_dir is None and env.get("SLURM_JOB_ID"):
+        # Keyed by job id, so a requeued job (same id) finds its own run directory.
+        job = env["SLURM_JOB_ID"]
+        if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
+            job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
+        cfg.run_dir = os.path.join("runs", job)
+    if cfg.run_dir and not cfg.resume:
+        from .checkpoint import latest_checkpoint
+        requeued = env.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+        metrics_dir = os.path.join(cfg.run_dir, "metrics")
+        if requeued and latest_checkpoint(cfg.run_dir) is not None:
+            cfg.resume = True          # a requeued job continues where it stopped
+        elif not requeued and os.path.isdir(metrics_dir) and os.listdir(metrics_dir):
+            raise ConfigError("--run-dir", f"{cfg.run_dir} already holds a run; pass --resume "
+                                           "to continue it, or choose another folder")
+    if cfg.run_dir and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        raise ConfigError("--run-dir", f"{cfg.run_dir} exists and is not a folder")
     if cfg.resume:
         if not cfg.run_dir:
             raise ConfigError("--resume", "needs --run-dir (the run to continue)")

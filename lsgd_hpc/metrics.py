@@ -83,7 +83,7 @@ class MetricsWriter:
         tmp = f"{self.path}.tmp"
         with h5py.File(tmp, "w", locking=False) as f:
             for k, v in self.attrs.items():
-                f.attrs[k] = v
+                f.attrs[k] = str(v) if isinstance(v, str) else v
             for g, cols in self.rows.items():
                 grp = f.create_group(g)
                 for c, values in cols.items():

@@ -39,26 +39,24 @@ def _init(module: nn.Module) -> None:
 
 
 class DigitsCNN(nn.Module):
-    """A very small CNN for the 1x8x8 digits images (about 30 k parameters, ~0.3 MFLOP/image).
+    """A very small CNN for the 1x8x8 digits images (6.1 k parameters, ~0.2 MFLOP/image).
 
-    conv3x3(C->16)-ReLU, conv3x3(16->32)-ReLU, maxpool 2, then fully connected
-    (32*H/2*W/2 -> 64)-ReLU-(64 -> classes).  No BatchNorm, so there are no buffers and the
-    model state is its parameters.  Single-process SGD (lr 0.1, momentum 0.9, batch 32) gets
-    >= 95 % test accuracy on digits within a few epochs.
+    conv3x3(C->16)-BN-ReLU-maxpool2, conv3x3(16->32)-BN-ReLU-maxpool2, fully connected
+    (32*(H/4)*(W/4) -> classes).  BatchNorm keeps plain SGD with lr 0.1 and momentum 0.9 stable
+    (without it that step size oscillates around 90 %): single-process SGD with batch 32 reaches
+    >= 95 % test accuracy on digits in 2-3 epochs (about 0.1 s per epoch on one core).
     """
 
     def __init__(self, num_classes: int, input_shape: Sequence[int]):
         super().__init__()
         c, h, w = input_shape
         self.features = nn.Sequential(
-            nn.Conv2d(c, 16, 3, padding=1), nn.ReLU(inplace=True),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(inplace=True),
+            nn.Conv2d(c, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(
-            nn.Flatten(), nn.Linear(32 * (h // 2) * (w // 2), 64), nn.ReLU(inplace=True),
-            nn.Linear(64, num_classes),
-        )
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * (h // 4) * (w // 4), num_classes))
         _init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +114,7 @@ class VGG16(nn.Module):
     Thirteen 3x3 convolutions (64-64-M-128-128-M-256x3-M-512x3-M-512x3-M), each followed by
     BatchNorm and ReLU; after five poolings a 32x32 image is 512x1x1.  Classifier as in the
     common CIFAR VGG: Dropout-Linear(512,512)-ReLU-Dropout-Linear(512,512)-ReLU-Linear(512,
-    classes).  About 15.0 M parameters for 10 classes.
+    classes).  About 15.25 M parameters for 10 classes.
     """
 
     def __init__(self, num_classes: int, input_shape: Sequence[int]):
@@ -226,8 +224,9 @@ class MLP(nn.Module):
 def _check_shape(name: str, input_shape: Tuple[int, int, int]) -> None:
     c, h, w = input_shape
     shape = f"{c}x{h}x{w}"
-    if name == "digits_cnn" and (h < 2 or w < 2):
-        raise ValueError(f"model digits_cnn needs images of at least 2x2 pixels, got {shape}")
+    if name == "digits_cnn" and (h < 4 or w < 4):
+        raise ValueError(f"model digits_cnn needs images of at least 4x4 pixels (two 2x2 poolings), "
+                         f"got {shape}")
     if name == "cnn7" and (h < 8 or w < 8):
         raise ValueError(f"model cnn7 needs images of at least 8x8 pixels (three 2x2 poolings), "
                          f"got {shape}")

@@ -65,12 +65,8 @@ def _git_sha() -> str:
         return ""
 
 
-def _default_run_dir(cfg, env) -> str:
-    job = env.get("SLURM_JOB_ID")
-    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
-        job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    if job:
-        return os.path.join("runs", job)
+def _default_run_dir(cfg) -> str:
+    # Under SLURM the config already chose runs/<job id> (see config.validate).
     return os.path.join("runs", f"{cfg.algorithm}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
 
 
@@ -138,7 +134,7 @@ class Trainer:
         # Rank 0 decides what every rank must agree on (not traffic of the method).
         shared = None
         if self.rank == 0:
-            shared = {"run_dir": cfg.run_dir or _default_run_dir(cfg, env), "git_sha": _git_sha(),
+            shared = {"run_dir": cfg.run_dir or _default_run_dir(cfg), "git_sha": _git_sha(),
                       "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         shared = world.allgather_object(shared)[0]
         cfg.run_dir = shared["run_dir"]
@@ -374,8 +370,8 @@ class Trainer:
 
 
 def _mpi_library() -> str:
-    from mpi4py import MPI
-    return MPI.Get_library_version().strip().splitlines()[0]
+    from .comm.mpi import mpi_library
+    return mpi_library()
 
 
 if __name__ == "__main__":

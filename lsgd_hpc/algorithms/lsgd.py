@@ -32,6 +32,7 @@ class LeaderSGD(Algorithm):
     local level is the global one and only the global pull runs (single-leader LSGD).
     The global leader's parameters cross node boundaries once per node
     (NodeGroups.broadcast_from_). Momentum buffers are the worker's own and are not pulled.
+    After each global pull the consensus distance is probed (one uncounted allreduce).
     """
 
     name = "lsgd"
@@ -66,6 +67,7 @@ class LeaderSGD(Algorithm):
             self._log(step, GLOBAL, el, score)
             self._pull(el.world_rank, self.pull_global,
                        lambda t: self.groups.broadcast_from_(t, el.world_rank))
+            self.probe_consensus(step)
 
     def _pull(self, leader: int, c: float, broadcast) -> None:
         x, xl = self.flat.flat, self.leader_buf

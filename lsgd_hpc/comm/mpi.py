@@ -36,7 +36,7 @@ _DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
 
 def mpi_library() -> str:
     """First line of the MPI library's own version string (which MPI is really used)."""
-    return MPI.Get_library_version().strip().splitlines()[0]
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
 
 
 def _buffer(t: torch.Tensor, count: Optional[int] = None):
