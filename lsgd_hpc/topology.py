@@ -1,4 +1,4 @@
-"""Communication topologies for gossip: graphs, mixing matrices, spectral gap, effective neighbours."""
+"""Gossip topologies: graphs, mixing matrices, spectral gap and effective number of neighbours."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ TOPOLOGIES = ("complete", "ring", "torus", "hypercube", "star", "chain", "tree",
 DEFAULT_GAMMAS = (0.5, 0.9, 0.99, 0.999)
 
 _TOL = 1e-12        # row/column sums and symmetry are checked to this absolute tolerance
-_TINY = 1e-300      # replaces an exactly zero pivot in Sturm counts (standard LDL^T bisection trick)
+_TINY = 1e-300      # stands in for an exactly zero pivot in Sturm counts (LDL^T bisection)
 
 Matrix = Union[np.ndarray, Sequence[Sequence[float]]]
 
@@ -433,7 +433,8 @@ class _Hierarchical(_MaxDegreeGraph):
 
     def _structured_spectrum(self) -> np.ndarray:
         m = len(self._members)
-        zigzag = [v for k in range((m + 1) // 2) for v in ((k, m - 1 - k) if k != m - 1 - k else (k,))]
+        zigzag = [v for k in range((m + 1) // 2)
+                  for v in ((k, m - 1 - k) if k != m - 1 - k else (k,))]
         slot_root, slot_mean, N = [0] * m, [None] * m, 0
         for v in zigzag:
             slot_root[v] = N

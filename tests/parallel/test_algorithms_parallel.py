@@ -1,0 +1,226 @@
+"""Update rules of every method against their formulas, with rank-valued parameters.
+
+Runs at any world size: directly under pytest (size 1) and under mpirun -np 2/4 through
+tests/test_algorithms_mpi.py (with LSGD_TEST_RPN grouping ranks into nodes).
+"""
+
+import math
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from lsgd_hpc.algorithms import EASGD, AllreduceSGD, GossipSGD, LeaderSGD, LocalSGD
+from lsgd_hpc.comm import FlatParams, NodeGroups, make_world
+from lsgd_hpc.topology import build_topology
+
+RPN = int(os.environ.get("LSGD_TEST_RPN", "0")) or None
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world(os.environ.get("LSGD_TEST_BACKEND", "mpi"))
+
+
+@pytest.fixture(scope="module")
+def groups(world):
+    return NodeGroups.build(world, RPN)
+
+
+class Rows:
+    """A metrics sink that keeps rows in lists (the trainer's is the HDF5 writer)."""
+
+    def __init__(self):
+        self.rows = {}
+
+    def __call__(self, group, **row):
+        self.rows.setdefault(group, []).append(row)
+
+
+def tiny(value: float, dtype=torch.float64) -> FlatParams:
+    model = nn.Linear(3, 2).to(dtype)
+    flat = FlatParams(model)
+    flat.flat.fill_(value)
+    return flat
+
+
+def x_of(rank: int, n: int = 8) -> torch.Tensor:
+    """Rank-valued parameters, different per coordinate."""
+    return torch.arange(n, dtype=torch.float64) * 0.25 + rank
+
+
+def test_lsgd_global_pull_matches_formula(groups):
+    world = groups.world
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank))
+    rows = Rows()
+    c = 0.3
+    algo = LeaderSGD(groups, flat, tau_local=5, tau_global=5, pull_local=0.0, pull_global=c,
+                     window=3, log=rows)
+    # scores: rank with the lowest mean loss leads; make the last rank the best
+    losses = [10.0 - world.rank] * 2
+    algo.after_step(1, losses[0])
+    algo.after_step(2, losses[1])
+    before = world.stats.snapshot()
+    algo.after_step(5, 10.0 - world.rank)   # global election at step 5 (5 % 5 == 0)
+    leader = world.size - 1
+    want = x_of(world.rank) - c * (x_of(world.rank) - x_of(leader))
+    assert torch.allclose(flat.flat, want, rtol=0, atol=1e-12)
+    if world.rank == leader:
+        assert torch.equal(flat.flat, x_of(leader))   # the leader's own pull is zero
+    g = [r for r in rows.rows["leader"] if r["scope"] == 0]
+    assert len(g) == 1 and g[0]["leader_rank"] == leader and g[0]["step"] == 5
+    assert g[0]["score"] == pytest.approx(10.0 - world.rank)
+    if world.size > 1:
+        # no communication on the steps between periods; on the period: one model + election
+        assert world.stats.bytes_recv - before.bytes_recv >= (0 if world.rank == leader
+                                                              else flat.nbytes)
+
+
+def test_lsgd_local_then_global(groups):
+    world = groups.world
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank))
+    rows = Rows()
+    cl, cg = 0.5, 0.25
+    algo = LeaderSGD(groups, flat, tau_local=2, tau_global=4, pull_local=cl, pull_global=cg,
+                     window=1, log=rows)
+    score = float((world.rank * 7) % 5)           # a scrambled order of scores
+    scores = [float((r * 7) % 5) for r in range(world.size)]
+    for step in (1, 2):
+        algo.after_step(step, score)
+    x = x_of(world.rank)
+    multi = 1 < groups.n_nodes < world.size
+    if multi:
+        mates = list(groups.node.world_ranks)
+        local = min(mates, key=lambda r: (scores[r], r))
+        locs = [r for r in rows.rows["leader"] if r["scope"] == 1]
+        assert [r["leader_rank"] for r in locs] == [local]
+        x = x - cl * (x - x_of(local))
+    else:
+        assert "leader" not in rows.rows      # one level only: nothing at step 2
+    assert torch.allclose(flat.flat, x, atol=1e-12)
+    # step 4: local pull (multi) then global pull toward the best worker overall
+    expected = {}
+    for r in range(world.size):
+        xr = x_of(r)
+        if multi:
+            mates_r = [m for m in range(world.size) if groups.node_of[m] == groups.node_of[r]]
+            loc = min(mates_r, key=lambda m: (scores[m], m))
+            # steps 2 and 4: pulled toward the local leader, whose own pull is zero so it
+            # still holds x_of(loc); the global leader is a local leader too
+            for _ in range(2):
+                xr = xr - cl * (xr - x_of(loc))
+        expected[r] = xr
+    for step in (3, 4):
+        algo.after_step(step, score)
+    lead = min(range(world.size), key=lambda r: (scores[r], r))
+    want = expected[world.rank] - cg * (expected[world.rank] - expected[lead])
+    assert torch.allclose(flat.flat, want, atol=1e-12)
+    glob = [r for r in rows.rows["leader"] if r["scope"] == 0]
+    assert [r["leader_rank"] for r in glob] == [lead]
+    assert rows.rows["consensus"][-1]["step"] == 4
+
+
+def test_lsgd_nan_worker_never_leads(groups):
+    world = groups.world
+    flat = tiny(float(world.rank))
+    rows = Rows()
+    algo = LeaderSGD(groups, flat, 1, 1, 0.1, 0.1, window=4, log=rows)
+    loss = math.nan if world.rank == 0 else 1.0 + world.rank
+    algo.after_step(1, loss)
+    lead = [r["leader_rank"] for r in rows.rows["leader"] if r["scope"] == 0][0]
+    assert lead == (1 if world.size > 1 else 0)
+    assert algo.state_dict()["losses"] == [loss] or math.isnan(algo.state_dict()["losses"][0])
+
+
+def test_easgd_centre_identical_and_formula(world, groups):
+    alpha = 0.9 / world.size
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(0))                 # the common x_0
+    rows = Rows()
+    algo = EASGD(groups, flat, alpha=alpha, tau=2, log=rows)
+    flat.flat.copy_(x_of(world.rank))        # workers moved apart
+    algo.after_step(1, 0.0)                  # not a round
+    assert torch.equal(algo.center, x_of(0))
+    algo.after_step(2, 0.0)
+    xs = [x_of(r) for r in range(world.size)]
+    c0 = x_of(0)
+    want_c = c0 + sum(alpha * (x - c0) for x in xs)
+    assert torch.allclose(algo.center, want_c, atol=1e-12)
+    assert torch.allclose(flat.flat, x_of(world.rank) - alpha * (x_of(world.rank) - c0), atol=1e-12)
+    centres = world.allgather_object(algo.center.tolist())
+    assert all(c == centres[0] for c in centres)       # bit-identical on every rank
+    mean = sum(xs) / world.size
+    want_d = float(sum(((x - mean) ** 2).sum() for x in xs) / world.size)
+    assert rows.rows["consensus"][0]["distance"] == pytest.approx(want_d, rel=1e-9, abs=1e-12)
+
+
+def test_local_sgd_exact_average_on_period_only(world, groups):
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank))
+    rows = Rows()
+    algo = LocalSGD(groups, flat, local_steps=3, log=rows)
+    before = world.stats.snapshot()
+    algo.after_step(1, 1.0)
+    algo.after_step(2, 1.0)
+    assert torch.equal(flat.flat, x_of(world.rank))
+    assert world.stats.bytes_sent == before.bytes_sent
+    algo.after_step(3, 1.0)
+    want = torch.arange(8, dtype=torch.float64) * 0.25 + (world.size - 1) / 2
+    assert torch.equal(flat.flat, want)
+    if world.size > 1:
+        assert world.stats.bytes_sent - before.bytes_sent == flat.nbytes
+    assert rows.rows["consensus"][0]["step"] == 3
+    want_d = sum(8 * (r - (world.size - 1) / 2) ** 2 for r in range(world.size)) / world.size
+    assert rows.rows["consensus"][0]["distance"] == pytest.approx(want_d)
+
+
+def test_allreduce_sgd_mean_gradient(world, groups):
+    flat = tiny(1.0)
+    flat.grad.copy_(x_of(world.rank))
+    before = world.stats.snapshot()
+    AllreduceSGD(groups, flat).before_step(1)
+    assert torch.equal(flat.grad, torch.arange(8, dtype=torch.float64) * 0.25
+                       + (world.size - 1) / 2)
+    if world.size > 1:
+        assert world.stats.bytes_sent - before.bytes_sent == flat.grad.numel() * 8
+
+
+@pytest.mark.parametrize("name", ["ring", "torus", "exponential", "complete", "star"])
+def test_gossip_preserves_mean_neighbour_only(world, groups, name):
+    topo = build_topology(name, world.size, node_of=groups.node_of)
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank) * (1 + world.rank))
+    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    mean0 = sum(x_of(r) * (1 + r) for r in range(world.size)) / world.size
+    before = world.stats.snapshot()
+    for step in range(1, 4):
+        algo.after_step(step, 0.0)
+    sent = world.stats.bytes_sent - before.bytes_sent
+    total = flat.flat.clone()
+    world.allreduce_(total, "mean")
+    assert torch.allclose(total, mean0, rtol=0, atol=1e-12)
+    deg = len(topo.out_neighbors(world.rank, 0))
+    assert sent == 3 * deg * flat.nbytes        # to neighbours only, never all ranks
+    # one gossip step equals one row of W applied to the gathered parameters
+    W = torch.tensor(topo.mixing_matrix(0))
+    X = torch.stack([x_of(r) * (1 + r) for r in range(world.size)])
+    flat.flat.copy_(X[world.rank])
+    algo.after_step(4, 0.0)
+    assert torch.allclose(flat.flat, W[world.rank] @ X, atol=1e-12)
+
+
+def test_one_peer_exponential_exact_average_over_period(world, groups):
+    n = world.size
+    if n & (n - 1):
+        pytest.skip(f"one-peer exponential averages exactly only for a power of two (n={n})")
+    topo = build_topology("one-peer-exponential", n)
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank))
+    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    for step in range(topo.period):
+        algo.combine(step)
+    want = torch.arange(8, dtype=torch.float64) * 0.25 + (n - 1) / 2
+    assert torch.equal(flat.flat, want)      # dyadic weights: exact
