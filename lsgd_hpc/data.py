@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import pickle
 import struct
@@ -43,6 +44,16 @@ def _seed(*parts: int) -> int:
     """A 63-bit seed mixed from integers (numpy's SeedSequence: stable across platforms)."""
     words = [int(p) & 0xFFFFFFFFFFFFFFFF for p in parts]
     return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0]) & (2**63 - 1)
+
+
+def _int(v) -> Optional[int]:
+    """v as a Python int (numpy and torch integers included), or None; bools are not ints."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
 
 
 def _generator(*parts: int) -> torch.Generator:
@@ -119,8 +130,9 @@ def _load_digits() -> Dataset:
 def _load_synthetic(seed: int, size: int) -> Dataset:
     """Gaussian images around 10 smooth class means (3x8x8 patterns upsampled to 32x32).
 
-    Signal 0.1 per pixel against unit noise: far from trivial per pixel, yet the classes are
-    separable over the whole image, so models learn it in an epoch or two.
+    Signal 0.1 per pixel against unit noise: weak per pixel, separable over the whole image.
+    With 4096 images the default MLP (SGD lr 0.05, momentum 0.9, batch 32) reaches about 84 %
+    test accuracy after one epoch and 92 % after three, so curves rise over a few epochs.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 8:
         raise DataError(f"synthetic data set size must be an integer >= 8, got {size!r}")
@@ -381,12 +393,14 @@ class ShardedBatches:
 
     def __init__(self, ds: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
                  drop_last: bool = True, augment: Optional[bool] = None):
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        w, r, b = _int(world_size), _int(rank), _int(batch_size)
+        if w is None or w < 1:
             raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1}, got {rank!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if r is None or not 0 <= r < w:
+            raise ValueError(f"rank must be in 0..{w - 1}, got {rank!r}")
+        if b is None or b < 1:
             raise DataError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+        rank, world_size, batch_size = r, w, b
         n = ds.n_train
         if n == 0:
             raise DataError(f"data set {ds.name} has no training samples")
@@ -394,7 +408,9 @@ class ShardedBatches:
         self.rank = rank
         self.world_size = world_size
         self.batch_size = batch_size
-        self.seed = int(seed)
+        if _int(seed) is None:
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = _int(seed)
         self.drop_last = bool(drop_last)
         self.augment = ds.augment if augment is None else bool(augment)
         self.samples_per_rank = -(-n // world_size)
@@ -426,13 +442,16 @@ class ShardedBatches:
         """Yield (x, y) for batch indices start..steps_per_epoch-1 of ``epoch``.
 
         x is normalized (and, for training of an augmenting data set, augmented) float32 NCHW,
-        y int64.
+        y int64.  Bad arguments raise at the call, not at the first ``next``.
         """
-        if isinstance(start, bool) or not isinstance(start, int) or \
-                not 0 <= start <= self.steps_per_epoch:
+        s, e = _int(start), _int(epoch)
+        if s is None or not 0 <= s <= self.steps_per_epoch:
             raise ValueError(f"start must be in 0..{self.steps_per_epoch}, got {start!r}")
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        if e is None or e < 0:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        return self._iter(e, s)
+
+    def _iter(self, epoch: int, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         idx = self.indices(epoch)
         b = self.batch_size
         for i in range(start, self.steps_per_epoch):

@@ -56,7 +56,8 @@ class DigitsCNN(nn.Module):
             nn.Conv2d(16, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
             nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * (h // 4) * (w // 4), num_classes))
+        self.classifier = nn.Sequential(nn.Flatten(),
+                                        nn.Linear(32 * (h // 4) * (w // 4), num_classes))
         _init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,7 +207,8 @@ class ResNet20(nn.Module):
 class MLP(nn.Module):
     """A small multilayer perceptron: flatten, 256-ReLU-256-ReLU, linear -> classes."""
 
-    def __init__(self, num_classes: int, input_shape: Sequence[int], hidden: Tuple[int, ...] = (256, 256)):
+    def __init__(self, num_classes: int, input_shape: Sequence[int],
+                 hidden: Tuple[int, ...] = (256, 256)):
         super().__init__()
         layers: list = [nn.Flatten()]
         n = int(input_shape[0]) * int(input_shape[1]) * int(input_shape[2])
@@ -225,8 +227,8 @@ def _check_shape(name: str, input_shape: Tuple[int, int, int]) -> None:
     c, h, w = input_shape
     shape = f"{c}x{h}x{w}"
     if name == "digits_cnn" and (h < 4 or w < 4):
-        raise ValueError(f"model digits_cnn needs images of at least 4x4 pixels (two 2x2 poolings), "
-                         f"got {shape}")
+        raise ValueError(f"model digits_cnn needs images of at least 4x4 pixels "
+                         f"(two 2x2 poolings), got {shape}")
     if name == "cnn7" and (h < 8 or w < 8):
         raise ValueError(f"model cnn7 needs images of at least 8x8 pixels (three 2x2 poolings), "
                          f"got {shape}")

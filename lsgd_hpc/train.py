@@ -93,9 +93,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from mpi4py import MPI  # MPI_Init here, after the options are known to be good
 
+    from .comm import CommError, make_world
     try:
         check_world(cfg, MPI.COMM_WORLD.Get_size(), env)
-        from .comm import CommError, make_world
         world = make_world(cfg.backend)
     except (ConfigError, CommError) as exc:
         return _usage_error(str(exc))

@@ -49,17 +49,43 @@ def run_group(cmd: list, env: dict, cwd, timeout: float) -> subprocess.Completed
         out, err = p.communicate(timeout=timeout)
         return subprocess.CompletedProcess(cmd, p.returncode, out, err)
     except subprocess.TimeoutExpired:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                out, err = p.communicate(timeout=5)
-                break
-            except subprocess.TimeoutExpired:
-                out, err = "", ""
+        # mpirun (prterun) first: it ends its job cleanly on SIGTERM. Ranks live in process
+        # groups of their own, so then everything left in the session is killed.
+        out, err = "", ""
+        try:
+            p.send_signal(signal.SIGTERM)
+            out, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_session(p.pid)
+        if p.poll() is None:
+            p.kill()
+            out, err = p.communicate()
         return subprocess.CompletedProcess(cmd, None, out or "", err or "")
+
+
+def session_pids(sid: int) -> list:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:   # fields after the name: state ppid pgrp session ...
+            pids.append(int(entry))
+    return pids
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of the session ``sid`` (started with start_new_session)."""
+    for pid in session_pids(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def run_mpi(np_: int, args: list, timeout: float = 180, env: dict | None = None,

@@ -1,0 +1,325 @@
+"""Data sets, sharding, augmentation, CIFAR-10 staging and the data CLI (single process)."""
+
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lsgd_hpc import data as D
+from lsgd_hpc.data import (DataError, ShardedBatches, check_data_dir, load_dataset,
+                           random_crop_flip, write_cifar10_python)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_dataset("digits")
+
+
+@pytest.fixture(scope="module")
+def cifar_root(tmp_path_factory):
+    """A CIFAR-10-format folder of 5 x 20 training and 20 test images (Python-2 style pickles)."""
+    root = tmp_path_factory.mktemp("cifar")
+    write_cifar10_python(str(root), per_batch=20, n_test=20, seed=3)
+    return root
+
+
+@pytest.fixture(scope="module")
+def cifar(cifar_root):
+    return load_dataset("cifar10", str(cifar_root))
+
+
+def _py3_cifar_folder(root: Path, n: int = 4) -> dict:
+    """CIFAR-10-format files written by this test with plain pickle; known pixels per file."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    raw = {}
+    for k, name in enumerate(D.CIFAR10_TRAIN_FILES + D.CIFAR10_TEST_FILES):
+        x = np.zeros((n, 3072), dtype=np.uint8)
+        x[:, :] = np.arange(3072, dtype=np.int64) % 251  # a recognizable ramp
+        x[1, 2 * 1024 + 5 * 32 + 7] = 200 + k            # image 1, channel 2 (blue), row 5, col 7
+        labels = [(k + i) % 10 for i in range(n)]
+        with open(folder / name, "wb") as f:
+            pickle.dump({"data": x, "labels": labels, "batch_label": name}, f, protocol=2)
+        raw[name] = (x, labels)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": [f"c{i}" for i in range(10)], "num_vis": 3072}, f, protocol=2)
+    return raw
+
+
+# -------------------------------------------------------------------------------- digits
+
+def test_digits_sizes_split_and_normalization(digits):
+    assert digits.num_classes == 10 and digits.input_shape == (1, 8, 8)
+    assert digits.n_train + digits.n_test == 1797
+    assert (digits.n_train, digits.n_test) == (1437, 360)
+    assert digits.x_train.dtype == torch.float32 and digits.y_train.dtype == torch.int64
+    assert digits.x_train.shape == (1437, 1, 8, 8) and digits.x_test.shape == (360, 1, 8, 8)
+    assert float(digits.x_train.min()) >= 0.0 and float(digits.x_train.max()) <= 1.0  # pixel/16
+    counts = torch.bincount(digits.y_test, minlength=10)
+    assert int(counts.min()) >= 35 and int(counts.max()) <= 37  # stratified
+    xn = digits.normalize(digits.x_train)
+    assert xn.dtype == torch.float32
+    assert abs(float(xn.mean())) < 1e-4 and abs(float(xn.std()) - 1.0) < 1e-3
+    assert not digits.augment
+
+
+def test_digits_split_is_stable_and_seed_independent(digits):
+    other = load_dataset("digits", seed=123)
+    assert torch.equal(other.x_train, digits.x_train) and torch.equal(other.y_test, digits.y_test)
+
+
+def test_test_batches_cover_the_test_set(digits):
+    ys = [y for _, y in digits.test_batches(100)]
+    assert [len(y) for y in ys] == [100, 100, 100, 60]
+    assert torch.equal(torch.cat(ys), digits.y_test)
+
+
+# ------------------------------------------------------------------------------ sharding
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_shards_disjoint_and_covering(digits, world):
+    shards = [ShardedBatches(digits, r, world, 16, seed=5) for r in range(world)]
+    idx = [s.indices(2) for s in shards]
+    n = digits.n_train
+    assert len({len(i) for i in idx}) == 1 and len(idx[0]) == -(-n // world)
+    allidx = torch.cat(idx)
+    assert set(allidx.tolist()) == set(range(n))                  # covering
+    pad = len(allidx) - n
+    assert pad == (-n) % world
+    assert len(set(allidx.tolist())) == n and len(allidx) == n + pad
+    # disjoint apart from the wrap-around padding: the first n of the interleaving are distinct
+    interleaved = torch.stack(idx, 1).reshape(-1)
+    assert len(set(interleaved[:n].tolist())) == n
+    assert all(s.steps_per_epoch == len(idx[0]) // 16 for s in shards)
+
+
+def test_batches_are_the_shards_samples(digits):
+    s = ShardedBatches(digits, 1, 3, 32, seed=0)
+    idx = s.indices(0)
+    got = list(s.batches(0))
+    assert len(got) == s.steps_per_epoch == len(idx) // 32
+    for i, (x, y) in enumerate(got):
+        sel = idx[i * 32:(i + 1) * 32]
+        assert x.shape == (32, 1, 8, 8) and x.dtype == torch.float32 and y.dtype == torch.int64
+        assert torch.equal(y, digits.y_train[sel])
+        assert torch.equal(x, digits.normalize(digits.x_train[sel]))
+
+
+def test_epochs_differ_and_seeds_reproduce(digits):
+    a = ShardedBatches(digits, 0, 2, 16, seed=7)
+    b = ShardedBatches(digits, 0, 2, 16, seed=7)
+    c = ShardedBatches(digits, 0, 2, 16, seed=8)
+    assert not torch.equal(a.indices(0), a.indices(1))
+    assert torch.equal(a.indices(3), b.indices(3))
+    assert not torch.equal(a.indices(3), c.indices(3))
+    for (xa, ya), (xb, yb) in zip(a.batches(4), b.batches(4)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_resume_mid_epoch_is_bit_identical(cifar):
+    s = ShardedBatches(cifar, 1, 2, 8, seed=11)
+    assert s.augment  # cifar10 augments its training batches
+    full = list(s.batches(3))
+    k = 3
+    tail = list(ShardedBatches(cifar, 1, 2, 8, seed=11).batches(3, start=k))
+    assert len(full) == s.steps_per_epoch == 6 and len(tail) == len(full) - k
+    for (xf, yf), (xt, yt) in zip(full[k:], tail):
+        assert torch.equal(xf, xt) and torch.equal(yf, yt)
+    assert list(s.batches(3, start=s.steps_per_epoch)) == []
+    with pytest.raises(ValueError):
+        s.batches(3, start=s.steps_per_epoch + 1)          # raises at the call
+    tail_np = list(s.batches(np.int64(3), start=np.int64(k)))  # numpy integers are fine
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(tail_np, tail))
+
+
+def test_batch_too_large_names_batch_size(digits):
+    with pytest.raises(DataError, match="--batch-size"):
+        ShardedBatches(digits, 0, 4, 400, seed=0)   # 360 samples per rank
+    with pytest.raises(DataError, match="--batch-size"):
+        ShardedBatches(digits, 0, 1, 0, seed=0)
+    assert ShardedBatches(digits, 0, 4, 360, seed=0).steps_per_epoch == 1
+    assert ShardedBatches(digits, 0, 4, 100, seed=0, drop_last=False).steps_per_epoch == 4
+    with pytest.raises(ValueError):
+        ShardedBatches(digits, 4, 4, 10, seed=0)
+
+
+# -------------------------------------------------------------------------- augmentation
+
+def test_crop_flip_geometry():
+    x = torch.arange(2 * 3 * 6 * 5, dtype=torch.uint8).reshape(2, 3, 6, 5)
+    p = 2
+    same = D._crop_flip(x, torch.tensor([p, p]), torch.tensor([p, p]),
+                        torch.tensor([False, True]), p)
+    assert torch.equal(same[0], x[0]) and torch.equal(same[1], x[1].flip(-1))
+    shifted = D._crop_flip(x, torch.tensor([0, 2 * p]), torch.tensor([0, p]),
+                           torch.tensor([False, False]), p)
+    # offset 0: the image moves down/right by p, zero (black) border on top/left
+    assert torch.equal(shifted[0, :, p:, p:], x[0, :, :-p, :-p])
+    assert int(shifted[0, :, :p, :].abs().sum()) == 0 and int(shifted[0, :, :, :p].abs().sum()) == 0
+    assert torch.equal(shifted[1, :, :-p, :], x[1, :, p:, :])
+    assert int(shifted[1, :, -p:, :].abs().sum()) == 0
+
+
+def test_random_crop_flip_changes_keeps_shape_and_is_deterministic(cifar):
+    x = cifar.x_train[:16]
+    a = random_crop_flip(x, torch.Generator().manual_seed(1))
+    b = random_crop_flip(x, torch.Generator().manual_seed(1))
+    c = random_crop_flip(x, torch.Generator().manual_seed(2))
+    assert a.shape == x.shape and a.dtype == torch.uint8
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, x)
+    # every output image is one of the 9*9*2 crops/flips of its zero-padded input
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    for i in range(4):
+        cands = [padded[i, :, r:r + 32, q:q + 32] for r in range(9) for q in range(9)]
+        cands += [t.flip(-1) for t in cands]
+        assert any(torch.equal(a[i], t) for t in cands)
+
+
+def test_sharded_cifar_batches_are_augmented_and_normalized(cifar):
+    aug = list(ShardedBatches(cifar, 0, 1, 10, seed=0).batches(0))
+    plain = list(ShardedBatches(cifar, 0, 1, 10, seed=0, augment=False).batches(0))
+    assert all(torch.equal(ya, yp) for (_, ya), (_, yp) in zip(aug, plain))
+    assert any(not torch.equal(xa, xp) for (xa, _), (xp, _) in zip(aug, plain))
+    x = aug[0][0]
+    assert x.dtype == torch.float32 and x.shape == (10, 3, 32, 32)
+    lo = (0 - torch.tensor(D.CIFAR10_MEAN)) / torch.tensor(D.CIFAR10_STD)
+    hi = (1 - torch.tensor(D.CIFAR10_MEAN)) / torch.tensor(D.CIFAR10_STD)
+    assert bool((x.amin(dim=(0, 2, 3)) >= lo - 1e-5).all())
+    assert bool((x.amax(dim=(0, 2, 3)) <= hi + 1e-5).all())
+
+
+# ------------------------------------------------------------------------------ CIFAR-10
+
+def test_cifar_loads_files_through_torchvision(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as tvc
+
+    raw = _py3_cifar_folder(tmp_path, n=4)
+    calls = []
+    orig = tvc.CIFAR10.__init__
+
+    def spy(self, *a, **kw):
+        calls.append(kw.get("train"))
+        assert kw.get("download") is False
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(tvc.CIFAR10, "__init__", spy)
+    ds = load_dataset("cifar10", str(tmp_path))
+    assert sorted(calls) == [False, True]                 # both splits through torchvision
+    assert ds.x_train.shape == (20, 3, 32, 32) and ds.x_train.dtype == torch.uint8
+    assert ds.x_test.shape == (4, 3, 32, 32) and ds.num_classes == 10
+    assert ds.class_names[3] == "c3" and ds.augment
+    # data_batch_3 is the third file: its image 1 is training image 2*4+1
+    assert int(ds.x_train[9, 2, 5, 7]) == 202 and int(ds.x_test[1, 2, 5, 7]) == 205
+    assert int(ds.x_train[9, 0, 1, 2]) == (32 + 2) % 251           # channel 0, row 1, col 2
+    assert ds.y_train.tolist() == sum((raw[f][1] for f in D.CIFAR10_TRAIN_FILES), [])
+    assert ds.y_test.tolist() == raw["test_batch"][1]
+    # the folder itself is accepted as --data-dir too
+    assert load_dataset("cifar10", str(tmp_path / "cifar-10-batches-py")).n_train == 20
+
+
+def test_cifar_python2_format_round_trip(cifar_root, cifar):
+    with open(cifar_root / "cifar-10-batches-py" / "data_batch_2", "rb") as f:
+        raw = pickle.load(f, encoding="bytes")        # the way the CIFAR-10 page reads them
+    assert raw[b"data"].shape == (20, 3072) and raw[b"data"].dtype == np.uint8
+    assert torch.equal(cifar.x_train[20:40].reshape(20, -1), torch.from_numpy(raw[b"data"]))
+    assert cifar.y_train[20:40].tolist() == raw[b"labels"]
+    assert (cifar.n_train, cifar.n_test, cifar.num_classes) == (100, 20, 10)
+    x = cifar.x_train[:2].clone()
+    x[0, :, 0, 0] = 0
+    x[0, :, 0, 1] = 255
+    xn = cifar.normalize(x)
+    mean, std = torch.tensor(D.CIFAR10_MEAN), torch.tensor(D.CIFAR10_STD)
+    assert torch.allclose(xn[0, :, 0, 0], -mean / std)
+    assert torch.allclose(xn[0, :, 0, 1], (1 - mean) / std)
+
+
+def test_cifar_missing_folder_or_file_is_a_one_line_data_error(tmp_path, cifar_root):
+    with pytest.raises(DataError, match="lsgd_hpc.data fetch") as e:
+        load_dataset("cifar10", str(tmp_path / "nowhere"))
+    assert "\n" not in str(e.value) and "does not exist" in str(e.value)
+    with pytest.raises(DataError, match="lsgd_hpc.data fetch"):
+        check_data_dir("cifar10", str(tmp_path))                 # no cifar-10-batches-py/
+    with pytest.raises(DataError, match="--data-dir"):
+        check_data_dir("cifar10", None)
+    partial = tmp_path / "partial"
+    write_cifar10_python(str(partial), files=[f for f in D.CIFAR10_FILES if f != "test_batch"])
+    with pytest.raises(DataError, match="lsgd_hpc.data fetch") as e:
+        load_dataset("cifar10", str(partial))
+    assert "test_batch" in str(e.value) and "data_batch" not in str(e.value)
+    check_data_dir("cifar10", str(cifar_root))                   # complete: no error
+    check_data_dir("digits", None)
+    with pytest.raises(DataError, match="unknown --dataset"):
+        check_data_dir("mnist", None)
+
+
+def test_cifar_corrupt_file_is_a_data_error(tmp_path):
+    write_cifar10_python(str(tmp_path))
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_4", "wb") as f:
+        f.write(b"\x80\x02garbage")
+    with pytest.raises(DataError, match="cannot read") as e:
+        load_dataset("cifar10", str(tmp_path))
+    assert "\n" not in str(e.value)
+    with open(tmp_path / "cifar-10-batches-py" / "data_batch_4", "wb") as f:
+        f.write(b"not a pickle")
+    with pytest.raises(DataError, match="format"):
+        check_data_dir("cifar10", str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- synthetic
+
+def test_synthetic_is_seeded_and_learnable():
+    a = load_dataset("synthetic", seed=1, synthetic_size=2000)
+    b = load_dataset("synthetic", seed=1, synthetic_size=2000)
+    c = load_dataset("synthetic", seed=2, synthetic_size=2000)
+    assert (a.n_train, a.n_test, a.input_shape, a.num_classes) == (2000, 500, (3, 32, 32), 10)
+    assert torch.equal(a.x_train, b.x_train) and not torch.equal(a.x_train, c.x_train)
+    assert torch.bincount(a.y_train).tolist() == [200] * 10
+    # nearest class mean of the training set classifies the test set far above chance (10 %)
+    means = torch.stack([a.x_train[a.y_train == k].mean(0) for k in range(10)]).flatten(1)
+    pred = torch.cdist(a.x_test.flatten(1), means).argmin(1)
+    assert float((pred == a.y_test).float().mean()) > 0.6
+    with pytest.raises(DataError):
+        load_dataset("synthetic", synthetic_size=3)
+    with pytest.raises(DataError, match="unknown --dataset"):
+        load_dataset("imagenet")
+
+
+# ----------------------------------------------------------------------------------- CLI
+
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "lsgd_hpc.data", *args], capture_output=True,
+                          text=True, env=env, timeout=120, cwd=str(REPO))
+
+
+def test_cli_check_subprocess(cifar_root, tmp_path):
+    ok = _cli("check", "cifar10", "--root", str(cifar_root), "--no-md5")
+    assert ok.returncode == 0, ok.stderr
+    assert "100 train, 20 test" in ok.stdout
+    bad = _cli("check", "cifar10", "--root", str(tmp_path / "missing"))
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    assert "lsgd_hpc.data fetch cifar10 --root" in bad.stderr
+
+
+def test_cli_check_md5_and_usage_errors(cifar_root, capsys):
+    # md5 is checked by default: a hand-made folder loads, but is not the published data set
+    assert D.main(["check", "cifar10", "--root", str(cifar_root)]) == 2
+    err = capsys.readouterr().err
+    assert "md5" in err and "--no-md5" in err and len(err.strip().splitlines()) == 1
+    assert len(D.verify_cifar10_md5(str(cifar_root))) == 7
+    assert D.main(["check", "digits"]) == 0
+    assert "1437 train, 360 test" in capsys.readouterr().out
+    assert D.main(["check", "cifar10"]) == 2                       # no --root
+    assert "--root" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        D.main(["fetch", "digits", "--root", "x"])                 # fetch is for cifar10 only
+    assert e.value.code == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
