@@ -46,7 +46,8 @@ class GossipSGD(Algorithm):
         if recv is None:
             recv = self._recv[len(src)] = torch.empty((len(src), x.numel()), dtype=x.dtype,
                                                       device=x.device)
-        self.world.neighbor_allgather(x, src, dst, out=recv)
+        key = (topo.name, step % topo.period)   # names the whole graph on every rank
+        self.world.neighbor_allgather(x, src, dst, out=recv, graph_key=key)
         x.mul_(w_self)
         for k, j in enumerate(src):
             x.add_(recv[k], alpha=w[j])

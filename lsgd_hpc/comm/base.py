@@ -122,13 +122,15 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
-                           destinations: Sequence[int], out: Optional[torch.Tensor] = None
-                           ) -> torch.Tensor:
+                           destinations: Sequence[int], out: Optional[torch.Tensor] = None,
+                           graph_key=None) -> torch.Tensor:
         """Send ``tensor`` to every rank in ``destinations``; receive one tensor from every rank
         in ``sources``. Returns ``out`` of shape (len(sources), *tensor.shape), row k holding
         the tensor of ``sources[k]``. Collective over the group: every member calls it with
         its own lists, and the lists must be consistent (j in destinations of i iff i in
-        sources of j). The graph communicator is created once per distinct graph and cached.
+        sources of j). The graph communicator is created once per distinct graph and cached;
+        ``graph_key``, the same on every member, names the whole graph (for instance
+        (topology name, step % period)) and saves the agreement on cache hits.
         """
 
     @abc.abstractmethod

@@ -71,7 +71,8 @@ class MPICommunicator(Communicator):
         self.world_ranks = tuple(world_ranks)
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()
-        self._graphs: Dict[Tuple[tuple, tuple], MPI.Distgraphcomm] = {}
+        self._graphs: Dict[tuple, Tuple[MPI.Distgraphcomm, tuple, tuple, int]] = {}
+        self._serial = 0
         self._children: list = []
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
 
@@ -157,8 +158,8 @@ class MPICommunicator(Communicator):
         return Election(leader, self.world_ranks[leader], float(recv["score"][0]))
 
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
-                           destinations: Sequence[int], out: Optional[torch.Tensor] = None
-                           ) -> torch.Tensor:
+                           destinations: Sequence[int], out: Optional[torch.Tensor] = None,
+                           graph_key=None) -> torch.Tensor:
         check_tensor(tensor)
         src, dst = self._check_graph(sources, destinations)
         shape = (len(src),) + tuple(tensor.shape)
@@ -169,24 +170,47 @@ class MPICommunicator(Communicator):
             if tuple(out.shape) != shape or out.dtype != tensor.dtype:
                 raise CommError(f"out must have shape {shape} and dtype {tensor.dtype}, "
                                 f"got {tuple(out.shape)} {out.dtype}")
-        graph = self._graph(src, dst)
+        graph = self._graph(src, dst, graph_key)
         self._agree("neighbor_allgather", tensor, graph=graph)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes * len(dst), nbytes * len(src)):
             graph.Neighbor_allgather(_buffer(tensor), _buffer(out, tensor.numel()))
         return out
 
-    def _graph(self, src: tuple, dst: tuple) -> MPI.Distgraphcomm:
-        """The distributed-graph communicator of this (sources, destinations), made once."""
-        key = (src, dst)
-        graph = self._graphs.get(key)
-        if graph is None:
+    def _graph(self, src: tuple, dst: tuple, graph_key=None) -> MPI.Distgraphcomm:
+        """The distributed-graph communicator of this graph, created once and cached.
+
+        Creating one is collective, so every member must hit or miss the cache together.
+        With a ``graph_key`` that names the whole graph (the same on every rank, e.g.
+        (topology, step % period)) the cache is keyed on it; without one, this rank's own
+        edges do not identify the graph (two graphs can give one rank the same neighbours),
+        so the members agree on a hit with one tiny reduction first.
+        """
+        if graph_key is not None:
+            key = ("key", graph_key)
+            entry = self._graphs.get(key)
+            if entry is not None and entry[1:3] != (src, dst):
+                raise CommError(f"graph_key {graph_key!r} was used before with other neighbours")
+        else:
+            key = ("edges", src, dst)
+            entry = self._graphs.get(key)
+            # Hit only if every member holds the very same graph communicator: graphs are
+            # numbered in creation order, which is the same on every member.
+            serial = -1 if entry is None else entry[3]
+            agree = np.array([serial, -serial], dtype=np.int64)
+            self.comm.Allreduce(MPI.IN_PLACE, agree, op=MPI.MAX)
+            if not (agree[0] == -agree[1] == serial >= 0):
+                if entry is not None:
+                    entry[0].Free()
+                entry = None
+        if entry is None:
             if self.validate:
                 self._check_graph_consistent(src, dst)
             # reorder=False: ranks in the graph stay the ranks of this communicator.
             graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst), reorder=False)
-            self._graphs[key] = graph
-        return graph
+            self._serial += 1
+            entry = self._graphs[key] = (graph, src, dst, self._serial)
+        return entry[0]
 
     def _check_graph_consistent(self, src: tuple, dst: tuple) -> None:
         """Every edge must be declared at both ends, or the neighbour collective waits forever."""
@@ -216,7 +240,7 @@ class MPICommunicator(Communicator):
         self.comm.Barrier()
 
     def free(self) -> None:
-        for g in self._graphs.values():
+        for g, *_ in self._graphs.values():
             g.Free()
         self._graphs.clear()
         for child in self._children:

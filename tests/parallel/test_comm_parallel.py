@@ -254,3 +254,22 @@ def test_flat_params_one_collective(world):
     assert torch.equal(flat.grad[:6].view(2, 3), model.a.weight.grad)
     flat.zero_grad()
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters())
+
+
+def test_graph_cache_hit_on_some_ranks_only(world):
+    """Two graphs that give rank 0 the same neighbours: rank 0 hits its cache, the others
+    must create a graph communicator, a collective call. This must not hang."""
+    n, r = world.size, world.rank
+    if n < 3:
+        pytest.skip("needs a star and a complete graph that differ (3+ ranks)")
+    complete = [j for j in range(n) if j != r]
+    star = complete if r == 0 else [0]
+    for nbrs in (complete, star, complete):
+        out = world.neighbor_allgather(torch.tensor([float(r)]), nbrs, nbrs)
+        assert out.flatten().tolist() == [float(j) for j in nbrs]
+    # with a key naming the whole graph; reusing a key with other edges is refused
+    out = world.neighbor_allgather(torch.tensor([float(r)]), star, star, graph_key=("star", 0))
+    assert out.flatten().tolist() == [float(j) for j in star]
+    if r == 1:
+        with pytest.raises(CommError, match="graph_key"):
+            world.neighbor_allgather(torch.zeros(1), complete, complete, graph_key=("star", 0))
