@@ -1,0 +1,52 @@
+"""Run lsgd_hpc.train.main in one MPI job several times, with optional fault injection.
+
+    mpirun -np N python tests/parallel/train_driver.py RUN_DIR_PREFIX ALG[,ALG...] -- [train options]
+Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of them).
+LSGD_FAULT="kind:rank:step" makes that rank, after that step, raise (kind=raise), die by
+SIGKILL (kill) or send itself SIGTERM (sigterm, a preemption at a known step).
+"""
+
+import os
+import signal
+import sys
+
+from lsgd_hpc import train
+from lsgd_hpc.algorithms.base import Algorithm
+
+
+def inject(kind: str, rank: int, step: int) -> None:
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() != rank:
+        return
+    for cls in Algorithm.__subclasses__():
+        original = cls.after_step
+
+        def after_step(self, s, loss, _orig=original):
+            _orig(self, s, loss)
+            if s == step:
+                if kind == "raise":
+                    raise RuntimeError(f"injected fault at step {s}")
+                if kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if kind == "sigterm":
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        cls.after_step = after_step
+
+
+def main() -> int:
+    prefix, algs = sys.argv[1], sys.argv[2].split(",")
+    extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
+    fault = os.environ.get("LSGD_FAULT")
+    if fault:
+        kind, rank, step = fault.split(":")
+        inject(kind, int(rank), int(step))
+    for alg in algs:
+        rc = train.main(["--algorithm", alg, "--run-dir", f"{prefix}-{alg}", *extra])
+        if rc != 0:
+            return rc
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
