@@ -94,19 +94,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from mpi4py import MPI  # MPI_Init here, after the options are known to be good
 
     from .comm import CommError, make_world
+    from .data import DataError
+    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     try:
-        check_world(cfg, MPI.COMM_WORLD.Get_size(), env)
+        check_world(cfg, size, env)
+        trainer = Trainer(cfg, env, rank, size)    # local only: data, model
         world = make_world(cfg.backend)
-    except (ConfigError, CommError) as exc:
+    except (ConfigError, CommError, DataError) as exc:
         return _usage_error(str(exc))
     stop = StopFlag()
     try:
-        return Trainer(cfg, world, stop, env).run()
+        return trainer.connect(world, stop).run()
     except BaseException as exc:  # fail fast: one rank's error ends every rank now
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
-        print(f"{PROG}: rank {MPI.COMM_WORLD.Get_rank()}: {type(exc).__name__}: {exc}",
-              file=sys.stderr, flush=True)
+        print(f"{PROG}: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
@@ -114,55 +116,67 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 class Trainer:
-    """One rank's training run. Everything it holds is in its checkpoint."""
+    """One rank's training run. Everything it holds is in its checkpoint.
 
-    def __init__(self, cfg, world, stop: StopFlag, env: dict):
+    Built in two phases: the constructor does local work only (data, model, optimizer), so
+    that a data or model error is a usage error before any collective; ``connect`` then
+    forms the node groups, the algorithm and the metrics file.
+    """
+
+    def __init__(self, cfg, env: dict, rank: int, size: int):
         import torch
         from torch import nn
 
-        from . import __version__, checkpoint, data, models
-        from .algorithms import build_algorithm
-        from .comm import FlatParams, NodeGroups
-        from .metrics import SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+        from . import checkpoint, data, models
 
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1") or 1))
-        self.torch, self.cfg, self.world, self.stop, self.env = torch, cfg, world, stop, env
-        self.ckpt = checkpoint
-        self.rank, self.size = world.rank, world.size
-        self.groups = NodeGroups.build(world, cfg.ranks_per_node)
+        self.torch, self.cfg, self.env, self.ckpt = torch, cfg, env, checkpoint
+        self.rank, self.size = rank, size
+        self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size)
+        self.sampler = data.ShardedBatches(self.ds, rank, size, cfg.batch_size, cfg.seed)
+        self.spe = self.sampler.steps_per_epoch
+        self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.model_name = cfg.model or models.default_model(cfg.dataset)
+        torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
+        self.model = models.build_model(self.model_name, self.ds.num_classes,
+                                        self.ds.input_shape)
+        from .comm import FlatParams
+        self.flat = FlatParams(self.model)
+        torch.manual_seed(cfg.seed * 100003 + rank)   # per-rank dropout etc.
+        self.param = nn.Parameter(self.flat.params)   # one fused tensor for the optimizer
+        self.param.grad = self.flat.grad
+        self.opt = torch.optim.SGD([self.param], lr=cfg.lr, momentum=cfg.momentum,
+                                   weight_decay=cfg.weight_decay)
+        self.step = 0
+        self.elapsed0 = 0.0          # wall time before this process (resume)
+        self.compute_seconds = 0.0
+        self.losses_since_print: list = []
 
+    def connect(self, world, stop: StopFlag) -> "Trainer":
+        from . import __version__
+        from .algorithms import build_algorithm
+        from .comm import NodeGroups
+        from .metrics import SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+
+        cfg, env, torch = self.cfg, self.env, self.torch
+        self.world, self.stop = world, stop
+        self.groups = NodeGroups.build(world, cfg.ranks_per_node)
         # Rank 0 decides what every rank must agree on (not traffic of the method).
         shared = None
         if self.rank == 0:
             shared = {"run_dir": cfg.run_dir or _default_run_dir(cfg), "git_sha": _git_sha(),
                       "start_time": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         shared = world.allgather_object(shared)[0]
-        cfg.run_dir = shared["run_dir"]
-        self.run_dir = cfg.run_dir
-        self.pointer = checkpoint.latest_checkpoint(self.run_dir) if cfg.resume else None
+        cfg.run_dir = self.run_dir = shared["run_dir"]
+        self.pointer = self.ckpt.latest_checkpoint(self.run_dir) if cfg.resume else None
         if cfg.resume and self.pointer is None:
             raise RuntimeError(f"no complete checkpoint in {self.run_dir}")
-
-        self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size)
-        model_name = cfg.model or models.default_model(cfg.dataset)
-        torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
-        self.model = models.build_model(model_name, self.ds.num_classes, self.ds.input_shape)
-        self.flat = FlatParams(self.model)
-        torch.manual_seed(cfg.seed * 100003 + self.rank)   # per-rank dropout etc.
-        self.param = nn.Parameter(self.flat.params)   # one fused tensor for the optimizer
-        self.param.grad = self.flat.grad
-        self.opt = torch.optim.SGD([self.param], lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay)
-        self.sampler = data.ShardedBatches(self.ds, self.rank, self.size, cfg.batch_size, cfg.seed)
-        self.spe = self.sampler.steps_per_epoch
-        self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
-
         resolved = cfg.to_dict()
-        resolved.update(model=model_name, world_size=self.size, n_nodes=self.groups.n_nodes,
-                        steps_per_epoch=self.spe, total_steps=self.total_steps,
-                        ranks_per_node=cfg.ranks_per_node)
+        resolved.update(model=self.model_name, world_size=self.size,
+                        n_nodes=self.groups.n_nodes, steps_per_epoch=self.spe,
+                        total_steps=self.total_steps)
         self.resolved = resolved
         self.algo = build_algorithm(cfg, self.groups, self.flat, self._log, self.spe)
         attrs = {
@@ -177,10 +191,7 @@ class Trainer:
         self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
                                      cfg.flush_every, cfg.flush_seconds,
                                      extra_columns=self.algo.extra_columns)
-        self.step = 0
-        self.elapsed0 = 0.0          # wall time before this process (resume)
-        self.compute_seconds = 0.0
-        self.losses_since_print: list = []
+        return self
 
     def _log(self, group: str, **row) -> None:
         self.metrics.log(group, **row)

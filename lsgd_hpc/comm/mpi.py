@@ -67,7 +67,8 @@ class MPICommunicator(Communicator):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.stats = stats if stats is not None else CommStats()
         if world_ranks is None:
-            world_ranks = self.comm.allgather(MPI.COMM_WORLD.Get_rank())
+            world_ranks = (range(self.comm.Get_size()) if self.comm == MPI.COMM_WORLD
+                           else self.comm.allgather(MPI.COMM_WORLD.Get_rank()))
         self.world_ranks = tuple(world_ranks)
         self._rank = self.comm.Get_rank()
         self._size = self.comm.Get_size()

@@ -9,6 +9,7 @@ SIGKILL (kill) or send itself SIGTERM (sigterm, a preemption at a known step).
 import os
 import signal
 import sys
+import time
 
 from lsgd_hpc import train
 from lsgd_hpc.algorithms.base import Algorithm
@@ -24,6 +25,7 @@ def inject(kind: str, rank: int, step: int) -> None:
         def after_step(self, s, loss, _orig=original):
             _orig(self, s, loss)
             if s == step:
+                print(f"FAULT_AT {time.time():.3f}", file=sys.stderr, flush=True)
                 if kind == "raise":
                     raise RuntimeError(f"injected fault at step {s}")
                 if kind == "kill":
