@@ -162,3 +162,21 @@ def test_lsgd_default_run_and_determinism(all_runs, tmp_path):
                         ("leader", ("leader_rank", "score")), ("consensus", ("distance",))):
             for c in cols:
                 assert np.array_equal(a[g][c], b[g][c]), (g, c)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not __import__("mpi_util").horovod_available(),
+                    reason="Horovod is not installed in this venv (make horovod)")
+def test_horovod_backend_same_leaders_and_accuracies(all_runs, tmp_path):
+    """--backend horovod, same seed, 4 ranks as 2 nodes: the same elections and results."""
+    run_dir = tmp_path / "hvd"
+    run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--backend", "horovod",
+                "--run-dir", str(run_dir), "--ranks-per-node", "2", "--local-steps", "8",
+                "--seed", "3"], timeout=400)
+    hvd = read(run_dir, 4)
+    for a, b in zip(all_runs["lsgd"], hvd):
+        assert np.array_equal(a["leader"]["leader_rank"], b["leader"]["leader_rank"])
+        assert np.array_equal(a["leader"]["step"], b["leader"]["step"])
+        assert np.array_equal(a["eval"]["test_accuracy"], b["eval"]["test_accuracy"])
+        assert np.allclose(a["train"]["loss"], b["train"]["loss"], rtol=1e-6, atol=1e-7)
+        assert np.array_equal(a["train"]["comm_bytes_sent"], b["train"]["comm_bytes_sent"])
