@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, List, Optional, Sequence
 
 import yaml

@@ -10,9 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-from lsgd_hpc.comm import CommError
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "install_horovod.sh"

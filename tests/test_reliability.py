@@ -1,6 +1,5 @@
 """Preemption and exact resume, fail-fast on a rank's error or death, and bad input."""
 
-import os
 import subprocess
 import sys
 import time
