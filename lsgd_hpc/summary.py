@@ -45,7 +45,7 @@ def format_summary(run: Run) -> str:
     counts = leader_counts(run)
     tab = eval_table(run)
     lines.append(f"{'rank':>5} {'node':>5} {'train_loss':>11} {'test_acc':>9} "
-                 f"{'global_leader':>14} {'bytes_sent':>12}")
+                 f"{'times_leader':>14} {'bytes_sent':>12}")
     for r in sorted(run.ranks):
         d = run.ranks[r]
         loss = col(d, "train", "loss")
