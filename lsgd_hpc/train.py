@@ -221,7 +221,7 @@ class Trainer:
             epoch, start = divmod(self.step, self.spe)
             for xb, yb in self.sampler.batches(epoch, start):
                 t0 = time.perf_counter()
-                comm0 = self.world.stats.seconds
+                comm0 = self.world.stats.seconds + self.world.stats.overhead_seconds
                 lr = _lr_at(cfg, self.step, self.total_steps)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
@@ -234,7 +234,9 @@ class Trainer:
                 self.opt.step()
                 loss_v = float(loss.detach())
                 self.algo.after_step(self.step, loss_v)
-                self.compute_seconds += (time.perf_counter() - t0) - (self.world.stats.seconds - comm0)
+                stats = self.world.stats
+                self.compute_seconds += (time.perf_counter() - t0) - (
+                    stats.seconds + stats.overhead_seconds - comm0)
                 self.losses_since_print.append(loss_v)
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     acc = float((out.argmax(1) == yb).float().mean())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterator, Optional
 
@@ -18,12 +19,15 @@ MetricsSink = Callable[..., None]
 @contextmanager
 def uncounted(comm: Communicator) -> Iterator[None]:
     """Measurement and control traffic (consensus probes, stop flags) is not the method's
-    communication: restore the counters afterwards so comm_* report only the algorithm."""
+    communication: restore the counters afterwards so comm_* report only the algorithm, and
+    book the time as overhead (neither communication nor compute)."""
     saved = comm.stats.snapshot()
+    t0 = time.perf_counter()
     try:
         yield
     finally:
         comm.stats.load_state_dict(saved.state_dict())
+        comm.stats.overhead_seconds += time.perf_counter() - t0
 
 
 class Algorithm:

@@ -36,19 +36,24 @@ class CommStats:
     bytes_recv: int = 0
     seconds: float = 0.0
     calls: int = 0
+    #: seconds of measurement and control traffic (consensus probes, stop flags), kept out of
+    #: both the method's communication and the compute time
+    overhead_seconds: float = 0.0
 
     def snapshot(self) -> "CommStats":
-        return CommStats(self.bytes_sent, self.bytes_recv, self.seconds, self.calls)
+        return CommStats(**self.state_dict())
 
     def state_dict(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv,
-                "seconds": self.seconds, "calls": self.calls}
+                "seconds": self.seconds, "calls": self.calls,
+                "overhead_seconds": self.overhead_seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.bytes_sent = int(state["bytes_sent"])
         self.bytes_recv = int(state["bytes_recv"])
         self.seconds = float(state["seconds"])
         self.calls = int(state["calls"])
+        self.overhead_seconds = float(state.get("overhead_seconds", 0.0))
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class MPICommunicator(Communicator):
         self._serial = 0
         self._children: list = []
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
+        # made once: an election is on the path of every LSGD period
+        self._elect_bufs = (np.zeros(1, dtype=_DOUBLE_INT), np.zeros(1, dtype=_DOUBLE_INT))
 
     @property
     def rank(self) -> int:
@@ -150,9 +152,8 @@ class MPICommunicator(Communicator):
         mine = sanitize_score(score)
         if self._size == 1:
             return Election(0, self.world_ranks[0], mine)
-        send = np.zeros(1, dtype=_DOUBLE_INT)
+        send, recv = self._elect_bufs
         send["score"], send["rank"] = mine, self._rank
-        recv = np.zeros(1, dtype=_DOUBLE_INT)
         with self._counted(_DOUBLE_INT.itemsize, _DOUBLE_INT.itemsize):
             self.comm.Allreduce([send, MPI.DOUBLE_INT], [recv, MPI.DOUBLE_INT], op=MPI.MINLOC)
         leader = int(recv["rank"][0])

@@ -1,0 +1,240 @@
+"""Run every benchmark under mpirun (each under a timeout) and write DIR/results.json and DIR/README.md.
+
+    python benchmarks/run_all.py --out results/benchmarks [--quick] [--only NAME ...]
+
+Speed and memory claims of this project are ratios measured side by side in one run, here;
+never timed assertions in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import List, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests"))
+from _common import write_result  # noqa: E402
+from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+
+
+@dataclass
+class Bench:
+    key: str                      # key in results.json
+    module: str                   # benchmarks/<module>.py
+    np: int = 4
+    timeout: float = 120.0        # seconds for the whole mpirun (per training run for drivers)
+    args: List[str] = field(default_factory=list)
+    driver: bool = False          # runs its own mpirun jobs (algorithms_cost)
+    full_only: bool = False       # skipped by --quick
+    optional_s: Optional[float] = None   # run only if at least this many seconds remain
+
+
+#: Table order. Run order is RUN_ORDER (the optional 8-rank run goes last).
+BENCHES = [
+    Bench("fused_vs_per_tensor", "fused_vs_per_tensor", timeout=120),
+    Bench("hierarchical_broadcast", "hierarchical_broadcast", timeout=90,
+          args=["--ranks-per-node", "2"]),
+    Bench("hierarchical_broadcast_8", "hierarchical_broadcast", np=8, timeout=120,
+          args=["--ranks-per-node", "2"], full_only=True, optional_s=60),
+    Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
+    Bench("backends", "backends", timeout=150),
+    Bench("election", "election", timeout=90),
+]
+RUN_ORDER = ["fused_vs_per_tensor", "hierarchical_broadcast", "election", "backends",
+             "algorithms_cost", "hierarchical_broadcast_8"]
+#: Wall-clock targets of the whole run (seconds); optional benchmarks are dropped past them.
+BUDGET_S = {"full": 290.0, "quick": 115.0}
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_info(max_np: int) -> dict:
+    """What the figures were measured on."""
+    env = mpi_env()
+    try:
+        out = subprocess.run([sys.executable, "-c", "from mpi4py import MPI; "
+                              "print(MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip())"],
+                             env=env, capture_output=True, text=True, timeout=60)
+        mpi_lib = out.stdout.strip() or out.stderr.strip()[-200:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        mpi_lib = f"unknown ({exc})"
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    nproc = os.cpu_count() or 1
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else nproc
+    return {
+        "hostname": socket.gethostname(), "nproc": nproc, "usable_cpus": usable,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "mpi_library": mpi_lib, "mpi4py": _version("mpi4py"), "torch": _version("torch"),
+        "horovod": _version("horovod"), "numpy": _version("numpy"),
+        "max_ranks": max_np, "oversubscribed": max_np > usable,
+        "mpirun_flags": "--oversubscribe --bind-to none", "omp_num_threads": 1,
+        "loadavg_start": list(os.getloadavg()), "git_sha": sha,
+    }
+
+
+def _fail(bench: Bench, status: str) -> dict:
+    label = bench.key if bench.np == 4 else f"{bench.key} ({bench.np} ranks)"
+    return {"name": bench.module, "status": status,
+            "rows": [{"label": label, "compared": "", "figures": status, "ratio": None,
+                      "ratio_label": "", "data": {}}]}
+
+
+def run_bench(bench: Bench, out_dir: Path, quick: bool) -> dict:
+    raw = out_dir / "raw" / f"{bench.key}.json"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    if raw.exists():
+        raw.unlink()
+    if bench.driver:
+        import importlib
+        mod = importlib.import_module(bench.module)
+        result = mod.run(quick=quick, timeout=bench.timeout,
+                         log=lambda m: print(m, flush=True))
+        write_result(str(raw), result)
+        return result
+    cmd = mpirun_cmd(bench.np, [sys.executable, str(HERE / f"{bench.module}.py"),
+                                "--out", str(raw), *bench.args, *(["--quick"] if quick else [])])
+    p = run_group(cmd, env=mpi_env(), cwd=REPO, timeout=bench.timeout)
+    if p.returncode is None:
+        return _fail(bench, f"timed out after {bench.timeout:.0f} s")
+    if p.returncode != 0 or not raw.exists():
+        tail = (p.stderr or p.stdout or "").strip().splitlines()[-3:]
+        return _fail(bench, f"failed (exit {p.returncode}): {' / '.join(tail)[-300:]}")
+    with open(raw) as fh:
+        return json.load(fh)
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _ratio(r: dict) -> str:
+    if r.get("ratio") is None:
+        return "-"
+    v = r["ratio"]
+    num = f"{v:.3g}" if v < 10 else f"{v:.1f}"
+    return f"**{num}x** ({r['ratio_label']})"
+
+
+def table(results: dict) -> str:
+    lines = ["| benchmark | what is compared | figures | ratio |", "|---|---|---|---|"]
+    for b in BENCHES:
+        res = results.get(b.key)
+        if res is None:
+            continue
+        for r in res["rows"]:
+            lines.append(f"| {_cell(r['label'])} | {_cell(r['compared'])} | "
+                         f"{_cell(r['figures'])} | {_cell(_ratio(r))} |")
+    return "\n".join(lines)
+
+
+def readme(doc: dict) -> str:
+    m = doc["machine"]
+    notes = []
+    for b in BENCHES:
+        res = doc["benchmarks"].get(b.key)
+        if res is None:
+            continue
+        for n in res.get("notes", []):
+            line = f"- {res.get('name', b.key)}: {n}"
+            if line not in notes:
+                notes.append(line)
+    return "\n".join([
+        "# Benchmarks", "",
+        f"`{doc['command']}` on {doc['started']} ({'quick' if doc['quick'] else 'full'} run, "
+        f"{doc['runtime_s']:.0f} s).", "",
+        f"Machine: {m['hostname']}, {m['nproc']} CPUs ({m['usable_cpus']} usable), "
+        f"{m['mpi_library']}, torch {m['torch']}, mpi4py {m['mpi4py']}, horovod {m['horovod']}; "
+        f"up to {m['max_ranks']} ranks, {'over' if m['oversubscribed'] else 'not over'}subscribed "
+        f"(`{m['mpirun_flags']}`, OMP_NUM_THREADS=1); load average at start "
+        f"{m['loadavg_start'][0]:.1f}, at end {m['loadavg_end'][0]:.1f}.", "",
+        "Every ratio is measured side by side in this one run: the compared variants alternate "
+        "repetition by repetition (order rotated), each timing starts after a barrier, a sample "
+        "is the slowest rank's time, and the figure is the median over samples. Ratios > 1 mean "
+        "the first-named variant of the ratio costs more. Timed collectives run with the "
+        "agreement check of lsgd_hpc.comm off (LSGD_HPC_COMM_VALIDATE=0), so that the "
+        "collectives themselves are compared. Raw samples and quartiles: results.json.", "",
+        table(doc["benchmarks"]), "",
+        *(["Notes:", "", *notes, ""] if notes else []),
+    ])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output folder (results.json, README.md)")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions; about 2 minutes")
+    p.add_argument("--only", nargs="*", metavar="NAME",
+                   help=f"run only these ({', '.join(b.key for b in BENCHES)})")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    mode = "quick" if args.quick else "full"
+    by_key = {b.key: b for b in BENCHES}
+    todo = [by_key[k] for k in RUN_ORDER if not (args.quick and by_key[k].full_only)]
+    if args.only:
+        unknown = set(args.only) - set(by_key)
+        if unknown:
+            p.error(f"unknown benchmark(s): {', '.join(sorted(unknown))}")
+        todo = [b for b in todo if b.key in args.only]
+    machine = machine_info(max(b.np for b in todo) if todo else 4)
+    print(f"benchmarks ({mode}): {', '.join(b.key for b in todo)}", flush=True)
+    results = {}
+    for b in todo:
+        elapsed = time.perf_counter() - t_start
+        if b.optional_s is not None and BUDGET_S[mode] - elapsed < b.optional_s:
+            results[b.key] = _fail(b, f"skipped: {elapsed:.0f} s gone of a {BUDGET_S[mode]:.0f} s "
+                                      "budget")
+            print(f"- {b.key}: skipped (time budget)", flush=True)
+            continue
+        t0 = time.perf_counter()
+        print(f"- {b.key} ({b.np} ranks) ...", flush=True)
+        try:
+            results[b.key] = run_bench(b, out_dir, args.quick)
+        except Exception as exc:              # one broken benchmark must not lose the others
+            results[b.key] = _fail(b, f"error: {type(exc).__name__}: {exc}")
+        results[b.key]["seconds_to_run"] = time.perf_counter() - t0
+        print(f"  done in {time.perf_counter() - t0:.0f} s", flush=True)
+    machine["loadavg_end"] = list(os.getloadavg())
+    doc = {
+        "command": " ".join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])]),
+        "started": started,
+        "quick": args.quick, "runtime_s": time.perf_counter() - t_start,
+        "machine": machine, "benchmarks": results,
+        "table": [r for b in BENCHES if b.key in results for r in results[b.key]["rows"]],
+    }
+    write_result(str(out_dir / "results.json"), doc)
+    (out_dir / "README.md").write_text(readme(doc))
+    print()
+    print(table(results))
+    print(f"\n{len(todo)} benchmarks in {doc['runtime_s']:.0f} s; wrote {out_dir}/results.json "
+          f"and {out_dir}/README.md")
+    failed = [k for k, r in results.items() if r.get("status", "").startswith(("failed", "timed",
+                                                                                "error"))]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
