@@ -56,8 +56,8 @@ class Config:
     consensus_every: int = 10             # gossip: steps between consensus-distance probes
     backend: str = "mpi"
     log_every: int = 1                    # steps between rows of /train
-    flush_every: int = 50                 # steps between metric flushes ...
-    flush_seconds: float = 30.0           # ... or seconds, whichever comes first
+    flush_every: int = 200                # steps between metric flushes ...
+    flush_seconds: float = 60.0           # ... or seconds, whichever comes first
     checkpoint_every: int = 0             # steps; 0 = only on preemption and at the end
     max_steps: Optional[int] = None       # stop early (benchmarks, tests)
     synthetic_size: int = 4096
