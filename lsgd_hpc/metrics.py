@@ -20,7 +20,10 @@ SCHEMA_VERSION = 1
 GROUPS: Dict[str, Dict[str, str]] = {
     "train": {"step": "i8", "epoch": "f8", "wall_time": "f8", "loss": "f8", "accuracy": "f8",
               "lr": "f8", "comm_bytes_sent": "i8", "comm_bytes_recv": "i8",
-              "comm_seconds": "f8", "compute_seconds": "f8"},
+              "comm_seconds": "f8", "compute_seconds": "f8",
+              # beyond schema 1's list (readers ignore it): cumulative seconds of measurement
+              # and control traffic (consensus probes, stop-flag checks)
+              "overhead_seconds": "f8"},
     "eval": {"step": "i8", "epoch": "f8", "wall_time": "f8", "test_loss": "f8",
              "test_accuracy": "f8"},
     "leader": {"step": "i8", "scope": "i8", "leader_rank": "i8", "score": "f8"},

@@ -282,7 +282,8 @@ class Trainer:
         self._log("train", step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
                   loss=loss, accuracy=acc, lr=lr, comm_bytes_sent=s.bytes_sent,
                   comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
-                  compute_seconds=self.compute_seconds, **self.algo.train_columns())
+                  compute_seconds=self.compute_seconds, overhead_seconds=s.overhead_seconds,
+                  **self.algo.train_columns())
 
     def _print_line(self, test_acc: float, steps_per_s: float) -> None:
         losses, self.losses_since_print = self.losses_since_print, []

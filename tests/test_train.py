@@ -71,7 +71,7 @@ def test_hdf5_schema(all_runs, alg):
         assert list(f["train"]["step"]) == list(range(1, n + 1))
         assert all(np.all(np.diff(f["train"][c]) >= 0) for c in
                    ("comm_bytes_sent", "comm_bytes_recv", "comm_seconds", "compute_seconds",
-                    "wall_time"))
+                    "overhead_seconds", "wall_time"))
         assert all(c in f["eval"] for c in EVAL_COLS) and len(f["eval"]["step"]) >= 2
         assert {"step", "scope", "leader_rank", "score"} <= set(f["leader"])
         assert {"step", "distance"} <= set(f["consensus"])
