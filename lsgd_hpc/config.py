@@ -55,6 +55,7 @@ class Config:
     eval_every: Optional[int] = None
     consensus_every: int = 10             # gossip: steps between consensus-distance probes
     backend: str = "mpi"
+    device: str = "cpu"                   # cuda: one GPU per rank (node-local rank % GPUs)
     log_every: int = 1                    # steps between rows of /train
     flush_every: int = 200                # steps between metric flushes ...
     flush_seconds: float = 60.0           # ... or seconds, whichever comes first
@@ -97,13 +98,17 @@ _HELP = {
     "ranks_per_node": "group K consecutive ranks as one node (default: by host name)",
     "eval_every": "steps between test evaluations (and log lines)",
     "consensus_every": "gossip: steps between consensus-distance measurements",
-    "backend": "communication backend", "log_every": "steps between rows of /train",
+    "backend": "communication backend",
+    "device": "cpu, or cuda: one GPU per rank (needs a CUDA-aware MPI for --backend mpi)",
+    "log_every": "steps between rows of /train",
     "flush_every": "steps between metric flushes", "flush_seconds": "seconds between flushes",
     "checkpoint_every": "steps between checkpoints (0: on preemption and at the end)",
     "max_steps": "stop after this many steps", "synthetic_size": "synthetic training samples",
     "eval_batch_size": "batch size of evaluation",
 }
-_CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES}
+DEVICES = ("cpu", "cuda")
+_CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES,
+            "device": DEVICES}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -223,6 +228,12 @@ def validate(cfg: Config, env: dict) -> None:
         raise ConfigError("--algorithm", f"must be one of {', '.join(ALGORITHMS)}")
     if cfg.backend not in BACKENDS:
         raise ConfigError("--backend", f"must be one of {', '.join(BACKENDS)}")
+    if cfg.device not in DEVICES:
+        raise ConfigError("--device", f"must be one of {', '.join(DEVICES)}")
+    if cfg.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError("--lr-schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
     if cfg.topology not in topology.TOPOLOGIES:

@@ -139,9 +139,10 @@ class Trainer:
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.model_name = cfg.model or models.default_model(cfg.dataset)
+        self.device = _device(cfg.device, rank, env)
         torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
         self.model = models.build_model(self.model_name, self.ds.num_classes,
-                                        self.ds.input_shape)
+                                        self.ds.input_shape).to(self.device)
         from .comm import FlatParams
         self.flat = FlatParams(self.model)
         torch.manual_seed(cfg.seed * 100003 + rank)   # per-rank dropout etc.
@@ -220,6 +221,8 @@ class Trainer:
         while self.step < self.total_steps:
             epoch, start = divmod(self.step, self.spe)
             for xb, yb in self.sampler.batches(epoch, start):
+                xb = xb.to(self.device, non_blocking=True)
+                yb = yb.to(self.device, non_blocking=True)
                 t0 = time.perf_counter()
                 comm0 = self.world.stats.seconds + self.world.stats.overhead_seconds
                 lr = _lr_at(cfg, self.step, self.total_steps)
@@ -303,6 +306,7 @@ class Trainer:
         total, correct, loss_sum = 0, 0, 0.0
         with torch.no_grad():
             for xb, yb in self.ds.test_batches(self.cfg.eval_batch_size):
+                xb, yb = xb.to(self.device), yb.to(self.device)
                 out = self.model(xb)
                 loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
                 correct += int((out.argmax(1) == yb).sum())
@@ -357,6 +361,8 @@ class Trainer:
             "step": self.step, "world_size": self.size,
             "flat": self.flat.flat.clone(), "optimizer": self.opt.state_dict(),
             "algorithm": self.algo.state_dict(), "torch_rng": torch.get_rng_state(),
+            "cuda_rng": (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda"
+                         else torch.empty(0, dtype=torch.uint8)),
             "comm_stats": self.world.stats.state_dict(), "wall_time": self.wall(),
             "compute_seconds": self.compute_seconds, "metrics_rows": self.metrics.row_counts(),
         }
@@ -377,10 +383,28 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.algo.load_state_dict(state["algorithm"])
         self.torch.set_rng_state(state["torch_rng"])
+        if self.device.type == "cuda" and state["cuda_rng"].numel():
+            self.torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.world.stats.load_state_dict(state["comm_stats"])
         self.elapsed0 = float(state["wall_time"])
         self.compute_seconds = float(state["compute_seconds"])
         self.metrics.load_existing(state["metrics_rows"])
+
+
+def _device(kind: str, rank: int, env: dict):
+    """cpu, or the GPU of this rank: its node-local rank modulo the node's GPU count (the
+    launcher's local rank; SLURM's, Open MPI's or MPICH's variable, else the world rank)."""
+    import torch
+    if kind != "cuda":
+        return torch.device("cpu")
+    local = rank
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"):
+        if env.get(var, "").isdigit():
+            local = int(env[var])
+            break
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 def _mpi_library() -> str:

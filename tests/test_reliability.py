@@ -95,6 +95,7 @@ BAD = [
     (["--dataset", "cifar10"], "--data-dir"),
     (["--model", "resnet1000"], "--model"),
     (["--backend", "nccl"], "--backend"),
+    (["--device", "tpu"], "--device"),
     (["--ranks-per-node", "-2"], "--ranks-per-node"),
     (["--resume"], "--resume"),
     (["--easgd-alpha", "1.5"], "--easgd-alpha"),
@@ -178,3 +179,10 @@ def test_hypercube_on_three_ranks_refused():
                        "--topology", "hypercube"], timeout=120, check=False)
     assert proc.returncode == 2
     assert proc.stderr.count("lsgd_hpc.train: error: --topology") == 1
+
+
+def test_cuda_device_without_gpu_is_a_usage_error():
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU, so --device cuda is valid here")
+    _check_one_line(_run_cli(["--device", "cuda"]), "--device")
