@@ -50,6 +50,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,12 @@ CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
 # Config keys that name where/how a run was started, not what it trains: runs whose configs
 # differ only in these keys (and the seed) are the same configuration.
-NON_CONFIG_KEYS = frozenset({"seed", "run_dir", "resume", "config", "data_dir"})
+NON_CONFIG_KEYS = frozenset({"seed", "run_dir", "resume", "config", "data_dir",
+                             # bookkeeping that does not change what is trained
+                             "flush_every", "flush_seconds", "log_every", "checkpoint_every",
+                             "eval_batch_size"})
+# Derived from other options (epochs, batch size, world size, max steps): never a label.
+DERIVED_KEYS = frozenset({"steps_per_epoch", "total_steps"})
 
 PLOTS = {
     "test_acc_vs_wall_time.png": ("wall_time", "test_accuracy"),
@@ -501,14 +507,14 @@ def group_runs(runs: list[Run]) -> list[RunGroup]:
             groups[key] = RunGroup(key=key, config=cfg, runs=[])
         groups[key].runs.append(run)
     out = list(groups.values())
-    keys = sorted({k for g in out for k in g.config} - {"algorithm"})
+    keys = sorted({k for g in out for k in g.config} - {"algorithm"} - DERIVED_KEYS)
     differing = [k for k in keys
                  if len({json.dumps(g.config.get(k), sort_keys=True, default=str)
                          for g in out}) > 1]
     for g in out:
         alg = str(g.config.get("algorithm") or g.runs[0].algorithm)
         opts = [f"{k}={_short(g.config.get(k))}" for k in differing]
-        label = " ".join([alg] + opts)
+        label = textwrap.fill(" ".join([alg] + opts), width=60, subsequent_indent="  ")
         if len(g.runs) > 1:
             label += f" ({len(g.runs)} seeds)"
         g.label = label
