@@ -312,6 +312,13 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
         raise ConfigError("MPI world size", f"is {world_size} but SLURM_NTASKS={ntasks}: the "
                           "ranks did not join one MPI job (use srun --mpi=pmix, or mpirun "
                           "from the MPI that mpi4py was built with)")
+    if cfg.resume:
+        from .checkpoint import latest_checkpoint
+        pointer = latest_checkpoint(cfg.run_dir)
+        if pointer is not None and int(pointer["world_size"]) != world_size:
+            raise ConfigError("--resume", f"the checkpoint in {cfg.run_dir} was written by "
+                                          f"{pointer['world_size']} ranks; this job has "
+                                          f"{world_size} (resume with the same rank count)")
     if cfg.algorithm == "gossip":
         try:
             topology.build_topology(cfg.topology, world_size)

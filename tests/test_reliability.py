@@ -186,3 +186,12 @@ def test_cuda_device_without_gpu_is_a_usage_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU, so --device cuda is valid here")
     _check_one_line(_run_cli(["--device", "cuda"]), "--device")
+
+
+def test_resume_with_another_rank_count_is_a_usage_error(tmp_path):
+    ck = tmp_path / "checkpoints"
+    (ck / "step000000010").mkdir(parents=True)
+    for r in range(4):
+        (ck / "step000000010" / f"rank{r:05d}.pt").write_bytes(b"")
+    (ck / "latest.json").write_text('{"step": 10, "world_size": 4, "folder": "step000000010"}')
+    _check_one_line(_run_cli(["--resume", "--run-dir", str(tmp_path)]), "--resume")
