@@ -223,6 +223,7 @@ def _positive(cfg: Config, names: List[str], strict: bool = True) -> None:
 def validate(cfg: Config, env: dict) -> None:
     """Checks that need no MPI: ranges, choices, files. World-size checks are in check_world."""
     from . import data, models, topology
+    from .checkpoint import latest_checkpoint
 
     if cfg.algorithm not in ALGORITHMS:
         raise ConfigError("--algorithm", f"must be one of {', '.join(ALGORITHMS)}")
@@ -277,7 +278,6 @@ def validate(cfg: Config, env: dict) -> None:
             job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         cfg.run_dir = os.path.join("runs", job)
     if cfg.run_dir and not cfg.resume:
-        from .checkpoint import latest_checkpoint
         requeued = env.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
         metrics_dir = os.path.join(cfg.run_dir, "metrics")
         if requeued and latest_checkpoint(cfg.run_dir) is not None:
@@ -290,7 +290,6 @@ def validate(cfg: Config, env: dict) -> None:
     if cfg.resume:
         if not cfg.run_dir:
             raise ConfigError("--resume", "needs --run-dir (the run to continue)")
-        from .checkpoint import latest_checkpoint
         if latest_checkpoint(cfg.run_dir) is None:
             raise ConfigError("--resume", f"no complete checkpoint in {cfg.run_dir}/checkpoints")
     rpn = env.get("LSGD_HPC_RANKS_PER_NODE")

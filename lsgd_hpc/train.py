@@ -257,8 +257,7 @@ class Trainer:
                 self.metrics.maybe_flush()
                 if self.step >= self.total_steps:
                     break
-        self.save_checkpoint()
-        self.metrics.flush()
+        self.save_checkpoint()                # flushes the metrics too
         if self.rank == 0:
             print(f"[lsgd_hpc] done: {self.step} steps in {self.wall():.1f} s; metrics in "
                   f"{os.path.join(self.run_dir, 'metrics')}", flush=True)

@@ -90,7 +90,6 @@ class LocalSGD(Algorithm):
         self.round_seconds: deque = deque(maxlen=16)
         self._t_last: Optional[float] = None
         self.scratch = torch.empty_like(flat.flat)
-        self.estimate: dict = {}
 
     def after_step(self, step: int, loss: float) -> None:
         now = time.perf_counter()
@@ -124,9 +123,8 @@ class LocalSGD(Algorithm):
                           1.0 if geometric else 0.0,
                           math.log(rate) if geometric else (rate if law == "power" else math.nan),
                           1.0 if law != "none" else 0.0], dtype=torch.float64)
-        valid = torch.isfinite(v).all().item()
-        v = torch.where(torch.isfinite(v), v, torch.zeros_like(v))
-        v[3] = v[3] if valid else 0.0
+        if not torch.isfinite(v).all():
+            v.zero_()                       # this rank has no usable evidence (counts 0)
         self.world.allreduce_(v, "sum")
         n_valid = v[3].item()
         self.last_estimate = step
@@ -138,7 +136,6 @@ class LocalSGD(Algorithm):
         law = "geometric" if geo_votes else "power"
         rate = math.exp(rate_mean) if law == "geometric" else rate_mean
         new_t = choose_local_steps(law, rate, ratio, self.t_max)
-        self.estimate = {"step": step, "law": law, "rate": rate, "cost_ratio": ratio, "T": new_t}
         if new_t is not None:
             self.T = new_t
 

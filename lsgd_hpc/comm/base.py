@@ -16,6 +16,8 @@ __all__ = ["CommStats", "Election", "Communicator", "CommError", "check_tensor",
 #: dtypes the backends can move (mapped to MPI datatypes by the MPI backend).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.uint8)
+#: dtypes an allreduce adds (half precision has no portable MPI sum)
+REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
 class CommError(ValueError):
@@ -174,10 +176,22 @@ class Communicator(abc.ABC):
             self.stats.calls += 1
 
     @staticmethod
-    def _check_op(op: str) -> str:
+    def _check_allreduce(tensor: torch.Tensor, op: str) -> None:
+        check_tensor(tensor)
         if op not in ("sum", "mean"):
             raise CommError(f"op must be 'sum' or 'mean', got {op!r}")
-        return op
+        if tensor.dtype not in REDUCIBLE_DTYPES:
+            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
+
+    def _finish_mean(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """op='mean' is the sum divided by the group size on every backend (Horovod's Average
+        multiplies by 1/size, which differs in the last bit)."""
+        if op == "mean":
+            if tensor.is_floating_point():
+                tensor.div_(self.size)
+            else:
+                tensor.floor_divide_(self.size)
+        return tensor
 
     def _check_root(self, root: int) -> int:
         if not isinstance(root, int) or not 0 <= root < self.size:

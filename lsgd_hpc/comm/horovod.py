@@ -36,7 +36,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from .base import CommError, CommStats, Communicator, Election, check_tensor
-from .mpi import _REDUCIBLE, MPICommunicator  # mpi4py first: it puts libmpi in the process
+from .mpi import MPICommunicator  # mpi4py first: it puts libmpi in the process
 
 __all__ = ["HorovodCommunicator", "horovod_available", "NOT_INSTALLED"]
 
@@ -148,10 +148,7 @@ class HorovodCommunicator(Communicator):
         return f"lsgd.{self._tag}.{kind}.{dtype}.{tensor.numel()}"
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        check_tensor(tensor)
-        self._check_op(op)
-        if tensor.dtype not in _REDUCIBLE:
-            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
+        self._check_allreduce(tensor, op)
         if self.size == 1:
             return tensor
         # Same CommError as the MPI backend on every member when members disagree on the
@@ -163,15 +160,8 @@ class HorovodCommunicator(Communicator):
                 # detach(): same storage, and Horovod never sees autograd state.
                 self._hvd.allreduce_(tensor.detach(), op=self._hvd.Sum,
                                      name=self._name("sum", tensor), process_set=self._ps)
-        # Mean as sum / size, not hvd.Average: Average multiplies by 1/size (and in floating
-        # point for integers), which differs from the MPI backend in the last bit; this way
-        # both backends give bit-identical results (the sums are the same MPI_Allreduce).
-        if op == "mean":
-            if tensor.is_floating_point():
-                tensor.div_(self.size)
-            else:
-                tensor.floor_divide_(self.size)
-        return tensor
+        # Mean as sum / size, not hvd.Average, so both backends agree to the last bit.
+        return self._finish_mean(tensor, op)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)

@@ -24,7 +24,6 @@ _MPI_TYPES = {
     torch.float16: MPI.UINT16_T,
     torch.bfloat16: MPI.UINT16_T,
 }
-_REDUCIBLE = (torch.float32, torch.float64, torch.int32, torch.int64)
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_MPI_TYPES)}
 
 #: Set to 0 to skip the agreement check that precedes every collective (one 32-byte reduction).
@@ -119,22 +118,14 @@ class MPICommunicator(Communicator):
 
     # -- collectives ---------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        check_tensor(tensor)
-        self._check_op(op)
-        if tensor.dtype not in _REDUCIBLE:
-            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
+        self._check_allreduce(tensor, op)
         if self._size == 1:
             return tensor
         self._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes):
             self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
-        if op == "mean":
-            if tensor.is_floating_point():
-                tensor.div_(self._size)
-            else:
-                tensor.floor_divide_(self._size)
-        return tensor
+        return self._finish_mean(tensor, op)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)
