@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-__all__ = ["Config", "ConfigError", "parse_config", "ALGORITHMS", "DATASET_DEFAULTS"]
+__all__ = ["Config", "ConfigError", "parse_config", "option_group", "ALGORITHMS",
+           "DATASET_DEFAULTS", "GROUPS"]
 
 ALGORITHMS = ("lsgd", "allreduce", "easgd", "local-sgd", "gossip")
 BACKENDS = ("mpi", "horovod")
@@ -81,11 +82,11 @@ DATASET_DEFAULTS: Dict[str, Dict[str, Any]] = {
 _HELP = {
     "algorithm": "training method", "topology": "gossip graph (see python -m lsgd_hpc.topology)",
     "dataset": "data set (digits is embedded)", "data_dir": "folder of a staged data set",
-    "model": "network; default depends on the data set", "epochs": "passes over each shard",
+    "model": "network", "epochs": "passes over each shard",
     "batch_size": "per-rank minibatch", "lr": "learning rate eta",
-    "lr_schedule": "constant, step (x0.1 at 50%% and 75%%) or cosine",
+    "lr_schedule": "constant, step (x0.1 at 50% and 75%) or cosine (to 0 at the end)",
     "momentum": "SGD momentum", "weight_decay": "L2 weight decay", "seed": "random seed",
-    "run_dir": "output folder (default runs/<job id> under SLURM, else runs/<algorithm>-<time>)",
+    "run_dir": "output folder",
     "resume": "continue from the latest complete checkpoint in --run-dir",
     "tau_local": "steps between local (in-node) leader pulls",
     "tau_global": "steps between global leader pulls (a multiple of --tau-local)",
@@ -93,9 +94,9 @@ _HELP = {
     "pull_global": "c_G: pull strength toward the global leader",
     "leader_window": "K: a worker's score is its mean loss over its last K minibatches",
     "local_steps": "local SGD: T local steps between averages, or auto",
-    "easgd_alpha": "EASGD moving rate alpha (default 0.9 / world size)",
-    "easgd_tau": "EASGD: steps between elastic updates (default --tau-local)",
-    "ranks_per_node": "group K consecutive ranks as one node (default: by host name)",
+    "easgd_alpha": "EASGD moving rate alpha",
+    "easgd_tau": "EASGD: steps between elastic updates",
+    "ranks_per_node": "group K consecutive ranks as one node",
     "eval_every": "steps between test evaluations (and log lines)",
     "consensus_every": "gossip: steps between consensus-distance measurements",
     "backend": "communication backend",
@@ -111,6 +112,93 @@ _CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHE
             "device": DEVICES}
 
 
+#: Help sections of ``--help``, in the order they are printed.
+GROUPS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
+          "output and checkpoints")
+
+#: Section of every option. Options not listed here fall to _group_by_name's rules, so an
+#: option added to Config lands in a sensible section without touching this table.
+_GROUP_OF = {
+    "algorithm": "method", "epochs": "method", "batch_size": "method", "lr": "method",
+    "lr_schedule": "method", "momentum": "method", "nesterov": "method",
+    "weight_decay": "method", "seed": "method", "max_steps": "method",
+    "tau_local": "LSGD", "tau_global": "LSGD", "pull_local": "LSGD", "pull_global": "LSGD",
+    "leader_window": "LSGD",
+    "easgd_alpha": "baselines", "easgd_tau": "baselines", "local_steps": "baselines",
+    "topology": "baselines", "bucket_mb": "baselines",
+    "dataset": "data and model", "data_dir": "data and model", "model": "data and model",
+    "synthetic_size": "data and model", "eval_batch_size": "data and model",
+    "bn_recompute": "data and model",
+    "backend": "cluster and backend", "device": "cluster and backend",
+    "ranks_per_node": "cluster and backend", "stop_check_every": "cluster and backend",
+    "run_dir": "output and checkpoints", "resume": "output and checkpoints",
+    "eval_every": "output and checkpoints", "consensus_every": "output and checkpoints",
+    "log_every": "output and checkpoints", "flush_every": "output and checkpoints",
+    "flush_seconds": "output and checkpoints", "checkpoint_every": "output and checkpoints",
+}
+
+#: Fallback for options missing from _GROUP_OF: the first rule whose word is in the name.
+_GROUP_RULES = (
+    (("lsgd", "leader", "tau_", "pull_"), "LSGD"),
+    (("easgd", "local_steps", "gossip", "topology", "async", "stale", "bucket"), "baselines"),
+    (("checkpoint", "flush", "log_", "eval_", "run_", "resume", "consensus"),
+     "output and checkpoints"),
+    (("data", "model", "synthetic", "bn_", "batchnorm"), "data and model"),
+    (("backend", "device", "rank", "node", "mpi", "timeout", "straggler", "gpu"),
+     "cluster and backend"),
+)
+
+
+def option_group(name: str) -> str:
+    """The ``--help`` section of option ``name`` (a Config field name)."""
+    if name in _GROUP_OF:
+        return _GROUP_OF[name]
+    for words, group in _GROUP_RULES:
+        if any(w in name for w in words):
+            return group
+    return GROUPS[0]  # anything else changes how the method trains
+
+
+#: What an option left unset (None) means, for --help.
+_UNSET_MEANS = {
+    "data_dir": "none (digits and synthetic need none)",
+    "run_dir": "runs/<job id> under SLURM, else runs/<algorithm>-<time>",
+    "easgd_alpha": "0.9 / world size", "easgd_tau": "--tau-local",
+    "ranks_per_node": "by host name", "max_steps": "none (all epochs)",
+}
+
+
+def _default_text(name: str, default: Any) -> str:
+    """``default: ...`` for --help: the Config default, or the per-data-set defaults."""
+    per_set = {d: v[name] for d, v in DATASET_DEFAULTS.items() if name in v}
+    if name == "model":
+        from .models import DEFAULT_MODELS
+        per_set = dict(DEFAULT_MODELS)
+    if default is None and per_set:
+        return "default: " + ", ".join(f"{d} {v}" for d, v in per_set.items())
+    if default is None:
+        return f"default: {_UNSET_MEANS.get(name, 'none')}"
+    text = "off" if default is False else str(default)
+    others = {d: v for d, v in per_set.items() if v != default}
+    if others:
+        text += " (" + ", ".join(f"{d}: {v}" for d, v in others.items()) + ")"
+    return f"default: {text}"
+
+
+def _choices_text(name: str) -> Optional[str]:
+    """Choices of options checked in validate() rather than by argparse (their error message
+    names the option, and YAML files go through the same check)."""
+    if name == "topology":
+        from .topology import TOPOLOGIES
+        return ", ".join(TOPOLOGIES)
+    if name == "dataset":
+        return ", ".join(DATASET_DEFAULTS)
+    if name == "model":
+        from .models import MODELS
+        return ", ".join(MODELS)
+    return None
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2, as argparse does, but with our prefix
         raise ConfigError("command line", message)
@@ -118,16 +206,28 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m lsgd_hpc.train", argument_default=argparse.SUPPRESS,
-                description="Train with Leader SGD or a baseline on MPI ranks.")
-    p.add_argument("--config", help="YAML file of options (the command line wins)")
+                usage="%(prog)s [--config FILE] [options]",
+                description="Train with Leader SGD or a baseline on MPI ranks. Options come "
+                            "from the defaults shown, then the data set's defaults, then "
+                            "--config, then the command line.")
+    p.add_argument("--config", metavar="FILE", help="YAML file of options (the command line wins)")
+    sections = {g: p.add_argument_group(g) for g in GROUPS}
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
+        section = sections[option_group(f.name)]
+        parts = [_HELP.get(f.name, "")]
+        if _choices_text(f.name):
+            parts.append(f"one of: {_choices_text(f.name)}")
+        parts.append(_default_text(f.name, f.default))
+        helptext = "; ".join(x for x in parts if x).replace("%", "%%")
         if f.type in ("bool",) or isinstance(f.default, bool):
-            p.add_argument(flag, action="store_true", help=_HELP.get(f.name))
+            section.add_argument(flag, action="store_true", help=helptext)
         else:
             # Strings here; types are checked in one place (_coerce) for YAML and CLI alike.
-            p.add_argument(flag, metavar=f.name.upper(), choices=_CHOICES.get(f.name),
-                           help=_HELP.get(f.name))
+            # Options with argparse choices show them as {a,b,...}; others name their type.
+            choices = _CHOICES.get(f.name)
+            section.add_argument(flag, metavar=None if choices else f.name.upper(),
+                                 choices=choices, help=helptext)
     return p
 
 
