@@ -16,7 +16,7 @@ DEMO_DIR ?= runs/demo
 
 venv: $(READY)
 
-$(READY): setup.cfg scripts/bootstrap.sh
+$(READY): setup.cfg constraints.txt scripts/bootstrap.sh
 	bash scripts/bootstrap.sh $(VENV)
 
 demo: $(READY)

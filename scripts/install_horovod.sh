@@ -6,7 +6,7 @@
 # ${LSGD_HPC_CACHE:-$HOME/.cache/lsgd_hpc}/wheels/; else builds one (about 4-5 minutes on
 # 2 cores), stores it in that folder, and installs it.
 #
-# Horovod 0.28.1 does not build against current torch as published (see ENVIRONMENT.md):
+# Horovod 0.28.1 does not build against current torch as published:
 # its CMake asks for C++14 while torch 2.14's headers need C++20, and a CUDA build of torch
 # wants CUDA's runtime headers. The build below applies that recipe.
 set -euo pipefail
