@@ -104,8 +104,17 @@ def run_mpi(np_: int, args: list, timeout: float = 180, env: dict | None = None,
 
 
 def horovod_available() -> bool:
+    """True when ``horovod.torch`` imports; False only when Horovod is not installed.
+
+    mpi4py is imported first, as the Horovod backend does (Horovod must initialise over the
+    MPI that mpi4py set up). Any other failure -- a broken build, an import-order problem, a
+    missing symbol -- is raised, so that it fails loudly instead of skipping the backend's tests.
+    """
+    from mpi4py import MPI  # noqa: F401
     try:
         import horovod.torch  # noqa: F401
-    except Exception:
-        return False
+    except ModuleNotFoundError as exc:
+        if exc.name in ("horovod", "horovod.torch"):
+            return False
+        raise
     return True
