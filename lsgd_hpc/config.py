@@ -55,6 +55,7 @@ class Config:
     ranks_per_node: Optional[int] = None
     eval_every: Optional[int] = None
     consensus_every: int = 10             # gossip: steps between consensus-distance probes
+    bucket_mb: float = 1.0                # allreduce: gradient bucket size; 0 = no overlap
     backend: str = "mpi"
     device: str = "cpu"                   # cuda: one GPU per rank (node-local rank % GPUs)
     log_every: int = 1                    # steps between rows of /train
@@ -99,6 +100,8 @@ _HELP = {
     "ranks_per_node": "group K consecutive ranks as one node",
     "eval_every": "steps between test evaluations (and log lines)",
     "consensus_every": "gossip: steps between consensus-distance measurements",
+    "bucket_mb": "allreduce: MB per gradient bucket averaged during backward "
+                 "(0: one allreduce after backward)",
     "backend": "communication backend",
     "device": "cpu, or cuda: one GPU per rank (needs a CUDA-aware MPI for --backend mpi)",
     "log_every": "steps between rows of /train",
@@ -344,6 +347,8 @@ def validate(cfg: Config, env: dict) -> None:
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
                     "ranks_per_node", "easgd_tau"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed"], strict=False)
+    if not (math.isfinite(cfg.bucket_mb) and cfg.bucket_mb >= 0):
+        raise ConfigError("--bucket-mb", f"must be a finite number >= 0, got {cfg.bucket_mb}")
     if not 0 <= cfg.momentum < 1:
         raise ConfigError("--momentum", f"must be in [0, 1), got {cfg.momentum}")
     for name in ("pull_local", "pull_global"):

@@ -14,7 +14,8 @@ from mpi_util import REPO, horovod_available, run_mpi
 BACKENDS = ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
     not horovod_available(), reason="Horovod is not installed in this venv (make horovod)"))]
 FILES = [str(REPO / "tests" / "parallel" / f) for f in
-         ("test_comm_parallel.py", "test_algorithms_parallel.py", "test_netprobe_parallel.py")]
+         ("test_comm_parallel.py", "test_algorithms_parallel.py", "test_netprobe_parallel.py",
+          "test_overlap_parallel.py")]
 
 
 @pytest.mark.mpi

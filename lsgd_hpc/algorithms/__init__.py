@@ -17,7 +17,8 @@ def build_algorithm(cfg, groups, flat, log, steps_per_epoch: int) -> Algorithm:
         return LeaderSGD(groups, flat, cfg.tau_local, cfg.tau_global, cfg.pull_local,
                          cfg.pull_global, cfg.leader_window, log=log)
     if cfg.algorithm == "allreduce":
-        return AllreduceSGD(groups, flat, consensus_every=cfg.eval_every, log=log)
+        return AllreduceSGD(groups, flat, consensus_every=cfg.eval_every, log=log,
+                            bucket_bytes=int(cfg.bucket_mb * 2**20))
     if cfg.algorithm == "easgd":
         alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / groups.world.size
         return EASGD(groups, flat, alpha, cfg.easgd_tau or cfg.tau_local, log=log)

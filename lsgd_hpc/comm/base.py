@@ -7,11 +7,12 @@ import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["CommStats", "Election", "Communicator", "CommError", "check_tensor", "sanitize_score"]
+__all__ = ["CommStats", "Election", "Communicator", "CommError", "Pending", "check_tensor",
+           "sanitize_score"]
 
 #: dtypes the backends can move (mapped to MPI datatypes by the MPI backend).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -89,6 +90,43 @@ def check_tensor(t, name: str = "tensor") -> torch.Tensor:
     return t
 
 
+class Pending:
+    """A non-blocking collective in flight over ``tensor``; :meth:`wait` completes it.
+
+    The tensor must not be read or written until ``wait`` returns (MPI or Horovod may be
+    reading and writing it). ``test`` lets the library progress the operation (Open MPI's
+    non-blocking collectives advance only inside MPI calls) and says whether it is done.
+    ``wait`` books its blocking time in the communicator's ``stats.seconds``: the time that
+    communication was not hidden behind computation.
+    """
+
+    def __init__(self, comm: "Communicator", tensor: torch.Tensor, op: str,
+                 wait: Callable[[], None], test: Callable[[], bool]):
+        self.comm, self.tensor, self.op = comm, tensor, op
+        self._wait, self._test = wait, test
+        self.done = False
+
+    def test(self) -> bool:
+        """Progress the operation; True once it has completed (``wait`` is then immediate)."""
+        return self.done or self._test()
+
+    def wait(self) -> torch.Tensor:
+        """Block until complete; the tensor then holds the sum (or mean) over the group."""
+        if not self.done:
+            t0 = time.perf_counter()
+            try:
+                self._wait()
+            finally:
+                self.comm.stats.seconds += time.perf_counter() - t0
+            self.done = True
+            self.comm._finish_mean(self.tensor, self.op)
+        return self.tensor
+
+
+def _no_wait() -> None:
+    pass
+
+
 class Communicator(abc.ABC):
     """One group of ranks. Every method is collective over the group unless stated.
 
@@ -115,6 +153,28 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place: tensor <- sum (op='sum') or mean (op='mean') over the group."""
+
+    def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *,
+                    agreed: bool = False) -> Pending:
+        """Start ``allreduce_(tensor, op)`` without waiting; complete it with ``.wait()``.
+
+        Every member must start the group's non-blocking collectives in the same order.
+        Bytes and the call are counted when it starts, the seconds spent starting and
+        waiting as communication time. ``agreed=True``: the caller has already made sure
+        that every member passes the same numel and dtype (a bucket plan checked once),
+        so the per-call agreement check is skipped.
+        """
+        self._check_allreduce(tensor, op)
+        if self.size == 1:
+            return Pending(self, tensor, "sum", _no_wait, lambda: True)
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._counted(nbytes, nbytes):
+            wait, test = self._start_iallreduce(tensor, agreed)
+        return Pending(self, tensor, op, wait, test)
+
+    def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
+        """Backend part of :meth:`iallreduce_`: start an in-place sum, return (wait, test)."""
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking allreduce")
 
     @abc.abstractmethod
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:

@@ -118,6 +118,7 @@ class HorovodCommunicator(Communicator):
         self._is_world = _process_set is self._hvd.global_process_set
         # Process-set ids agree on every rank: every rank adds the same sets in the same order.
         self._tag = "-" if _process_set is None else str(_process_set.process_set_id)
+        self._slots: set = set()              # name slots of non-blocking operations in flight
 
     @property
     def rank(self) -> int:
@@ -162,6 +163,29 @@ class HorovodCommunicator(Communicator):
                                      name=self._name("sum", tensor), process_set=self._ps)
         # Mean as sum / size, not hvd.Average, so both backends agree to the last bit.
         return self._finish_mean(tensor, op)
+
+    def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
+        if not agreed:
+            self._mpi._agree("iallreduce_", tensor)
+        if tensor.numel() == 0:
+            return (lambda: None), (lambda: True)
+        # Names must be unique among operations in flight and the same on every member:
+        # the lowest slot not held by an operation started and not yet waited for (members
+        # start and wait in the same order, so they pick the same slot). Names then repeat
+        # step after step, and Horovod's response cache keeps working.
+        slot = min(set(range(len(self._slots) + 1)) - self._slots)
+        self._slots.add(slot)
+        handle = self._hvd.allreduce_async_(tensor.detach(), op=self._hvd.Sum,
+                                            name=f"{self._name('isum', tensor)}.{slot}",
+                                            process_set=self._ps)
+
+        def wait() -> None:
+            try:
+                self._hvd.synchronize(handle)
+            finally:
+                self._slots.discard(slot)
+
+        return wait, (lambda: self._hvd.poll(handle))
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)

@@ -127,6 +127,13 @@ class MPICommunicator(Communicator):
             self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
         return self._finish_mean(tensor, op)
 
+    def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
+        if not agreed:
+            self._agree("iallreduce_", tensor)
+        # The memory stays alive while in flight: the Pending holds the tensor that owns it.
+        req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
+        return req.Wait, req.Test
+
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)
         self._check_root(root)

@@ -1,0 +1,140 @@
+"""Gradient buckets: the fused gradient averaged in pieces while backward still runs.
+
+Backward produces gradients roughly from the last layer to the first. The fused gradient
+buffer of :class:`FlatParams` (parameters in model order) is cut into contiguous buckets
+walking the parameters backwards, each about ``bucket_bytes``; a bucket's non-blocking
+allreduce starts from the gradient hook of the last of its parameters to be accumulated,
+so the averaging of the last layers overlaps the backward pass of the first ones (as in
+PyTorch DDP and Horovod's DistributedOptimizer). :meth:`GradBuckets.finish`, called before
+the optimizer step, starts what has not started (parameters without a gradient this step)
+and waits for everything:
+
+    g[lo_b:hi_b] <- (1/p) sum_i g_i[lo_b:hi_b]   for every bucket b
+
+which is the allreduce of the whole buffer, bucket by bucket: the same bytes, the same mean
+on every rank (each bucket's sum is one MPI reduction whose result every member receives).
+
+Non-blocking collectives must start in the same order on every member, whatever order the
+hooks fire in: bucket k starts only after buckets 0..k-1 (in backward order) have started.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+from .base import CommError, Communicator, Pending
+from .flat import FlatParams
+
+__all__ = ["GradBuckets", "bucket_bounds"]
+
+
+def bucket_bounds(sizes: List[int], element_size: int,
+                  bucket_bytes: int) -> List[Tuple[int, int]]:
+    """Contiguous [lo, hi) element ranges over parameters of ``sizes`` (model order), walked
+    from the last parameter to the first, each closed once it holds >= bucket_bytes.
+
+    Returned in backward order (the range holding the last parameter first). A parameter is
+    never split across buckets.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bounds, hi, filled = [], sum(sizes), 0
+    lo = hi
+    for n in reversed(sizes):
+        lo -= n
+        filled += n * element_size
+        if filled >= bucket_bytes:
+            bounds.append((lo, hi))
+            hi, filled = lo, 0
+    if hi > 0:
+        bounds.append((0, hi))
+    return bounds
+
+
+class GradBuckets:
+    """Average ``flat.grad`` over ``comm`` in buckets started from gradient hooks.
+
+    Hooks are registered on the model's parameters when this is built; they act only
+    between :meth:`finish` calls (every backward must be followed by ``finish`` before the
+    next backward). The bucket plan is checked once, here, to be the same on every member
+    (one object allgather), so the per-call agreement check is skipped afterwards.
+    """
+
+    def __init__(self, comm: Communicator, flat: FlatParams, bucket_bytes: int):
+        self.comm, self.flat = comm, flat
+        params = list(flat.model.parameters())
+        offsets = [off for _, off, _ in flat.slices[:len(params)]]
+        sizes = [p.numel() for p in params]
+        self.bounds = bucket_bounds(sizes, flat.grad.element_size(), bucket_bytes)
+        plan = (tuple(self.bounds), str(flat.grad.dtype))
+        plans = comm.allgather_object(plan)
+        if any(p != plan for p in plans):
+            raise CommError(f"gradient buckets: ranks disagree on the bucket plan "
+                            f"({len(set(plans))} different plans; same model and --bucket-mb "
+                            "on every rank are needed)")
+        self.views = [flat.grad[lo:hi] for lo, hi in self.bounds]
+        # parameter index -> bucket index; parameters left to arrive per bucket
+        self.bucket_of = [next(b for b, (lo, hi) in enumerate(self.bounds) if lo <= off < hi)
+                          for off in offsets]
+        self.expected = [0] * len(self.bounds)
+        for b in self.bucket_of:
+            self.expected[b] += 1
+        self._handles = []
+        if comm.size > 1:
+            for i, p in enumerate(params):
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
+        self._reset()
+
+    def _reset(self) -> None:
+        self.missing = list(self.expected)
+        self.arrived = [False] * len(self.bucket_of)
+        self.pending: List[Pending] = []      # started buckets, in start (= bucket) order
+
+    @property
+    def n_buckets(self) -> int:
+        return len(self.bounds)
+
+    def _hook(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._arrived(index)
+        return hook
+
+    def _arrived(self, index: int) -> None:
+        b = self.bucket_of[index]
+        if self.arrived[index] or b < len(self.pending):
+            raise RuntimeError("gradient buckets: a gradient was accumulated again before the "
+                               "step (its bucket may already be in flight); call backward "
+                               "once per step")
+        self.arrived[index] = True
+        self.missing[b] -= 1
+        # Let MPI advance the buckets in flight (Open MPI progresses them only inside calls).
+        for p in self.pending:
+            p.test()
+        self._start_ready()
+
+    def _start_ready(self, all_: bool = False) -> None:
+        while len(self.pending) < len(self.views):
+            b = len(self.pending)
+            if not all_ and self.missing[b]:
+                return
+            self.pending.append(self.comm.iallreduce_(self.views[b], "mean", agreed=True))
+
+    def finish(self) -> torch.Tensor:
+        """Start the buckets not yet started, wait for all; ``flat.grad`` is then the mean."""
+        if self.comm.size > 1:
+            try:
+                self._start_ready(all_=True)
+                for p in self.pending:
+                    p.wait()
+            finally:
+                self._reset()
+        return self.flat.grad
+
+    def remove(self) -> None:
+        """Unregister the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
