@@ -13,11 +13,16 @@ import numpy as np
 import scipy.linalg
 import scipy.sparse
 
-__all__ = ["TOPOLOGIES", "DEFAULT_GAMMAS", "Topology", "build_topology", "spectral_gap",
-           "second_eigenvalue_modulus", "effective_neighbors", "diameter", "analyse", "main"]
+__all__ = ["TOPOLOGIES", "DEFAULT_GAMMAS", "SPECTRAL_GAP_DEFINITION", "Topology", "build_topology",
+           "spectral_gap", "second_eigenvalue_modulus", "second_singular_value",
+           "effective_neighbors", "diameter", "analyse", "main"]
 
 TOPOLOGIES = ("complete", "ring", "torus", "hypercube", "star", "chain", "tree", "exponential",
-              "one-peer-exponential", "hierarchical")
+              "exponential-undirected", "one-peer-exponential", "hierarchical")
+
+#: What ``spectral_gap`` and ``analyse(...)["spectral_gap"]`` report, in words.
+SPECTRAL_GAP_DEFINITION = ("1 - ||W - 11^T/n||_2 (one-step contraction of the consensus error); "
+                           "time-varying: 1 - ||W_{P-1}...W_0 - 11^T/n||_2^(1/P)")
 
 #: Gamma grid of the effective number of neighbours when the caller gives none.
 DEFAULT_GAMMAS = (0.5, 0.9, 0.99, 0.999)
@@ -39,7 +44,9 @@ class Topology:
     i.e. x <- W_t x with row i of W_t equal to ``weights(i, t)``. Every W_t is doubly stochastic
     and nonnegative, W_t[i, j] > 0 only for j = i or j in ``in_neighbors(i, t)``, and rank i sends
     to ``out_neighbors(i, t)``: j in out(i, t) iff i in in(j, t). Static graphs (period 1) are
-    undirected, in = out, and W is symmetric.
+    undirected (in = out, W symmetric) except ``exponential``, which is directed (in != out, W
+    circulant). Every W this module builds is normal (symmetric or circulant), so its singular
+    values are the moduli of its eigenvalues.
 
     Build with :func:`build_topology`; the subclasses are private.
     """
@@ -157,7 +164,7 @@ class Topology:
 
 
 class _MaxDegreeGraph(Topology):
-    """Static undirected graph with the max-degree weights of ALGORITHMS.md:
+    """Static undirected graph with the max-degree weights (the package default):
 
         w_ij = 1 / (max(deg_i, deg_j) + 1)  for neighbours j of i,   w_ii = 1 - sum_j w_ij.
 
@@ -547,6 +554,73 @@ class _OnePeerExponential(Topology):
         return out
 
 
+class _StaticExponential(Topology):
+    """The static exponential graph of Ying et al. (2021), directed.
+
+    With d = ceil(log2 n) (0 when n = 1), rank i sends to (i + 2^k) mod n and receives from
+    (i - 2^k) mod n for k = 0..d-1, and every weight, its own included, is 1/(d + 1):
+
+        x_i <- (x_i + sum_{k<d} x_{(i - 2^k) mod n}) / (d + 1),    W = (I + sum_k S^{2^k}) / (d + 1)
+
+    with S the cyclic shift ((S x)_i = x_{i-1}). The offsets 2^k < n are distinct and nonzero, so
+    every rank has exactly d in- and d out-neighbours (3, 4, 6 at n = 8, 16, 64) and W is doubly
+    stochastic but not symmetric for n >= 3. W is circulant, hence normal: the Fourier modes
+    diagonalise it, mu_f = (1 + sum_k e^{-2 pi i f 2^k / n}) / (d + 1), its singular values are
+    |mu_f|, and for n a power of two ||W - 11^T/n||_2 = 1 - 2/(d + 1).
+    """
+
+    _vertex_transitive = True
+
+    def __init__(self, n: int):
+        super().__init__("exponential", n,
+                         "static exponential graph (directed): i sends to i + 2^k mod n")
+        self.d = max(n - 1, 0).bit_length()          # ceil(log2 n) for n >= 1
+        self._offsets = [1 << k for k in range(self.d)]
+
+    def in_neighbors(self, i: int, step: int = 0) -> List[int]:
+        self._check_rank(i)
+        return sorted((i - o) % self.n for o in self._offsets)
+
+    def out_neighbors(self, i: int, step: int = 0) -> List[int]:
+        self._check_rank(i)
+        return sorted((i + o) % self.n for o in self._offsets)
+
+    def weights(self, i: int, step: int = 0) -> Tuple[float, Dict[int, float]]:
+        w = 1.0 / (self.d + 1)
+        return w, {j: w for j in self.in_neighbors(i)}
+
+    def _degrees(self) -> List[int]:
+        return [self.d] * self.n
+
+    def _row0(self) -> np.ndarray:
+        c = np.zeros(self.n)
+        c[0] = 1.0 / (self.d + 1)
+        c[[(-o) % self.n for o in self._offsets]] = 1.0 / (self.d + 1)
+        return c
+
+    def mixing_matrix(self, step: int = 0) -> np.ndarray:
+        idx = np.arange(self.n)
+        return self._row0()[(idx[None, :] - idx[:, None]) % self.n]
+
+    def _moduli(self) -> np.ndarray:
+        """|mu_f|, f = 0..n-1: the eigenvalue moduli and the singular values of W."""
+        return np.abs(np.fft.fft(self._row0()))
+
+    def _slem(self) -> float:
+        return float(np.sort(self._moduli())[-2]) if self.n > 1 else 0.0
+
+    def _mean_variance(self, gammas: Sequence[float]) -> np.ndarray:
+        # W normal: Sigma = sum_k g^k W^(k+1) W^T(k+1) = F diag(|mu|^2 / (1 - g |mu|^2)) F^*
+        return _mean_variance_from_spectrum(self._moduli(), gammas)
+
+    def _verify(self) -> Tuple[bool, bool]:
+        # every row and every column is a cyclic shift of row 0
+        c = self._row0()
+        symmetric = bool(np.allclose(c, np.roll(c[::-1], 1), rtol=0, atol=_TOL))
+        stochastic = bool(c.min() >= 0 and abs(c.sum() - 1.0) <= _TOL)
+        return symmetric, stochastic
+
+
 
 class _TreeSolver:
     """Symmetric matrix A on a rooted tree (parent[i] < i for i > 0): A_ii = diag[i],
@@ -621,8 +695,10 @@ def build_topology(name: str, n: int, node_of: Optional[Sequence[int]] = None) -
 
     complete; ring; torus (most square r x c = n, true wrap-around; n prime gives 1 x n, a ring);
     hypercube (n a power of two); star (centre 0); chain (path); tree (binary, parent (i-1)//2);
-    exponential (static, neighbours i +- 2^k mod n); one-peer-exponential (time-varying, one peer
-    per step); hierarchical (complete inside a node, ring of node roots; node_of[i] is the node
+    exponential (the static exponential graph of Ying et al. 2021: directed, i sends to
+    i + 2^k mod n, k < ceil(log2 n), all weights 1/(ceil(log2 n) + 1)); exponential-undirected
+    (neighbours i +- 2^k mod n, max-degree weights, symmetric); one-peer-exponential
+    (time-varying, one peer per step); hierarchical (complete inside a node, ring of node roots; node_of[i] is the node
     of rank i, default every rank its own node, which makes it a ring). node_of is ignored by
     the other topologies. Raises ValueError for an unknown name, n < 1 or an impossible pair.
     """
@@ -636,7 +712,9 @@ def build_topology(name: str, n: int, node_of: Optional[Sequence[int]] = None) -
     if name == "ring":
         return _Circulant(name, n, "ring i - (i+1) mod n", (1, -1))
     if name == "exponential":
-        return _Circulant(name, n, "static exponential graph: neighbours i +- 2^k mod n",
+        return _StaticExponential(n)
+    if name == "exponential-undirected":
+        return _Circulant(name, n, "undirected exponential graph: neighbours i +- 2^k mod n",
                           _exponential_offsets(n))
     if name == "torus":
         return _Torus(n)
@@ -726,7 +804,8 @@ def _mean_variance_periodic(Ws: Sequence[np.ndarray], gammas: Sequence[float]) -
 
 
 def second_eigenvalue_modulus(topology_or_W: Union[Topology, Matrix]) -> float:
-    """|lambda_2(W)|: the second largest eigenvalue modulus (0 when n = 1).
+    """|lambda_2(W)|: the second largest eigenvalue modulus (0 when n = 1), the asymptotic
+    per-step rate at which W^t x approaches the average.
 
     For a time-varying topology: the per-step rate |lambda_2(W_{P-1} ... W_0)|^(1/P) of the
     product over one period (0 for the one-peer exponential graph with n a power of two).
@@ -740,10 +819,38 @@ def second_eigenvalue_modulus(topology_or_W: Union[Topology, Matrix]) -> float:
     return _slem_from_spectrum(eig)
 
 
-def spectral_gap(topology_or_W: Union[Topology, Matrix]) -> float:
-    """1 - |lambda_2(W)| (see second_eigenvalue_modulus). Complete graph: 1; ring with max-degree
-    weights: 1 - |1/3 + 2/3 cos(2 pi / n)|. Uses the topology's structure when given one."""
-    return 1.0 - second_eigenvalue_modulus(topology_or_W)
+def second_singular_value(topology_or_W: Union[Topology, Matrix, Sequence[Matrix]]) -> float:
+    """sigma_2(W) = ||W - 11^T/n||_2 for a doubly stochastic W (0 when n = 1): the largest
+    factor by which one mixing step can shrink the consensus error, ||W x - xbar|| <=
+    sigma_2 ||x - xbar|| for every x (xbar the average, which W keeps).
+
+    For a normal W (symmetric, or circulant like every graph built here) sigma_2 = |lambda_2|.
+    For a non-normal W, |lambda_2| only gives the rate after many steps and can be far below
+    sigma_2. A sequence W_0..W_{P-1} (or a time-varying topology) is taken as one period:
+    ||W_{P-1}...W_0 - 11^T/n||_2^(1/P), a per-step rate.
+    """
+    if isinstance(topology_or_W, Topology):
+        return topology_or_W._slem()               # normal W: sigma_2 = |lambda_2|
+    arr = np.asarray(topology_or_W, dtype=float)
+    Ws = [_as_square(W) for W in arr] if arr.ndim == 3 else [_as_square(arr)]
+    n = len(Ws[0])
+    if n == 1:
+        return 0.0
+    Phi = np.eye(n)
+    for W in Ws:
+        Phi = W @ Phi
+    return float(np.linalg.norm(Phi - np.full((n, n), 1.0 / n), 2) ** (1.0 / len(Ws)))
+
+
+def spectral_gap(topology_or_W: Union[Topology, Matrix, Sequence[Matrix]]) -> float:
+    """1 - sigma_2(W) = 1 - ||W - 11^T/n||_2 (see second_singular_value): the guaranteed
+    one-step shrink of the consensus error, the quantity decentralized-SGD rates are stated in.
+    It equals 1 - |lambda_2(W)| for symmetric W and for every (normal) graph built here; for a
+    non-normal matrix given directly the two differ and this one is the honest bound.
+    Complete graph: 1; ring with max-degree weights: 1 - |1/3 + 2/3 cos(2 pi / n)|; static
+    exponential graph, n a power of two: 2 / (log2 n + 1). Uses the topology's structure when
+    given one."""
+    return 1.0 - second_singular_value(topology_or_W)
 
 
 def effective_neighbors(topology_or_W: Union[Topology, Matrix, Sequence[Matrix]],
@@ -786,28 +893,36 @@ def analyse(name: str, n: int, gammas: Sequence[float] = DEFAULT_GAMMAS,
             node_of: Optional[Sequence[int]] = None) -> dict:
     """Everything the comparison tables need about one topology, JSON-ready.
 
-    Keys: topology, n, layout, time_varying, period, degree {min, max, mean} (in-neighbours per
-    step), diameter, symmetric and doubly_stochastic (checked on the weights, every step of a
-    period), second_eigenvalue_modulus and spectral_gap (per-step rate of the period product for
-    a time-varying topology), effective_neighbors {str(gamma): ENN(gamma)}.
+    Keys: topology, n, layout, time_varying, directed, period, degree {min, max, mean}
+    (in-neighbours per step), diameter, symmetric and doubly_stochastic (checked on the weights,
+    every step of a period), second_eigenvalue_modulus (|lambda_2|), second_singular_value
+    (||W - 11^T/n||_2), spectral_gap (1 - second_singular_value; per-step rates of the period
+    product for a time-varying topology), spectral_gap_definition (that sentence), and
+    effective_neighbors {str(gamma): ENN(gamma)} (discrete Lyapunov equation for a non-symmetric
+    or time-varying W, evaluated through the Fourier modes where W is circulant).
     """
     gammas = [_check_gamma(g) for g in gammas]
     top = build_topology(name, n, node_of)
     symmetric, stochastic = top._verify()
     slem = second_eigenvalue_modulus(top)
+    sigma2 = second_singular_value(top)
     enn = 1.0 / ((1.0 - np.array(gammas)) * top._mean_variance(gammas)) if gammas else []
     return {
         "topology": top.name,
         "n": top.n,
         "layout": top.layout,
         "time_varying": top.time_varying,
+        "directed": any(top.in_neighbors(i, t) != top.out_neighbors(i, t)
+                        for t in range(top.period) for i in range(top.n)),
         "period": top.period,
         "degree": top.degree(),
         "diameter": diameter(top),
         "symmetric": symmetric,
         "doubly_stochastic": stochastic,
         "second_eigenvalue_modulus": slem,
-        "spectral_gap": 1.0 - slem,
+        "second_singular_value": sigma2,
+        "spectral_gap": 1.0 - sigma2,
+        "spectral_gap_definition": SPECTRAL_GAP_DEFINITION,
         "effective_neighbors": {str(g): float(v) for g, v in zip(gammas, enn)},
     }
 
@@ -835,8 +950,10 @@ def _format_table(result: dict) -> str:
         f"{'diameter':<30}{result['diameter']}",
         f"{'symmetric':<30}{result['symmetric']}",
         f"{'doubly stochastic':<30}{result['doubly_stochastic']}",
+        f"{'directed':<30}{result['directed']}",
         f"{'|lambda_2|':<30}{result['second_eigenvalue_modulus']:.6g}",
-        f"{'spectral gap':<30}{result['spectral_gap']:.6g}",
+        f"{'sigma_2 = ||W - 11^T/n||':<30}{result['second_singular_value']:.6g}",
+        f"{'spectral gap (1 - sigma_2)':<30}{result['spectral_gap']:.6g}",
     ]
     for g, v in result["effective_neighbors"].items():
         lines.append(f"{'effective neighbours @ ' + g:<30}{v:.6g}")

@@ -188,7 +188,8 @@ def test_allreduce_sgd_mean_gradient(world, groups):
         assert world.stats.bytes_sent - before.bytes_sent == flat.grad.numel() * 8
 
 
-@pytest.mark.parametrize("name", ["ring", "torus", "exponential", "complete", "star"])
+@pytest.mark.parametrize("name", ["ring", "torus", "exponential", "exponential-undirected",
+                                  "complete", "star"])
 def test_gossip_preserves_mean_neighbour_only(world, groups, name):
     topo = build_topology(name, world.size, node_of=groups.node_of)
     flat = tiny(0.0)
@@ -210,6 +211,35 @@ def test_gossip_preserves_mean_neighbour_only(world, groups, name):
     flat.flat.copy_(X[world.rank])
     algo.after_step(4, 0.0)
     assert torch.allclose(flat.flat, W[world.rank] @ X, atol=1e-12)
+
+
+#: One gossip step on the directed static exponential graph when every rank holds its rank:
+#: rank i averages itself with i - 2^k mod n, k < ceil(log2 n), weight 1/(ceil(log2 n) + 1).
+EXPONENTIAL_ONE_STEP = {
+    1: [0.0],
+    2: [(0 + 1) / 2, (1 + 0) / 2],
+    4: [(0 + 3 + 2) / 3, (1 + 0 + 3) / 3, (2 + 1 + 0) / 3, (3 + 2 + 1) / 3],
+    5: [(0 + 4 + 3 + 1) / 4, (1 + 0 + 4 + 2) / 4, (2 + 1 + 0 + 3) / 4, (3 + 2 + 1 + 4) / 4,
+        (4 + 3 + 2 + 0) / 4],
+}
+
+
+def test_gossip_on_the_directed_exponential_graph_mixes_from_in_neighbours(world, groups):
+    n = world.size
+    if n not in EXPONENTIAL_ONE_STEP:
+        pytest.skip(f"no hand-computed step for n={n} (have {sorted(EXPONENTIAL_ONE_STEP)})")
+    topo = build_topology("exponential", n)
+    flat = tiny(float(world.rank))
+    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    before = world.stats.snapshot()
+    algo.combine(1)
+    want = EXPONENTIAL_ONE_STEP[n][world.rank]
+    assert torch.allclose(flat.flat, torch.full_like(flat.flat, want), rtol=0, atol=1e-12)
+    # directed: this rank sent to its out-neighbours only and heard from its in-neighbours
+    deg = len(topo.in_neighbors(world.rank))
+    assert len(topo.out_neighbors(world.rank)) == deg
+    assert world.stats.bytes_sent - before.bytes_sent == deg * flat.nbytes
+    assert world.stats.bytes_recv - before.bytes_recv == deg * flat.nbytes
 
 
 def test_one_peer_exponential_exact_average_over_period(world, groups):
