@@ -52,9 +52,10 @@ BENCHES = [
     Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
     Bench("backends", "backends", timeout=150),
     Bench("election", "election", timeout=90),
+    Bench("topology_speed", "topology_speed", np=1, timeout=150),
 ]
-RUN_ORDER = ["fused_vs_per_tensor", "hierarchical_broadcast", "election", "backends",
-             "algorithms_cost", "hierarchical_broadcast_8"]
+RUN_ORDER = ["fused_vs_per_tensor", "hierarchical_broadcast", "election", "topology_speed",
+             "backends", "algorithms_cost", "hierarchical_broadcast_8"]
 #: Wall-clock targets of the whole run (seconds); optional benchmarks are dropped past them.
 BUDGET_S = {"full": 290.0, "quick": 115.0}
 
