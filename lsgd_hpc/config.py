@@ -50,6 +50,7 @@ class Config:
     pull_global: float = 0.1
     leader_window: int = 10
     local_steps: str = "8"                # an integer T, or "auto"
+    local_steps_cost_ratio: Optional[float] = None   # auto: assumed round/step cost; None: measure
     easgd_alpha: Optional[float] = None   # None: 0.9 / world size (beta = p * alpha = 0.9)
     easgd_tau: Optional[int] = None       # None: tau_local
     ranks_per_node: Optional[int] = None
@@ -95,6 +96,8 @@ _HELP = {
     "pull_global": "c_G: pull strength toward the global leader",
     "leader_window": "K: a worker's score is its mean loss over its last K minibatches",
     "local_steps": "local SGD: T local steps between averages, or auto",
+    "local_steps_cost_ratio": "local SGD auto: take one averaging round to cost this many "
+                              "local steps instead of measuring it",
     "easgd_alpha": "EASGD moving rate alpha",
     "easgd_tau": "EASGD: steps between elastic updates",
     "ranks_per_node": "group K consecutive ranks as one node",
@@ -168,6 +171,7 @@ _UNSET_MEANS = {
     "run_dir": "runs/<job id> under SLURM, else runs/<algorithm>-<time>",
     "easgd_alpha": "0.9 / world size", "easgd_tau": "--tau-local",
     "ranks_per_node": "by host name", "max_steps": "none (all epochs)",
+    "local_steps_cost_ratio": "measured at run time",
 }
 
 
@@ -368,6 +372,9 @@ def validate(cfg: Config, env: dict) -> None:
                                                f"got {cfg.local_steps!r}") from None
         if t < 1:
             raise ConfigError("--local-steps", f"must be >= 1 or auto, got {t}")
+    if cfg.local_steps_cost_ratio is not None and not cfg.local_steps_cost_ratio > 0:
+        raise ConfigError("--local-steps-cost-ratio",
+                          f"must be > 0, got {cfg.local_steps_cost_ratio}")
     model = cfg.model or models.default_model(cfg.dataset)
     if model not in models.MODELS:
         raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, "

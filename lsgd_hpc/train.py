@@ -189,6 +189,7 @@ class Trainer:
             "torch_version": torch.__version__, "mpi_library": _mpi_library(),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
         }
+        attrs.update(self.algo.file_attrs)
         self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
                                      cfg.flush_every, cfg.flush_seconds,
                                      extra_columns=self.algo.extra_columns)

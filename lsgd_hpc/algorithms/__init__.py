@@ -23,7 +23,8 @@ def build_algorithm(cfg, groups, flat, log, steps_per_epoch: int) -> Algorithm:
         alpha = cfg.easgd_alpha if cfg.easgd_alpha is not None else 0.9 / groups.world.size
         return EASGD(groups, flat, alpha, cfg.easgd_tau or cfg.tau_local, log=log)
     if cfg.algorithm == "local-sgd":
-        return LocalSGD(groups, flat, cfg.local_steps, t_max=max(1, steps_per_epoch), log=log)
+        return LocalSGD(groups, flat, cfg.local_steps, t_max=max(1, steps_per_epoch),
+                        cost_ratio=cfg.local_steps_cost_ratio, log=log)
     if cfg.algorithm == "gossip":
         from ..topology import build_topology
         topo = build_topology(cfg.topology, groups.world.size, node_of=groups.node_of)

@@ -41,6 +41,8 @@ class Algorithm:
     name = "base"
     #: extra columns this method adds to the metric groups, e.g. {"eval": {"center_test_accuracy": "f8"}}
     extra_columns: Dict[str, Dict[str, str]] = {}
+    #: extra HDF5 file attributes this method adds, e.g. the meaning of a code column
+    file_attrs: Dict[str, str] = {}
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, log: Optional[MetricsSink] = None):
         self.groups = groups

@@ -177,6 +177,38 @@ def test_local_sgd_exact_average_on_period_only(world, groups):
     assert rows.rows["consensus"][0]["distance"] == pytest.approx(want_d)
 
 
+@pytest.mark.parametrize("measured", [False, True])
+def test_auto_local_steps_ranks_with_different_evidence_end_on_the_same_T(world, groups,
+                                                                           measured):
+    """Every rank sees its own local law (beta = 0.4 + 0.1 rank) and, when measured, its own
+    timings; one allreduce of the evidence and one decision must give every rank the same T.
+    With a given cost ratio c the decision is the power law of the pooled fit: the pooled
+    slope of equal-step segments is the mean of the ranks' betas, T = ceil(c^(1/mean beta))."""
+    from lsgd_hpc.algorithms.local_steps import LAW_POWER, choose_local_steps
+    n, c = world.size, 3.0
+    beta = 0.4 + 0.1 * world.rank
+    rows = Rows()
+    algo = LocalSGD(groups, tiny(0.0), "auto", t_max=64, t_initial=4, reestimate_steps=40,
+                    cost_ratio=None if measured else c, log=rows)
+    Ts, laws = [], []
+    for step in range(1, 121):
+        averagings = len(rows.rows.get("consensus", []))
+        algo.after_step(step, 2.0 * step ** -beta * 0.9 ** averagings)   # drop at averagings
+        Ts.append(algo.T)
+        laws.append(algo.law)
+    everyone = world.allgather_object((Ts, laws))
+    assert all(e == everyone[0] for e in everyone)
+    # averaging rounds follow the T in force: the T set at a round is the gap to the next
+    rounds = [r["step"] for r in rows.rows["consensus"]]
+    assert all(b - a == Ts[a - 1] for a, b in zip(rounds, rounds[1:]))
+    if not measured:
+        mean_beta = 0.4 + 0.05 * (n - 1)
+        assert algo.law == LAW_POWER
+        assert algo.last_decision.rate == pytest.approx(mean_beta, rel=1e-9)
+        assert algo.T == choose_local_steps(LAW_POWER, algo.last_decision.rate, c, 64)
+        assert algo.T == math.ceil(c ** (1 / mean_beta)) and algo.T != 4   # T did change
+
+
 def test_allreduce_sgd_mean_gradient(world, groups):
     flat = tiny(1.0)
     flat.grad.copy_(x_of(world.rank))
