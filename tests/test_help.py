@@ -37,7 +37,8 @@ def parse_help(text):
             flag = m.group(1)
             out[flag] = [section, m.group(2)]
         elif flag and line.startswith("    "):
-            out[flag][1] += " " + line.strip()
+            # argparse wraps after a hyphen ("one-peer-|exponential"): rejoin without a space
+            out[flag][1] += ("" if out[flag][1].endswith("-") else " ") + line.strip()
     return {k: (s, re.sub(r"\s+", " ", h).strip()) for k, (s, h) in out.items()}
 
 
