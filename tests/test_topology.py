@@ -484,3 +484,27 @@ def test_main_returns_exit_status_in_process(capsys):
     assert json.loads(capsys.readouterr().out)["spectral_gap"] == pytest.approx(1.0)
     assert topo.main(["hypercube", "-n", "3"]) == 2
     assert capsys.readouterr().err.startswith("lsgd_hpc.topology: error: hypercube")
+
+
+@pytest.mark.mpi
+def test_gossip_trains_on_the_directed_exponential_graph(tmp_path):
+    """4 ranks, d = 2: every step a rank sends its model to i+1 and i+2 and receives from i-1
+    and i-2 (different ranks), and the loss falls."""
+    import h5py
+    from mpi_util import run_mpi
+    run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--algorithm", "gossip",
+                "--topology", "exponential", "--max-steps", "30", "--eval-every", "1000",
+                "--consensus-every", "10", "--run-dir", str(tmp_path)], timeout=400)
+    top = build_topology("exponential", 4)
+    for rank in range(4):
+        with h5py.File(tmp_path / "metrics" / f"rank{rank:05d}.h5", "r") as f:
+            t, cons = f["train"], f["consensus"]
+            loss = t["loss"][()]
+            sent = np.diff(np.concatenate([[0], t["comm_bytes_sent"][()]]))
+            recv = np.diff(np.concatenate([[0], t["comm_bytes_recv"][()]]))
+            assert len(loss) == 30 and np.all(np.isfinite(loss))
+            assert loss[-5:].mean() < 0.7 * loss[:5].mean()
+            # the same model-sized message to each of the 2 out-neighbours, from the 2 in-ones
+            assert len(set(sent)) == 1 and sent[0] > 0 and np.array_equal(sent, recv)
+            assert len(top.out_neighbors(rank)) == 2
+            assert np.all(np.isfinite(cons["distance"][()])) and len(cons["step"][()]) >= 3

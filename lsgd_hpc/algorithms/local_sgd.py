@@ -28,12 +28,14 @@ class LocalSGD(Algorithm):
     (or takes the given ``cost_ratio``) into one float64 sum-allreduce, and every rank runs the same :func:`local_steps.decide`
     on the sums: the same T everywhere, without asking the ranks to agree on a law. The T in
     use is logged in /train/local_steps and the law behind it in /train/local_law (codes in
-    local_steps.LAW_NAMES; -1 for a fixed T). Timing-based, so an ``auto`` run is not
+    local_steps.LAW_NAMES; -1 for a fixed T); /train/local_rate (rho or beta) and
+    /train/local_cost_ratio (c) are those of the last estimate (NaN before one). Timing-based, so an ``auto`` run is not
     bit-reproducible; a fixed T is.
     """
 
     name = "local-sgd"
-    extra_columns = {"train": {"local_steps": "i8", "local_law": "i1"}}
+    extra_columns = {"train": {"local_steps": "i8", "local_law": "i1", "local_rate": "f8",
+                               "local_cost_ratio": "f8"}}
     file_attrs = {"local_law_codes": ", ".join(f"{k}={v}" for k, v in LAW_NAMES.items())}
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, local_steps, t_max: int = 1024,
@@ -118,13 +120,17 @@ class LocalSGD(Algorithm):
             self.law = decision.law
 
     def train_columns(self):
-        return {"local_steps": self.T, "local_law": self.law}
+        d = self.last_decision
+        return {"local_steps": self.T, "local_law": self.law, "local_rate": d.rate,
+                "local_cost_ratio": d.cost_ratio}
 
     def state_dict(self) -> dict:
         return {"T": self.T, "law": self.law, "since_avg": self.since_avg,
                 "last_estimate": self.last_estimate,
                 "segments": [list(map(list, seg)) for seg in self.segments],
-                "current": [list(p) for p in self.current]}
+                "current": [list(p) for p in self.current],
+                "decision": [self.last_decision.law, self.last_decision.rate,
+                             self.last_decision.r2, self.last_decision.cost_ratio]}
 
     def load_state_dict(self, state: dict) -> None:
         self.T = int(state["T"])
@@ -135,3 +141,6 @@ class LocalSGD(Algorithm):
         self.segments.extend([(int(s), float(l)) for s, l in seg]
                              for seg in state.get("segments", []))
         self.current = [(int(s), float(l)) for s, l in state.get("current", [])]
+        if "decision" in state:
+            law, rate, r2, ratio = state["decision"]
+            self.last_decision = Decision(int(law), float(rate), float(r2), float(ratio))
