@@ -494,7 +494,7 @@ def test_gossip_trains_on_the_directed_exponential_graph(tmp_path):
     from mpi_util import run_mpi
     run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--algorithm", "gossip",
                 "--topology", "exponential", "--max-steps", "30", "--eval-every", "1000",
-                "--consensus-every", "10", "--run-dir", str(tmp_path)], timeout=400)
+                "--consensus-every", "10", "--run-dir", str(tmp_path)], timeout=600)
     top = build_topology("exponential", 4)
     for rank in range(4):
         with h5py.File(tmp_path / "metrics" / f"rank{rank:05d}.h5", "r") as f:
