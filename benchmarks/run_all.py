@@ -53,9 +53,14 @@ BENCHES = [
     Bench("backends", "backends", timeout=150),
     Bench("election", "election", timeout=90),
     Bench("topology_speed", "topology_speed", np=1, timeout=150),
+    # drivers of their own mpirun jobs on the emulated cluster (root; skipped with a reason
+    # otherwise); timeout per job
+    Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
+    Bench("scale_model", "scale_model", timeout=300, driver=True),
 ]
 RUN_ORDER = ["fused_vs_per_tensor", "hierarchical_broadcast", "election", "topology_speed",
-             "backends", "algorithms_cost", "hierarchical_broadcast_8"]
+             "backends", "algorithms_cost", "time_to_accuracy", "scale_model",
+             "hierarchical_broadcast_8"]
 #: Wall-clock targets of the whole run (seconds); optional benchmarks are dropped past them.
 BUDGET_S = {"full": 290.0, "quick": 115.0}
 

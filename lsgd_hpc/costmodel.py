@@ -1,4 +1,4 @@
-"""An alpha-beta cost model of one training step per method: compute plus its share of communication.
+"""An alpha-beta cost model of one training step per method: compute plus its communication.
 
 Every function here is pure (numbers in, numbers out): no MPI, no torch, so the model can be
 tested on constructed inputs and evaluated for clusters far larger than the one at hand.
@@ -57,7 +57,8 @@ __all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUC
            "ring_allreduce", "doubling_allreduce", "binomial_broadcast",
            "scatter_allgather_broadcast", "allreduce_time", "broadcast_time",
            "cluster_broadcast_time", "hierarchical_broadcast_time", "election_time",
-           "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost", "allreduce_sgd", "lsgd", "easgd", "local_sgd",
+           "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost",
+           "allreduce_sgd", "lsgd", "easgd", "local_sgd",
            "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES"]
 
 #: MPI.DOUBLE_INT (score, rank), padded: the payload of one MINLOC election
@@ -380,7 +381,8 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int) -> MethodCost
     pull = _passes(n, c, 3)
     multi = 1 < N < p
     if multi:
-        local = election_time(c, "node") + broadcast_time(n, q, c.intra) + _call_cost(_node(c)) + pull
+        local = (election_time(c, "node") + broadcast_time(n, q, c.intra)
+                 + _call_cost(_node(c)) + pull)
         glob = election_time(c) + hierarchical_broadcast_time(n, c) + pull
         # bytes: the node broadcast's root sends n; the hierarchical one sends n in the
         # leader's node, n among roots and n inside every other node: (N + 1) n in all

@@ -1,4 +1,4 @@
-"""Model zoo: digits_cnn, cnn7 (EASGD), vgg16, resnet20 and mlp, built by name."""
+"""Model zoo: digits_cnn, cnn7 (EASGD), vgg16, resnet20, mlp and mlp_wide, built by name."""
 
 from __future__ import annotations
 
@@ -9,14 +9,18 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["MODELS", "DEFAULT_MODELS", "build_model", "default_model", "count_parameters",
-           "DigitsCNN", "CNN7", "VGG16", "ResNet20", "MLP"]
+           "DigitsCNN", "CNN7", "VGG16", "ResNet20", "MLP", "WideMLP"]
 
-MODELS = ("digits_cnn", "cnn7", "vgg16", "resnet20", "mlp")
+MODELS = ("digits_cnn", "cnn7", "vgg16", "resnet20", "mlp", "mlp_wide")
 
 # digits: the small CNN reaches >= 95 % in a few epochs and is cheap enough for 4 ranks on
 # 2 cores.  cifar10: ResNet-20, the standard small CIFAR model.  synthetic: the MLP, whose
 # forward/backward costs ~1 MFLOP per image, so synthetic benchmarks measure communication
 # (0.86 M parameters, 3.4 MB per model exchange) rather than convolution speed.
+# mlp_wide (1024-1024): on digits 1.13 M parameters whose 6 x 1.13 MFLOP per image of compute
+# dominate the trainer's fixed per-step costs, so that the ratio of compute to communication
+# follows the batch size and the link (benchmarks/time_to_accuracy.py sets it to a GPU
+# cluster's).
 DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "resnet20", "synthetic": "mlp"}
 
 # Plain modules only: the training code re-seats every parameter and floating-point buffer as a
@@ -238,7 +242,15 @@ def _check_shape(name: str, input_shape: Tuple[int, int, int]) -> None:
         raise ValueError(f"model resnet20 needs images of at least 8x8 pixels, got {shape}")
 
 
-_CLASSES = {"digits_cnn": DigitsCNN, "cnn7": CNN7, "vgg16": VGG16, "resnet20": ResNet20, "mlp": MLP}
+class WideMLP(MLP):
+    """MLP with two hidden layers of 1024 units."""
+
+    def __init__(self, num_classes: int, input_shape: Sequence[int]):
+        super().__init__(num_classes, input_shape, hidden=(1024, 1024))
+
+
+_CLASSES = {"digits_cnn": DigitsCNN, "cnn7": CNN7, "vgg16": VGG16, "resnet20": ResNet20, "mlp": MLP,
+            "mlp_wide": WideMLP}
 
 
 def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:

@@ -37,7 +37,7 @@ __all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "ma
 DATASET_SHAPES = {"digits": (10, (1, 8, 8)), "cifar10": (10, (3, 32, 32)),
                   "synthetic": (10, (3, 32, 32))}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
-                 "resnet20": "cifar10", "mlp": "synthetic"}
+                 "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
 TRAIN_FLOP_PER_MAC = 6
 
@@ -171,7 +171,8 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
         gossip_rows.append({"topology": name, "step_s": cost.step_s, "comm_share": cost.comm_share,
                             "bytes_per_step": cost.bytes_per_step,
                             "gap_per_step": _per_step_gap(name, c.ranks, node_of), "cost": cost})
-    within = [g for g in gossip_rows if g["comm_share"] <= share and not math.isnan(g["gap_per_step"])]
+    within = [g for g in gossip_rows
+              if g["comm_share"] <= share and not math.isnan(g["gap_per_step"])]
     if within:
         best = max(within, key=lambda g: (g["gap_per_step"], -g["step_s"]))
         why = f"largest spectral gap per step with comm share <= {share:.0%}"
@@ -339,7 +340,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true",
                    help="under mpirun/srun: measure links and step time first")
     p.add_argument("--measure-ranks-per-node", type=int,
-                   help="with --measure: group K consecutive ranks as one node (default: host name)")
+                   help="with --measure: K consecutive ranks form a node (default: by host name)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

@@ -11,11 +11,12 @@ from lsgd_hpc.data import ShardedBatches, load_dataset
 from lsgd_hpc.models import MODELS, build_model, count_parameters, default_model
 
 CIFAR = (3, 32, 32)
-SHAPES = {"digits_cnn": (1, 8, 8), "cnn7": CIFAR, "vgg16": CIFAR, "resnet20": CIFAR, "mlp": CIFAR}
+SHAPES = {"digits_cnn": (1, 8, 8), "cnn7": CIFAR, "vgg16": CIFAR, "resnet20": CIFAR, "mlp": CIFAR,
+          "mlp_wide": (1, 8, 8)}
 # parameter counts for 10 classes: (low, high)
 COUNTS = {"digits_cnn": (3_000, 20_000), "cnn7": (400_000, 700_000),
           "vgg16": (14_500_000, 15_500_000), "resnet20": (265_000, 275_000),
-          "mlp": (500_000, 1_000_000)}
+          "mlp": (500_000, 1_000_000), "mlp_wide": (1_126_410, 1_126_410)}
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -59,7 +59,7 @@ def test_cluster_allreduce_algorithms_by_hand():
     assert ring == pytest.approx(6e-5 + 1.5e-3)
     # inside (2 alpha_i + n beta_i) + between (2 alpha_e + n beta_e)
     assert hier == pytest.approx(2e-6 + 1e-4 + 2e-5 + 1e-3)
-    # one step inside (alpha_i + n beta_i), one between with both ranks sending (alpha_e + 2 n beta_e)
+    # one step inside (alpha_i + n beta_i), one between, both ranks sending (alpha_e + 2 n beta_e)
     assert dbl == pytest.approx(1e-6 + 1e-4 + 1e-5 + 2e-3)
     assert cm.allreduce_time(N_BYTES, c) == pytest.approx(min(ring, hier, dbl)) == hier
     with pytest.raises(ValueError):
@@ -176,7 +176,7 @@ def test_smallest_period_meets_the_target_and_one_less_does_not():
     assert T == 2 and cost.comm_share > 1e-9      # none meets it: the largest
 
 
-# -- the model's bytes are the bytes lsgd_hpc counts ------------------------------------------------
+# -- the model's bytes are the bytes lsgd_hpc counts -------------------------------------------
 _RUN_METHODS = textwrap.dedent("""
     import json, sys
     import h5py

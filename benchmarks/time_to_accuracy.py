@@ -1,0 +1,369 @@
+"""Training time to a stated test accuracy per method on the emulated cluster, and LSGD's ratio.
+
+2 nodes x 2 ranks, node links limited to 1 and to 10 Gbit/s; median of 3 seeds; LSGD's time
+over the best baseline's.
+
+    python benchmarks/time_to_accuracy.py --out FILE [--quick]      (as root: it makes the
+                                                                    cluster and removes it)
+
+The cluster is scripts/cluster.sh's (network namespaces on a bridge, one host name per node, a
+tc tbf limit on what each node sends), under a name and subnet of its own, without SLURM, and is
+always taken down afterwards. Per link rate, one mpirun job runs every (seed, method) training
+one after another (seed-major, so that a slow spell of the machine hits every method alike),
+after a network probe (lsgd_hpc.netprobe) of the same nodes.
+
+Workload: digits, mlp_wide (1.13 M parameters, 4.5 MB per model exchange), batch 32 per rank.
+An MLP's compute per step is 6 x parameters x batch FLOP and its allreduce moves ~1.5 x 4
+bytes per parameter over each node's link, so compute : allreduce = batch x bandwidth / FLOP
+rate, whatever the width: with this machine's ~5 GFLOP/s per rank and batch 32 that is about
+1 : 1 at 1 Gbit/s and 8 : 1 at 10 Gbit/s. The ratio measured in the run (the allreduce method's
+compute seconds over its communication seconds) is reported beside the GPU cases it stands for
+(computed with lsgd_hpc.costmodel: ResNet-50 on A100s over 100 Gbit/s is about 8 : 1; VGG-16
+over 25 Gbit/s Ethernet about 1 : 1).
+
+Time to accuracy: at each evaluation (every EVAL_EVERY steps) the test accuracy is the mean over
+ranks of each worker's own model (EASGD: its centre, the method's model); the time is the
+training time at that step (/train/training_time: wall time less evaluation, probes and
+checkpoints; the slowest rank's), and a run's time to accuracy is that of its first evaluation
+at or above TARGET. Consensus probes are off (--consensus-every 0). A run that does not reach
+the target within MAX_STEPS counts as infinite; the median over seeds is then infinite when
+most seeds miss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
+from _common import median, row, write_result  # noqa: E402
+from mpi_util import mpi_env, mpirun_path, run_group  # noqa: E402
+
+CLUSTER = REPO / "scripts" / "cluster.sh"
+CLUSTER_NAME = "lsgdtta"          # names and subnet of its own: other clusters may be up
+CLUSTER_SUBNET = "10.79.3"
+RATES = ("1gbit", "10gbit")
+NODES, RANKS_PER_NODE = 2, 2
+NP = NODES * RANKS_PER_NODE
+SEEDS = (0, 1, 2)
+TARGET = 0.93
+MAX_STEPS = 60
+EVAL_EVERY = 5
+BATCH = 32
+SKIP_STEPS = 5            # start-up steps left out of the per-step costs
+MODEL = "mlp_wide"
+#: (label, --algorithm, its options): LSGD and the baselines at the same period where they have one
+METHODS = [
+    ("lsgd", "lsgd", ["--tau-local", "4", "--tau-global", "8"]),
+    ("allreduce", "allreduce", []),
+    ("easgd", "easgd", ["--easgd-tau", "4"]),
+    ("local-sgd T=8", "local-sgd", ["--local-steps", "8"]),
+    ("gossip ring", "gossip", ["--topology", "ring"]),
+]
+
+
+def common_options(steps: Optional[int] = None, eval_every: Optional[int] = None) -> List[str]:
+    """Options of every run: the workload, its length and evaluation period (default MAX_STEPS
+    and EVAL_EVERY)."""
+    steps, eval_every = steps or MAX_STEPS, eval_every or EVAL_EVERY
+    return ["--dataset", "digits", "--model", MODEL, "--batch-size", str(BATCH),
+            "--max-steps", str(steps), "--epochs", "100", "--eval-every", str(eval_every)]
+
+
+#: GPU cases the measured compute : allreduce ratio is compared with:
+#: (label, parameters, step seconds, nodes, ranks per node, intra Gbit/s, inter Gbit/s)
+GPU_CASES = [
+    ("ResNet-50 on 4 x 8 A100 (batch 256, ~0.1 s/step), NVLink 2400 Gbit/s, 100 Gbit/s IB",
+     25_557_032, 0.100, 4, 8, 2400.0, 100.0),
+    ("ResNet-50 on 4 x 8 A100, 400 Gbit/s IB", 25_557_032, 0.100, 4, 8, 2400.0, 400.0),
+    ("VGG-16 (138 M) on 4 x 8 V100 (batch 64, ~0.12 s/step), NVLink 1200 Gbit/s, 25 Gbit/s "
+     "Ethernet", 138_357_544, 0.120, 4, 8, 1200.0, 25.0),
+]
+
+
+def gpu_case_ratios() -> List[Dict]:
+    """compute : one allreduce of the gradients, by lsgd_hpc.costmodel, for each GPU case."""
+    from lsgd_hpc import costmodel as cm
+    out = []
+    for label, params, step_s, nodes, q, intra, inter in GPU_CASES:
+        c = cm.Cluster(nodes, q, cm.Link.from_gbps(intra, 2.0), cm.Link.from_gbps(inter, 5.0))
+        t = cm.allreduce_time(params * 4, c)
+        out.append({"case": label, "compute_s": step_s, "allreduce_s": t, "ratio": step_s / t})
+    return out
+
+
+def consensus_off() -> List[str]:
+    """--consensus-every 0 where the trainer accepts it; else a period past the run's end."""
+    from lsgd_hpc.config import ConfigError, parse_config
+    try:
+        parse_config(["--consensus-every", "0"], env={})
+        return ["--consensus-every", "0"]
+    except (ConfigError, SystemExit):
+        return ["--consensus-every", str(10 * MAX_STEPS)]
+
+
+def cluster_available() -> Optional[str]:
+    """None when the emulated cluster can be made here, else why not."""
+    if not CLUSTER.exists():
+        return "scripts/cluster.sh is missing"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs the ip and tc commands (iproute2)"
+    return None
+
+
+def _sh(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@contextmanager
+def emulated_cluster(rate: str, log=print):
+    """Bring the cluster up with ``rate`` per node link; yield its mpirun options; always down."""
+    _sh("down", "--name", CLUSTER_NAME)          # a leftover of an interrupted run
+    try:
+        t0 = time.perf_counter()
+        up = _sh("up", "--name", CLUSTER_NAME, "--subnet", CLUSTER_SUBNET, "--nodes", str(NODES),
+                 "--rate", rate, "--no-slurm", timeout=300)
+        if up.returncode != 0:
+            raise RuntimeError(f"cluster.sh up failed: {(up.stderr or up.stdout).strip()[-300:]}")
+        log(f"  time_to_accuracy: cluster up at {rate} in {time.perf_counter() - t0:.1f} s")
+        args = _sh("mpirun-args", "--name", CLUSTER_NAME, "--ranks-per-node", str(RANKS_PER_NODE))
+        if args.returncode != 0:
+            raise RuntimeError(f"cluster.sh mpirun-args failed: {args.stderr.strip()[-300:]}")
+        yield args.stdout.split()
+    finally:
+        down = _sh("down", "--name", CLUSTER_NAME)
+        if down.returncode != 0:
+            log(f"  time_to_accuracy: cluster.sh down: {down.stderr.strip()[-300:]}")
+
+
+# -- the MPI job (every rank) -------------------------------------------------------------------
+def job(spec_path: str) -> int:
+    """Probe the links (nodes by host name, or ``ranks_per_node`` consecutive ranks), then train
+    every command line of the spec, one after another. Shared with scale_model.py."""
+    with open(spec_path) as fh:
+        spec = json.load(fh)
+    from mpi4py import MPI
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.comm.mpi import MPICommunicator
+    from lsgd_hpc.netprobe import probe_groups
+    world = MPICommunicator(MPI.COMM_WORLD)
+    groups = NodeGroups.build(world, spec.get("ranks_per_node"))
+    probe = probe_groups(groups)
+    if world.rank == 0:
+        write_result(spec["probe_out"], {"probe": probe, "node_of": groups.node_of})
+    groups.free()
+    from lsgd_hpc import train
+    for argv in spec["argvs"]:
+        code = train.main(argv)
+        if code != 0:
+            print(f"time_to_accuracy: {' '.join(argv)} exited {code}", file=sys.stderr, flush=True)
+            return code
+    return 0
+
+
+# -- reading runs -------------------------------------------------------------------------------
+def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
+    """Accuracy against training time, time to ``target`` (default TARGET), and per-step costs
+    of one run."""
+    import h5py
+    target = TARGET if target is None else target
+    import numpy as np
+    files = sorted((run_dir / "metrics").glob("rank*.h5"))
+    if len(files) != NP:
+        raise RuntimeError(f"{run_dir}: {len(files)} rank files, expected {NP}")
+    accs, times_at, per_rank = [], [], []
+    time_col = "wall_time"
+    hosts = set()
+    for f in files:
+        with h5py.File(f, "r", locking=False) as h:
+            hosts.add(str(h.attrs.get("hostname", "")))
+            t, e = h["train"], h["eval"]
+            if "training_time" in t:
+                time_col = "training_time"
+            step = t["step"][:]
+            clock = dict(zip(step.tolist(), t[time_col][:].tolist()))
+            es = e["step"][:]
+            acc = e["center_test_accuracy"][:] if "center_test_accuracy" in e else \
+                e["test_accuracy"][:]
+            accs.append(dict(zip(es.tolist(), acc.tolist())))
+            times_at.append(clock)
+            last = int(step[-1])
+            # per-step costs over a window that leaves out start-up and the last step (whose
+            # row may include the final evaluation where the time column is wall time)
+            a, b = min(SKIP_STEPS, len(step) - 2), len(step) - 2
+            span = float(step[b] - step[a]) if b > a else math.nan
+
+            def per_step(col, a=a, b=b, span=span, t=t):
+                return float(t[col][b] - t[col][a]) / span
+
+            per_rank.append({
+                "steps": last, "comm_s_per_step": per_step("comm_seconds"),
+                "compute_s_per_step": per_step("compute_seconds"),
+                "time_per_step": per_step(time_col),
+                "bytes_sent_per_step": float(t["comm_bytes_sent"][-1]) / last})
+    steps = sorted(set.intersection(*(set(a) for a in accs)))
+    curve = []
+    for s in steps:
+        if all(s in c for c in times_at):
+            curve.append({"step": s, "accuracy": float(np.mean([a[s] for a in accs])),
+                          "time": max(c[s] for c in times_at)})
+    hit = next((p for p in curve if p["accuracy"] >= target), None)
+    mean = {k: float(np.mean([r[k] for r in per_rank])) for k in per_rank[0] if k != "steps"}
+    return {"curve": curve, "time_to_target": hit["time"] if hit else math.inf,
+            "step_to_target": hit["step"] if hit else None,
+            "final_accuracy": curve[-1]["accuracy"] if curve else math.nan,
+            "time_column": time_col, "hosts": sorted(hosts), **mean}
+
+
+def _median_time(xs: List[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+
+
+def _fmt_t(s: float) -> str:
+    return "not reached" if math.isinf(s) else f"{s:.2f} s"
+
+
+def run(quick: bool = False, timeout: float = 600, log=print) -> Dict:
+    why_not = cluster_available()
+    seeds = SEEDS[:1] if quick else SEEDS
+    base = {"name": "time_to_accuracy", "doc": __doc__.splitlines()[0], "target": TARGET,
+            "seeds": list(seeds), "rates": list(RATES), "model": MODEL, "batch": BATCH}
+    if why_not:
+        return {**base, "status": f"skipped: {why_not}",
+                "rows": [row("time_to_accuracy", "", f"skipped: {why_not}", None, "")]}
+    off = consensus_off()
+    tmp = Path(tempfile.mkdtemp(prefix="lsgd_bench_tta_"))
+    env = mpi_env({"LSGD_HPC_RANKS_PER_NODE": ""})
+    env.pop("LSGD_HPC_RANKS_PER_NODE", None)
+    per_rate: Dict[str, Dict] = {}
+    errors: Dict[str, str] = {}
+    try:
+        for rate in RATES:
+            dirs, argvs = {}, []
+            for seed in seeds:
+                for label, alg, opts in METHODS:
+                    d = tmp / rate / f"{label.replace(' ', '_').replace('=', '')}-s{seed}"
+                    dirs[(label, seed)] = d
+                    argvs.append([*common_options(), *off, "--algorithm", alg, *opts,
+                                  "--seed", str(seed), "--run-dir", str(d)])
+            spec = tmp / f"{rate}.json"
+            probe_out = tmp / f"{rate}-probe.json"
+            spec.write_text(json.dumps({"argvs": argvs, "probe_out": str(probe_out)}))
+            try:
+                with emulated_cluster(rate, log) as margs:
+                    cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+                           "-x", "PATH", "-np", str(NP), sys.executable, str(Path(__file__)),
+                           "--job", str(spec)]
+                    t0 = time.perf_counter()
+                    p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
+                    log(f"  time_to_accuracy: {rate}: {len(argvs)} runs in "
+                        f"{time.perf_counter() - t0:.0f} s")
+            except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+                errors[rate] = str(exc)
+                continue
+            if p.returncode != 0:
+                why = "timed out" if p.returncode is None else f"exit {p.returncode}"
+                errors[rate] = f"{why}: {(p.stderr or p.stdout).strip()[-400:]}"
+            runs = {}
+            for (label, seed), d in dirs.items():
+                try:
+                    runs.setdefault(label, {})[seed] = read_run(d)
+                except Exception as exc:       # a missing file: report, go on
+                    errors[f"{rate} {label} seed {seed}"] = f"{type(exc).__name__}: {exc}"
+            probe = json.loads(probe_out.read_text()) if probe_out.exists() else None
+            per_rate[rate] = {"runs": runs, "probe": probe}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return summarise(base, per_rate, errors, off)
+
+
+def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
+    rows, table = [], {}
+    gpu = gpu_case_ratios()
+    for rate, data in per_rate.items():
+        runs = data["runs"]
+        tt = {label: _median_time([r["time_to_target"] for r in by_seed.values()])
+              for label, by_seed in runs.items()}
+        ar = list(runs.get("allreduce", {}).values())
+        ratio = median([r["compute_s_per_step"] / r["comm_s_per_step"] for r in ar
+                        if r["comm_s_per_step"] > 0])
+        baselines = {k: v for k, v in tt.items() if k != "lsgd"}
+        best = min(baselines, key=baselines.get) if baselines else None
+        lsgd_t = tt.get("lsgd", math.inf)
+        vs = lsgd_t / baselines[best] if best and math.isfinite(baselines[best]) else None
+        closest = min(gpu, key=lambda g: abs(math.log(g["ratio"] / ratio))) if ratio == ratio \
+            and ratio > 0 else None
+        table[rate] = {"time_to_target_median": tt, "best_baseline": best,
+                       "lsgd_over_best_baseline": vs, "compute_to_allreduce": ratio,
+                       "gpu_case": closest["case"] if closest else None,
+                       "seeds": {label: {str(s): {k: v for k, v in r.items() if k != "curve"}
+                                         for s, r in by_seed.items()}
+                                 for label, by_seed in runs.items()},
+                       "curves": {label: {str(s): r["curve"] for s, r in by_seed.items()}
+                                  for label, by_seed in runs.items()},
+                       "probe": data["probe"]}
+        per_method = "; ".join(f"{k} {_fmt_t(v)}" for k, v in tt.items())
+        rows.append(row(
+            f"time_to_accuracy {rate}",
+            f"training time to {TARGET:.0%} test accuracy (median of {len(base['seeds'])} seeds), "
+            f"LSGD vs best baseline ({best}; allreduce stands in for DDP)",
+            f"{per_method}; compute:allreduce {ratio:.2g}:1"
+            + (f" (like {closest['case']}, {closest['ratio']:.2g}:1)" if closest else ""),
+            vs, "LSGD time / best baseline's", lsgd_s=lsgd_t, best_baseline=best,
+            compute_to_allreduce=ratio))
+    for k, v in errors.items():
+        rows.append(row(f"time_to_accuracy {k}", "", f"failed: {v}", None, ""))
+    status = "ok" if not errors else ("failed" if not per_rate else "partial")
+    return {**base, "status": status if status != "partial" else "ok (with errors)",
+            "errors": errors, "results": table, "gpu_cases": gpu, "rows": rows,
+            "consensus_option": off,
+            "notes": [
+                f"2 nodes x 2 ranks as network namespaces (scripts/cluster.sh --no-slurm), tc tbf "
+                f"per node link at {', '.join(RATES)}; {MODEL} on digits, batch {BATCH}, "
+                f"{MAX_STEPS} steps, evaluation every {EVAL_EVERY}; options "
+                f"{' '.join(common_options())} "
+                f"{' '.join(off)}.",
+                "Accuracy: mean over ranks of each worker's test accuracy (EASGD: the centre's); "
+                "time: /train/training_time (or wall_time where the trainer has no training "
+                "time), slowest rank; not reached within the steps counts as infinite.",
+                "DDP is not in this table: lsgd_hpc's allreduce SGD stands in for it.",
+            ]}
+
+
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="one seed")
+    p.add_argument("--job", help=argparse.SUPPRESS)     # the MPI job itself (every rank)
+    args = p.parse_args(argv)
+    if args.job:
+        return job(args.job)
+    if not args.out:
+        p.error("--out is required")
+    result = run(args.quick)
+    write_result(args.out, result)
+    for r in result["rows"]:
+        print(f"{r['label']}: {r['figures']}  ratio {r['ratio']}")
+    return 0 if result["status"].startswith(("ok", "skipped")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
