@@ -349,20 +349,24 @@ class MethodCost:
 
 
 def allreduce_sgd(w: Workload, c: Cluster, coll: Collectives = Collectives(),
-                  overlap: float = 0.0) -> MethodCost:
+                  overlap: float = 0.0, bucket_bytes: float = 0.0) -> MethodCost:
     """Every step: allreduce of the gradients (mean: one pass), broadcast of the buffers from
-    rank 0. ``overlap`` in [0, 1]: fraction of compute that can hide communication (bucketed
-    allreduce during backward): comm counts only max(0, t_comm - overlap t_compute)."""
+    rank 0. With ``bucket_bytes`` > 0 the gradients go in k = ceil(n / bucket) allreduces of
+    n / k bytes (k latencies and call costs). ``overlap`` in [0, 1]: fraction of compute that
+    can hide communication (buckets started during backward): comm counts only
+    max(0, t_comm - overlap t_compute)."""
     p = c.ranks
     if p == 1:
         return MethodCost("allreduce", "every step", w.compute_s, 0.0, 0.0)
-    t = allreduce_time(w.grad_bytes, c, coll) + _passes(w.grad_bytes, c, 1)
+    k = max(1, math.ceil(w.grad_bytes / bucket_bytes)) if bucket_bytes > 0 else 1
+    t = k * allreduce_time(w.grad_bytes / k, c, coll) + _passes(w.grad_bytes, c, 1)
     sent = float(w.grad_bytes)
     if w.n_buffers:
         t += cluster_broadcast_time(w.buffer_bytes, c) + _call_cost(c)
         sent += w.buffer_bytes / p
     t = max(0.0, t - overlap * w.compute_s)
-    return MethodCost("allreduce", "every step", w.compute_s, t, sent)
+    setting = "every step" + (f", {k} buckets" if k > 1 else "")
+    return MethodCost("allreduce", setting, w.compute_s, t, sent)
 
 
 def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int) -> MethodCost:
@@ -434,10 +438,11 @@ def gossip(w: Workload, c: Cluster, topology: str,
 
 def method_cost(method: str, w: Workload, c: Cluster, *, tau_local: int = 1, tau_global: int = 1,
                 T: int = 1, tau: int = 1, topology: str = "ring",
-                coll: Collectives = Collectives(), overlap: float = 0.0) -> MethodCost:
+                coll: Collectives = Collectives(), overlap: float = 0.0,
+                bucket_bytes: float = 0.0) -> MethodCost:
     """Dispatch by lsgd_hpc's method names (``--algorithm``)."""
     if method == "allreduce":
-        return allreduce_sgd(w, c, coll, overlap)
+        return allreduce_sgd(w, c, coll, overlap, bucket_bytes)
     if method == "lsgd":
         return lsgd(w, c, tau_local, tau_global)
     if method == "easgd":

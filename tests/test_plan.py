@@ -115,6 +115,10 @@ def test_local_sgd_T1_is_one_allreduce_of_the_model_like_easgd_tau1():
     assert cm.allreduce_sgd(w, c).comm_s == pytest.approx(t)
     # overlap hides up to that fraction of compute
     assert cm.allreduce_sgd(w, c, overlap=1.0).comm_s == pytest.approx(max(0.0, t - 0.01))
+    # 3 buckets: three allreduces of a third each (more latency, the same bytes)
+    b = cm.allreduce_sgd(w, c, bucket_bytes=w.grad_bytes / 3)
+    assert b.comm_s == pytest.approx(3 * cm.allreduce_time(w.grad_bytes / 3, c)) and b.comm_s > t
+    assert b.bytes_per_step == w.grad_bytes and "3 buckets" in b.setting
 
 
 def test_hierarchical_broadcast_crosses_each_node_once():
