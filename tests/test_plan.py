@@ -193,8 +193,8 @@ _RUN_METHODS = textwrap.dedent("""
             "gossip": ["--topology", "ring"]}
     for name, opts in runs.items():
         d = f"{base}/{name}"
-        code = train.main(["--algorithm", name, *opts, "--max-steps", "16", "--epochs", "100",
-                           "--eval-every", "16", "--ranks-per-node", "2", "--run-dir", d])
+        code = train.main(["--algorithm", name, *opts, "--max-steps", "8", "--epochs", "100",
+                           "--eval-every", "8", "--ranks-per-node", "2", "--run-dir", d])
         assert code == 0, (name, code)
         MPI.COMM_WORLD.Barrier()
         if MPI.COMM_WORLD.rank == 0:
@@ -209,7 +209,7 @@ _RUN_METHODS = textwrap.dedent("""
 
 
 def test_model_bytes_equal_the_counted_bytes_of_a_real_run(tmp_path):
-    """4 ranks as 2 nodes, digits, 16 steps: the model's payload bytes per step per rank (mean
+    """4 ranks as 2 nodes, digits, 8 steps: the model's payload bytes per step per rank (mean
     over ranks) equal what the trainer's counters recorded, for every method."""
     script = tmp_path / "run.py"
     script.write_text(_RUN_METHODS)
