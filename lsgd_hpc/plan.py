@@ -38,6 +38,8 @@ DATASET_SHAPES = {"digits": (10, (1, 8, 8)), "cifar10": (10, (3, 32, 32)),
                   "synthetic": (10, (3, 32, 32))}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
+#: the trainer's default gradient bucket of allreduce SGD (--bucket-mb 1)
+TRAIN_BUCKET_BYTES = 2 ** 20
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
 TRAIN_FLOP_PER_MAC = 6
 
@@ -142,7 +144,9 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
-    rows: List[cm.MethodCost] = [cm.allreduce_sgd(w, c, coll)]
+    # allreduce SGD as the trainer runs it: --bucket-mb 1 buckets, no overlap counted (a CPU
+    # MPI progresses non-blocking collectives only inside MPI calls)
+    rows: List[cm.MethodCost] = [cm.allreduce_sgd(w, c, coll, bucket_bytes=TRAIN_BUCKET_BYTES)]
     multi = 1 < c.nodes < c.ranks
 
     # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
