@@ -11,9 +11,9 @@ from typing import Any, Dict, List, Optional, Sequence
 import yaml
 
 __all__ = ["Config", "ConfigError", "parse_config", "option_group", "ALGORITHMS",
-           "DATASET_DEFAULTS", "GROUPS"]
+           "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
 
-ALGORITHMS = ("lsgd", "allreduce", "easgd", "local-sgd", "gossip")
+ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
 BACKENDS = ("mpi", "horovod")
 LR_SCHEDULES = ("constant", "step", "cosine")
 
@@ -49,6 +49,7 @@ class Config:
     pull_local: float = 0.1
     pull_global: float = 0.1
     leader_window: int = 10
+    max_staleness: Optional[int] = None   # lsgd-async; None: tau_global
     local_steps: str = "8"                # an integer T, or "auto"
     local_steps_cost_ratio: Optional[float] = None   # auto: assumed round/step cost; None: measure
     easgd_alpha: Optional[float] = None   # None: 0.9 / world size (beta = p * alpha = 0.9)
@@ -66,6 +67,8 @@ class Config:
     max_steps: Optional[int] = None       # stop early (benchmarks, tests)
     synthetic_size: int = 4096
     eval_batch_size: int = 1000
+    straggler: Optional[str] = None       # RANK:SECONDS_PER_STEP (experiments, tests)
+    collective_timeout: float = 300.0     # seconds; 0 = no watchdog
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -95,6 +98,11 @@ _HELP = {
     "pull_local": "c_L: pull strength toward the node's leader",
     "pull_global": "c_G: pull strength toward the global leader",
     "leader_window": "K: a worker's score is its mean loss over its last K minibatches",
+    "max_staleness": "lsgd-async: S, steps a worker takes past a probe or leader broadcast "
+                     "it posted before it waits for it (default --tau-global)",
+    "straggler": "RANK:SECONDS: that rank sleeps SECONDS per step (experiments; off by default)",
+    "collective_timeout": "seconds a collective may wait before the job is aborted with a "
+                          "report of the ranks that did not arrive (0: no watchdog)",
     "local_steps": "local SGD: T local steps between averages, or auto",
     "local_steps_cost_ratio": "local SGD auto: take one averaging round to cost this many "
                               "local steps instead of measuring it",
@@ -129,7 +137,7 @@ _GROUP_OF = {
     "lr_schedule": "method", "momentum": "method", "nesterov": "method",
     "weight_decay": "method", "seed": "method", "max_steps": "method",
     "tau_local": "LSGD", "tau_global": "LSGD", "pull_local": "LSGD", "pull_global": "LSGD",
-    "leader_window": "LSGD",
+    "leader_window": "LSGD", "max_staleness": "LSGD",
     "easgd_alpha": "baselines", "easgd_tau": "baselines", "local_steps": "baselines",
     "topology": "baselines", "bucket_mb": "baselines",
     "dataset": "data and model", "data_dir": "data and model", "model": "data and model",
@@ -137,6 +145,7 @@ _GROUP_OF = {
     "bn_recompute": "data and model",
     "backend": "cluster and backend", "device": "cluster and backend",
     "ranks_per_node": "cluster and backend", "stop_check_every": "cluster and backend",
+    "collective_timeout": "cluster and backend", "straggler": "cluster and backend",
     "run_dir": "output and checkpoints", "resume": "output and checkpoints",
     "eval_every": "output and checkpoints", "consensus_every": "output and checkpoints",
     "log_every": "output and checkpoints", "flush_every": "output and checkpoints",
@@ -350,9 +359,11 @@ def validate(cfg: Config, env: dict) -> None:
                     "eval_every", "consensus_every", "log_every", "flush_every",
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
                     "ranks_per_node", "easgd_tau"])
-    _positive(cfg, ["weight_decay", "checkpoint_every", "seed"], strict=False)
+    _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
+                    "collective_timeout"], strict=False)
     if not (math.isfinite(cfg.bucket_mb) and cfg.bucket_mb >= 0):
         raise ConfigError("--bucket-mb", f"must be a finite number >= 0, got {cfg.bucket_mb}")
+    straggler_of(cfg)
     if not 0 <= cfg.momentum < 1:
         raise ConfigError("--momentum", f"must be in [0, 1), got {cfg.momentum}")
     for name in ("pull_local", "pull_global"):
@@ -414,6 +425,21 @@ def validate(cfg: Config, env: dict) -> None:
                                                          f"got {rpn!r}") from None
 
 
+def straggler_of(cfg: Config) -> Optional[tuple]:
+    """--straggler RANK:SECONDS as (rank, seconds per step), or None when off."""
+    if cfg.straggler is None:
+        return None
+    rank, sep, secs = cfg.straggler.partition(":")
+    try:
+        out = int(rank), float(secs)
+        if not sep or out[0] < 0 or not 0 <= out[1] < math.inf:
+            raise ValueError
+    except ValueError:
+        raise ConfigError("--straggler", f"must be RANK:SECONDS with RANK >= 0 and SECONDS >= 0, "
+                                         f"got {cfg.straggler!r}") from None
+    return out
+
+
 def check_world(cfg: Config, world_size: int, env: dict) -> None:
     """Checks that need the world size (known locally after MPI_Init, no collective)."""
     from . import topology
@@ -430,6 +456,10 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
             raise ConfigError("--resume", f"the checkpoint in {cfg.run_dir} was written by "
                                           f"{pointer['world_size']} ranks; this job has "
                                           f"{world_size} (resume with the same rank count)")
+    slow = straggler_of(cfg)
+    if slow is not None and slow[0] >= world_size:
+        raise ConfigError("--straggler", f"rank {slow[0]} is not in this job of {world_size} "
+                                         "ranks")
     if cfg.algorithm == "gossip":
         try:
             topology.build_topology(cfg.topology, world_size)

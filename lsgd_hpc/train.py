@@ -193,6 +193,12 @@ class Trainer:
         self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
                                      cfg.flush_every, cfg.flush_seconds,
                                      extra_columns=self.algo.extra_columns)
+        self.watchdog = None
+        if cfg.collective_timeout > 0:
+            from .watchdog import Watchdog
+            self.watchdog = Watchdog(cfg.collective_timeout, self.run_dir, self.rank,
+                                     abort=lambda: world.abort(1),
+                                     on_stall=lambda report: self.metrics.flush()).start()
         return self
 
     def _log(self, group: str, **row) -> None:
@@ -204,6 +210,7 @@ class Trainer:
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
+        from . import config
         torch, cfg = self.torch, self.cfg
         self.t_start = time.perf_counter()
         if self.pointer is not None:
@@ -219,21 +226,33 @@ class Trainer:
                   f"node(s), {cfg.dataset} ({self.resolved['model']}), {self.total_steps} steps "
                   f"({self.spe}/epoch), run dir {self.run_dir}"
                   + (f", resumed at step {self.step}" if self.pointer else ""), flush=True)
-        while self.step < self.total_steps:
+        # A method that owns its schedule ends training itself (ranks take uneven steps).
+        owns = self.algo.owns_schedule
+        last_step = math.inf if owns else self.total_steps
+        if owns:
+            self.algo.set_schedule(self.total_steps, cfg.checkpoint_every)
+        from .watchdog import MONITOR
+        straggler = config.straggler_of(cfg)
+        sleep_s = straggler[1] if straggler and straggler[0] == self.rank else 0.0
+        MONITOR.step = self.step
+        while self.step < last_step:
             epoch, start = divmod(self.step, self.spe)
             for xb, yb in self.sampler.batches(epoch, start):
                 xb = xb.to(self.device, non_blocking=True)
                 yb = yb.to(self.device, non_blocking=True)
                 t0 = time.perf_counter()
                 comm0 = self.world.stats.seconds + self.world.stats.overhead_seconds
-                lr = _lr_at(cfg, self.step, self.total_steps)
+                lr = _lr_at(cfg, min(self.step, self.total_steps), self.total_steps)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
                 out = self.model(xb)
                 loss = loss_fn(out, yb)
                 self.flat.zero_grad()
                 loss.backward()
+                if sleep_s:
+                    time.sleep(sleep_s)      # --straggler: this rank is slow
                 self.step += 1
+                MONITOR.step = self.step
                 self.algo.before_step(self.step)
                 self.opt.step()
                 loss_v = float(loss.detach())
@@ -251,17 +270,33 @@ class Trainer:
                         now = time.perf_counter()
                         self._print_line(test_acc, (self.step - step_print) / max(now - t_print, 1e-9))
                         t_print, step_print = now, self.step
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                    self.save_checkpoint()
-                if self._stop_agreed():
-                    return self._preempted()
+                if owns:
+                    action = self.algo.control(self.stop.raised)
+                    if action == "checkpoint":
+                        self.save_checkpoint()
+                    elif action == "stop":
+                        return self._preempted()
+                    elif action == "end":
+                        last_step = self.step
+                else:
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save_checkpoint()
+                    if self._stop_agreed():
+                        return self._preempted()
                 self.metrics.maybe_flush()
-                if self.step >= self.total_steps:
+                if self.step >= last_step:
                     break
+        if owns and self.step != self.total_steps:   # the last step's rows (uneven steps)
+            if self.step % cfg.log_every:
+                self._log_train(loss_v, float((out.argmax(1) == yb).float().mean()), lr)
+            if self.step % cfg.eval_every:
+                self.evaluate()
         self.save_checkpoint()                # flushes the metrics too
         if self.rank == 0:
             print(f"[lsgd_hpc] done: {self.step} steps in {self.wall():.1f} s; metrics in "
                   f"{os.path.join(self.run_dir, 'metrics')}", flush=True)
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.groups.free()
         return 0
 
@@ -366,11 +401,16 @@ class Trainer:
             "comm_stats": self.world.stats.state_dict(), "wall_time": self.wall(),
             "compute_seconds": self.compute_seconds, "metrics_rows": self.metrics.row_counts(),
         }
-        self.ckpt.save_rank(self.run_dir, self.step, self.rank, state)
+        # The set's label: the step, or, where ranks take uneven steps, the largest one (each
+        # rank's own step is in its file).
+        label = self.step
+        if self.algo.owns_schedule:
+            label = max(self.world.allgather_object(self.step))
+        self.ckpt.save_rank(self.run_dir, label, self.rank, state)
         self.metrics.flush()                 # rows up to this step are on disk before the pointer
         self.world.barrier()
         if self.rank == 0:
-            self.ckpt.commit_set(self.run_dir, self.step, self.size)
+            self.ckpt.commit_set(self.run_dir, label, self.size)
         self.world.barrier()
 
     def _restore(self, pointer: dict) -> None:

@@ -85,7 +85,7 @@ def test_closed_sets_of_values_are_listed(help_text):
     from lsgd_hpc.models import MODELS
     from lsgd_hpc.topology import TOPOLOGIES
     shown = parse_help(help_text)
-    assert "{lsgd,allreduce,easgd,local-sgd,gossip}" in help_text
+    assert "{lsgd,lsgd-async,allreduce,easgd,local-sgd,gossip}" in help_text
     assert "{constant,step,cosine}" in help_text
     assert "{mpi,horovod}" in help_text and "{cpu,cuda}" in help_text
     for flag, values in (("--topology", TOPOLOGIES), ("--model", MODELS),
@@ -94,7 +94,7 @@ def test_closed_sets_of_values_are_listed(help_text):
 
 
 @pytest.mark.parametrize("name,group", [
-    ("lsgd_something_new", "LSGD"), ("max_staleness", "baselines"),
+    ("lsgd_something_new", "LSGD"), ("gossip_staleness", "baselines"),
     ("async_gossip", "baselines"), ("collective_timeout", "cluster and backend"),
     ("straggler_delay", "cluster and backend"), ("checkpoint_keep", "output and checkpoints"),
     ("bn_momentum", "data and model"), ("label_smoothing", "method")])

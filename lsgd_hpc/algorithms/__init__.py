@@ -6,8 +6,9 @@ from .easgd import EASGD
 from .gossip import GossipSGD
 from .local_sgd import LocalSGD
 from .lsgd import LeaderSGD
+from .lsgd_async import AsyncLeaderSGD
 
-__all__ = ["Algorithm", "AllreduceSGD", "EASGD", "GossipSGD", "LeaderSGD", "LocalSGD",
+__all__ = ["Algorithm", "AllreduceSGD", "AsyncLeaderSGD", "EASGD", "GossipSGD", "LeaderSGD", "LocalSGD",
            "build_algorithm", "uncounted"]
 
 
@@ -16,6 +17,10 @@ def build_algorithm(cfg, groups, flat, log, steps_per_epoch: int) -> Algorithm:
     if cfg.algorithm == "lsgd":
         return LeaderSGD(groups, flat, cfg.tau_local, cfg.tau_global, cfg.pull_local,
                          cfg.pull_global, cfg.leader_window, log=log)
+    if cfg.algorithm == "lsgd-async":
+        staleness = cfg.max_staleness if cfg.max_staleness is not None else cfg.tau_global
+        return AsyncLeaderSGD(groups, flat, cfg.tau_local, cfg.tau_global, cfg.pull_local,
+                              cfg.pull_global, cfg.leader_window, staleness, log=log)
     if cfg.algorithm == "allreduce":
         return AllreduceSGD(groups, flat, consensus_every=cfg.eval_every, log=log,
                             bucket_bytes=int(cfg.bucket_mb * 2**20))

@@ -43,6 +43,9 @@ class Algorithm:
     extra_columns: Dict[str, Dict[str, str]] = {}
     #: extra HDF5 file attributes this method adds, e.g. the meaning of a code column
     file_attrs: Dict[str, str] = {}
+    #: True for a method that decides itself when training ends, stops and checkpoints
+    #: (ranks take different numbers of steps): see AsyncLeaderSGD.control
+    owns_schedule = False
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, log: Optional[MetricsSink] = None):
         self.groups = groups

@@ -11,8 +11,10 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-__all__ = ["CommStats", "Election", "Communicator", "CommError", "Pending", "check_tensor",
-           "sanitize_score"]
+from ..watchdog import MONITOR
+
+__all__ = ["CommStats", "Election", "Communicator", "CommError", "Pending", "Request",
+           "check_tensor", "sanitize_score"]
 
 #: dtypes the backends can move (mapped to MPI datatypes by the MPI backend).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -91,36 +93,57 @@ def check_tensor(t, name: str = "tensor") -> torch.Tensor:
 
 
 class Pending:
-    """A non-blocking collective in flight over ``tensor``; :meth:`wait` completes it.
+    """A non-blocking collective in flight; :meth:`wait` completes it, :meth:`test` progresses it.
 
-    The tensor must not be read or written until ``wait`` returns (MPI or Horovod may be
-    reading and writing it). ``test`` lets the library progress the operation (Open MPI's
-    non-blocking collectives advance only inside MPI calls) and says whether it is done.
-    ``wait`` books its blocking time in the communicator's ``stats.seconds``: the time that
-    communication was not hidden behind computation.
+    Its buffers must not be read or written until it has completed (MPI or Horovod may be
+    reading and writing them). ``test`` lets the library progress the operation (Open MPI's
+    non-blocking collectives advance only inside MPI calls) and says whether it is done;
+    once done, ``result`` is what the collective produced (the tensor for an allreduce or a
+    broadcast, the Election for ``ielect``). ``wait`` books its blocking time in the
+    communicator's ``stats.seconds`` (the time that communication was not hidden behind
+    computation) and is the collective the watchdog sees this rank blocked in. Every posted
+    collective is numbered on its communicator (``seq``) for the watchdog's report.
     """
 
     def __init__(self, comm: "Communicator", tensor: torch.Tensor, op: str,
-                 wait: Callable[[], None], test: Callable[[], bool]):
-        self.comm, self.tensor, self.op = comm, tensor, op
+                 wait: Callable[[], None], test: Callable[[], bool], *,
+                 name: str = "iallreduce_", finish: Optional[Callable[[], object]] = None):
+        self.comm, self.tensor, self.op, self.name = comm, tensor, op, name
         self._wait, self._test = wait, test
+        # default: an allreduce, whose mean is finished on this side
+        self._finish = finish or (lambda: self.comm._finish_mean(self.tensor, self.op))
+        self._result = None
         self.done = False
+        self.seq = MONITOR.post(comm.key, name)
 
     def test(self) -> bool:
         """Progress the operation; True once it has completed (``wait`` is then immediate)."""
-        return self.done or self._test()
+        if not self.done and self._test():
+            self.wait()           # completes the bookkeeping (Horovod: frees the handle)
+        return self.done
 
-    def wait(self) -> torch.Tensor:
-        """Block until complete; the tensor then holds the sum (or mean) over the group."""
+    def wait(self):
+        """Block until complete; returns ``result``."""
         if not self.done:
             t0 = time.perf_counter()
             try:
-                self._wait()
+                with MONITOR.inside(self.comm.key, self.comm.world_ranks, self.seq, self.name):
+                    self._wait()
             finally:
                 self.comm.stats.seconds += time.perf_counter() - t0
             self.done = True
-            self.comm._finish_mean(self.tensor, self.op)
-        return self.tensor
+            self._result = self._finish()
+        return self._result
+
+    @property
+    def result(self):
+        if not self.done:
+            raise CommError(f"{self.name}: result read before the collective completed")
+        return self._result
+
+
+#: what the asynchronous methods hold: a posted collective (one class on every backend)
+Request = Pending
 
 
 def _no_wait() -> None:
@@ -136,6 +159,9 @@ class Communicator(abc.ABC):
     stats: CommStats
     #: world rank of each member, indexed by rank in this communicator
     world_ranks: Sequence[int]
+    #: the communicator's name, the same on every member ("world", "world/split1:0", ...):
+    #: the collective watchdog numbers collectives per name
+    key: str = "world"
 
     @property
     @abc.abstractmethod
@@ -186,6 +212,22 @@ class Communicator(abc.ABC):
 
         A non-finite score never wins while a finite one exists.
         """
+
+    # -- more non-blocking collectives -----------------------------------------------------
+    # Every member posts the same non-blocking collectives in the same order; a method that
+    # keeps them in flight across steps posts them on a communicator of its own (dup()), so
+    # that they never interleave with the blocking ones of the trainer.
+    @abc.abstractmethod
+    def ibroadcast_(self, tensor: torch.Tensor, root: int) -> Request:
+        """Post broadcast_ without waiting; the root must not write ``tensor`` until completed."""
+
+    @abc.abstractmethod
+    def ielect(self, score: float) -> Request:
+        """Post elect without waiting (one MINLOC reduction); ``result`` is the Election."""
+
+    @abc.abstractmethod
+    def dup(self) -> "Communicator":
+        """The same members in a communicator of their own (collective); shares the stats."""
 
     @abc.abstractmethod
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],

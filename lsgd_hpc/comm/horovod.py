@@ -35,7 +35,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .base import CommError, CommStats, Communicator, Election, check_tensor
+from .base import CommError, CommStats, Communicator, Election, Request, check_tensor
 from .mpi import MPICommunicator  # mpi4py first: it puts libmpi in the process
 
 __all__ = ["HorovodCommunicator", "horovod_available", "NOT_INSTALLED"]
@@ -125,6 +125,10 @@ class HorovodCommunicator(Communicator):
         return self._mpi.rank
 
     @property
+    def key(self) -> str:
+        return self._mpi.key
+
+    @property
     def size(self) -> int:
         return self._mpi.size
 
@@ -156,7 +160,7 @@ class HorovodCommunicator(Communicator):
         # buffer (also: names carry numel and dtype, so Horovod would wait, not fail).
         self._mpi._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._counted(nbytes, nbytes):
+        with self._counted(nbytes, nbytes), self._mpi._watch("allreduce_ (horovod)"):
             if tensor.numel() > 0:
                 # detach(): same storage, and Horovod never sees autograd state.
                 self._hvd.allreduce_(tensor.detach(), op=self._hvd.Sum,
@@ -198,7 +202,8 @@ class HorovodCommunicator(Communicator):
         buf = tensor.detach()
         if buf.dtype in (torch.float16, torch.bfloat16):
             buf = buf.view(torch.int16)
-        with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes):
+        with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes), \
+                self._mpi._watch("broadcast_ (horovod)"):
             if tensor.numel() > 0:
                 # Horovod's root_rank is a world rank, also on a process set.
                 self._hvd.broadcast_(buf, root_rank=self.world_ranks[root],
@@ -207,6 +212,20 @@ class HorovodCommunicator(Communicator):
 
     def elect(self, score: float) -> Election:
         return self._mpi.elect(score)
+
+    # No MINLOC in Horovod, and a broadcast kept in flight across steps must not share
+    # Horovod's name space with the blocking ones: these go through the same ranks' mpi4py
+    # communicator, as elect and neighbor_allgather do.
+    def ibroadcast_(self, tensor: torch.Tensor, root: int) -> Request:
+        return self._mpi.ibroadcast_(tensor, root)
+
+    def ielect(self, score: float) -> Request:
+        return self._mpi.ielect(score)
+
+    def dup(self) -> MPICommunicator:
+        """The mpi4py side's duplicate: what a method keeps in flight across steps stays out of
+        Horovod's negotiation with the trainer's blocking collectives."""
+        return self._mpi.dup()
 
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
                            destinations: Sequence[int], out: Optional[torch.Tensor] = None,

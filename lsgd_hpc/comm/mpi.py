@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from .base import CommError, CommStats, Communicator, Election, check_tensor, sanitize_score
+from ..watchdog import MONITOR
+from .base import (CommError, CommStats, Communicator, Election, Pending, Request,
+                   check_tensor, sanitize_score)
 
 __all__ = ["MPICommunicator", "mpi_library"]
 
@@ -59,10 +62,14 @@ def _buffer(t: torch.Tensor, count: Optional[int] = None):
 
 
 class MPICommunicator(Communicator):
-    """An mpi4py communicator behind the lsgd_hpc interface."""
+    """An mpi4py communicator behind the lsgd_hpc interface.
+
+    ``key`` names the communicator the same way on every member ("world", "world/split1:0",
+    "world/dup2", ...): the collective watchdog numbers collectives per key.
+    """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, stats: Optional[CommStats] = None,
-                 world_ranks: Optional[Sequence[int]] = None):
+                 world_ranks: Optional[Sequence[int]] = None, key: str = "world"):
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.stats = stats if stats is not None else CommStats()
         if world_ranks is None:
@@ -74,6 +81,8 @@ class MPICommunicator(Communicator):
         self._graphs: Dict[tuple, Tuple[MPI.Distgraphcomm, tuple, tuple, int]] = {}
         self._serial = 0
         self._children: list = []
+        self.key = key
+        self._n_derived = 0       # children made so far: the same count on every member
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
         # made once: an election is on the path of every LSGD period
         self._elect_bufs = (np.zeros(1, dtype=_DOUBLE_INT), np.zeros(1, dtype=_DOUBLE_INT))
@@ -99,17 +108,20 @@ class MPICommunicator(Communicator):
         sig = np.array([tensor.numel(), _DTYPE_CODE[tensor.dtype], root], dtype=np.int64)
         if graph is None:
             both = np.concatenate([sig, -sig])
-            self.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
+            with self._watch(f"{what} agreement check"):
+                self.comm.Allreduce(MPI.IN_PLACE, both, op=MPI.MAX)
             ok = np.array_equal(both[:3], -both[3:])
             lo, hi = -both[3:], both[:3]
         else:
             indeg = graph.Get_dist_neighbors_count()[0]
             theirs = np.zeros((indeg, 3), dtype=np.int64)
-            graph.Neighbor_allgather(sig, theirs)
+            with self._watch(f"{what} agreement check"):
+                graph.Neighbor_allgather(sig, theirs)
             mismatch = int(bool((theirs != sig).any()))
             # A neighbour that disagrees makes both sides raise; nobody waits on it.
             flag = np.zeros(indeg, dtype=np.int64)
-            graph.Neighbor_allgather(np.array([mismatch], dtype=np.int64), flag)
+            with self._watch(f"{what} agreement check"):
+                graph.Neighbor_allgather(np.array([mismatch], dtype=np.int64), flag)
             ok = not mismatch and not flag.any()
             lo, hi = np.vstack([theirs, sig]).min(axis=0), np.vstack([theirs, sig]).max(axis=0)
         if not ok:
@@ -123,7 +135,7 @@ class MPICommunicator(Communicator):
             return tensor
         self._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._counted(nbytes, nbytes):
+        with self._counted(nbytes, nbytes), self._watch("allreduce_"):
             self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
         return self._finish_mean(tensor, op)
 
@@ -142,7 +154,8 @@ class MPICommunicator(Communicator):
         self._agree("broadcast_", tensor, root)
         nbytes = tensor.numel() * tensor.element_size()
         is_root = self._rank == root
-        with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes):
+        with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes), \
+                self._watch("broadcast_"):
             self.comm.Bcast(_buffer(tensor), root=root)
         return tensor
 
@@ -152,7 +165,7 @@ class MPICommunicator(Communicator):
             return Election(0, self.world_ranks[0], mine)
         send, recv = self._elect_bufs
         send["score"], send["rank"] = mine, self._rank
-        with self._counted(_DOUBLE_INT.itemsize, _DOUBLE_INT.itemsize):
+        with self._counted(_DOUBLE_INT.itemsize, _DOUBLE_INT.itemsize), self._watch("elect"):
             self.comm.Allreduce([send, MPI.DOUBLE_INT], [recv, MPI.DOUBLE_INT], op=MPI.MINLOC)
         leader = int(recv["rank"][0])
         return Election(leader, self.world_ranks[leader], float(recv["score"][0]))
@@ -173,7 +186,8 @@ class MPICommunicator(Communicator):
         graph = self._graph(src, dst, graph_key)
         self._agree("neighbor_allgather", tensor, graph=graph)
         nbytes = tensor.numel() * tensor.element_size()
-        with self._counted(nbytes * len(dst), nbytes * len(src)):
+        with self._counted(nbytes * len(dst), nbytes * len(src)), \
+                self._watch("neighbor_allgather"):
             graph.Neighbor_allgather(_buffer(tensor), _buffer(out, tensor.numel()))
         return out
 
@@ -198,7 +212,8 @@ class MPICommunicator(Communicator):
             # numbered in creation order, which is the same on every member.
             serial = -1 if entry is None else entry[3]
             agree = np.array([serial, -serial], dtype=np.int64)
-            self.comm.Allreduce(MPI.IN_PLACE, agree, op=MPI.MAX)
+            with self._watch("graph cache check"):
+                self.comm.Allreduce(MPI.IN_PLACE, agree, op=MPI.MAX)
             if not (agree[0] == -agree[1] == serial >= 0):
                 if entry is not None:
                     entry[0].Free()
@@ -207,18 +222,20 @@ class MPICommunicator(Communicator):
             if self.validate:
                 self._check_graph_consistent(src, dst)
             # reorder=False: ranks in the graph stay the ranks of this communicator.
-            graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst), reorder=False)
+            with self._watch("graph creation"):
+                graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst),
+                                                             reorder=False)
             self._serial += 1
             entry = self._graphs[key] = (graph, src, dst, self._serial)
         return entry[0]
 
     def _check_graph_consistent(self, src: tuple, dst: tuple) -> None:
         """Every edge must be declared at both ends, or the neighbour collective waits forever."""
-        graphs = self.comm.allgather((src, dst))
+        graphs = self.allgather_object((src, dst))
         me = self._rank
         bad = sorted({j for j in src if me not in graphs[j][1]}
                      | {j for j in dst if me not in graphs[j][0]})
-        all_bad = self.comm.allgather(bad)
+        all_bad = self.allgather_object(bad)
         if any(all_bad):
             r = next(i for i, b in enumerate(all_bad) if b)
             raise CommError(f"neighbor_allgather: rank {r} and ranks {all_bad[r]} disagree on "
@@ -226,18 +243,76 @@ class MPICommunicator(Communicator):
 
     def split(self, color: int, key: Optional[int] = None) -> Optional["MPICommunicator"]:
         key = self._rank if key is None else key
-        sub = self.comm.Split(MPI.UNDEFINED if color < 0 else int(color), key)
+        self._n_derived += 1
+        with self._watch("split"):
+            sub = self.comm.Split(MPI.UNDEFINED if color < 0 else int(color), key)
         if sub == MPI.COMM_NULL:
             return None
-        child = MPICommunicator(sub, self.stats, sub.allgather(self.world_rank))
+        return self._adopt(sub, f"{self.key}/split{self._n_derived}:{int(color)}")
+
+    def dup(self) -> "MPICommunicator":
+        self._n_derived += 1
+        with self._watch("dup"):
+            sub = self.comm.Dup()
+        return self._adopt(sub, f"{self.key}/dup{self._n_derived}")
+
+    def _adopt(self, sub: MPI.Comm, key: str) -> "MPICommunicator":
+        with MONITOR.blocking(key, (), "world ranks"):
+            ranks = sub.allgather(self.world_rank)
+        child = MPICommunicator(sub, self.stats, ranks, key=key)
         self._children.append(child)
         return child
 
     def allgather_object(self, obj) -> list:
-        return self.comm.allgather(obj)
+        with self._watch("allgather_object"):
+            return self.comm.allgather(obj)
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self._watch("barrier"):
+            self.comm.Barrier()
+
+    # -- non-blocking collectives ------------------------------------------------------------
+    def _post(self, name: str, tensor: torch.Tensor, sent: int, recv: int, start,
+              finish) -> Request:
+        """Post one non-blocking collective (``start()`` returns the mpi4py request): bytes and
+        the call counted now, the seconds as it is waited for."""
+        if self._size == 1:
+            return Pending(self, tensor, "sum", lambda: None, lambda: True, name=name,
+                           finish=finish)
+        with self._counted(sent, recv):
+            req = start()
+        return Pending(self, tensor, "sum", req.Wait, req.Test, name=name, finish=finish)
+
+    def ibroadcast_(self, tensor: torch.Tensor, root: int) -> Request:
+        check_tensor(tensor)
+        self._check_root(root)
+        nbytes = tensor.numel() * tensor.element_size()
+        is_root = self._rank == root
+        buf = _buffer(tensor)    # (CUDA: synchronises the stream that wrote the tensor)
+        return self._post("ibroadcast_", tensor, nbytes if is_root else 0,
+                          0 if is_root else nbytes, lambda: self.comm.Ibcast(buf, root=root),
+                          finish=lambda: tensor)
+
+    def ielect(self, score: float) -> Request:
+        mine = sanitize_score(score)
+        # Buffers of their own: several elections may be in flight on one communicator.
+        send, recv = np.zeros(1, dtype=_DOUBLE_INT), np.zeros(1, dtype=_DOUBLE_INT)
+        send["score"], send["rank"] = mine, self._rank
+        if self._size == 1:
+            recv[...] = send
+
+        def finish(_alive=(send, recv)) -> Election:   # both buffers live until completion
+            leader = int(recv["rank"][0])
+            return Election(leader, self.world_ranks[leader], float(recv["score"][0]))
+        n = _DOUBLE_INT.itemsize
+        return self._post("ielect", torch.empty(0), n, n, lambda: self.comm.Iallreduce(
+            [send, MPI.DOUBLE_INT], [recv, MPI.DOUBLE_INT], op=MPI.MINLOC), finish=finish)
+
+    @contextmanager
+    def _watch(self, name: str) -> Iterator[None]:
+        """A blocking collective on this communicator, numbered for the watchdog."""
+        with MONITOR.blocking(self.key, self.world_ranks, name):
+            yield
 
     def free(self) -> None:
         for g, *_ in self._graphs.values():

@@ -1,0 +1,189 @@
+"""No silent hangs: which collective each rank is in, heartbeats, and a collective watchdog.
+
+Every collective of the communication layer is numbered per communicator: on a communicator
+every member enters the same collectives in the same order, so the k-th collective of one
+member is the k-th of all. The monitor keeps, per communicator, how many collectives this
+rank has entered (blocking or posted non-blocking) and which one it is blocked in now.
+
+With ``--collective-timeout T`` a watchdog thread on every rank writes that record to
+``<run dir>/heartbeat/rank<r>.json`` about once a second (atomically, by rename) and checks
+how long the main thread has been blocked. Past T seconds it reads the other members'
+heartbeats: a member whose count on that communicator is below k has not arrived. Reading a
+file needs nothing from the stalled rank (it may sleep, spin, or be dead: its last heartbeat
+says where it was), unlike a collective or a two-sided message. The watchdog prints one
+report naming those ranks, their step and what they were last doing, lets the trainer write
+the metrics it has, and aborts the job with exit status 1, like NCCL's watchdog or
+Horovod's stall inspector.
+
+The monitor is cheap (a lock and a few assignments per collective) and always on; only the
+thread is optional. mpi4py releases the GIL inside MPI calls, so the thread runs while the
+main thread is blocked in one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+__all__ = ["CollectiveMonitor", "MONITOR", "Watchdog", "EXIT_STALLED", "heartbeat_path"]
+
+#: exit status of a job the watchdog ended
+EXIT_STALLED = 1
+
+
+def heartbeat_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "heartbeat", f"rank{rank:05d}.json")
+
+
+class CollectiveMonitor:
+    """This rank's collective record: per communicator (named by a key that is the same on
+    every member) the number of collectives entered and the last one's name and step, and
+    the collective the main thread is blocked in now (if any)."""
+
+    def __init__(self):
+        self.rank = 0
+        self.step = 0                     # the trainer keeps this current
+        self._lock = threading.Lock()
+        self._entered: Dict[str, list] = {}          # key -> [count, name, step]
+        self._inside: Optional[dict] = None
+
+    def post(self, key: str, name: str) -> int:
+        """Count one collective entered (a blocking one, or a non-blocking one posted) on
+        communicator ``key``; returns its number there (1, 2, ...)."""
+        with self._lock:
+            rec = self._entered.setdefault(key, [0, "", 0])
+            rec[0] += 1
+            rec[1], rec[2] = name, self.step
+            return rec[0]
+
+    @contextmanager
+    def inside(self, key: str, members: Sequence[int], seq: int, name: str) -> Iterator[None]:
+        """The main thread is blocked in collective ``seq`` of ``key`` (a blocking call or the
+        wait for a posted one)."""
+        with self._lock:
+            outer = self._inside
+            self._inside = {"key": key, "members": list(members), "seq": seq, "name": name,
+                            "step": self.step, "since": time.time()}
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._inside = outer
+
+    @contextmanager
+    def blocking(self, key: str, members: Sequence[int], name: str) -> Iterator[None]:
+        """Enter a blocking collective: count it and be inside it until it returns."""
+        with self.inside(key, members, self.post(key, name), name):
+            yield
+
+    def record(self) -> dict:
+        with self._lock:
+            return {"rank": self.rank, "step": self.step, "time": time.time(),
+                    "entered": {k: list(v) for k, v in self._entered.items()},
+                    "inside": dict(self._inside) if self._inside else None}
+
+
+#: The process's monitor; the communication layer reports to it.
+MONITOR = CollectiveMonitor()
+
+
+def _describe(rec: Optional[dict], key: str, now: float) -> str:
+    if rec is None:
+        return "no heartbeat file (not started, or cannot write the run dir)"
+    age = now - float(rec["time"])
+    count, name, step = rec["entered"].get(key, [0, "", 0])
+    last = f"last entered #{count} ({name}) at step {step}" if count else "entered none yet"
+    ins = rec.get("inside")
+    where = (f"blocked in #{ins['seq']} ({ins['name']}) of {ins['key']} for "
+             f"{now - float(ins['since']):.0f} s" if ins else "outside any collective")
+    return f"at step {rec['step']}, {last}; {where} (heartbeat {age:.0f} s old)"
+
+
+class Watchdog:
+    """A daemon thread: heartbeats every ``interval`` seconds, and the report-and-abort when
+    the main thread has been blocked in one collective for ``timeout`` seconds.
+
+    ``on_stall(report)`` runs before ``abort()`` (the trainer writes its metrics there);
+    ``abort`` ends the whole job (MPI_Abort) and must not return.
+    """
+
+    def __init__(self, timeout: float, run_dir: str, rank: int,
+                 abort: Callable[[], None], on_stall: Optional[Callable[[str], None]] = None,
+                 monitor: CollectiveMonitor = MONITOR, interval: Optional[float] = None):
+        self.timeout, self.run_dir, self.rank = float(timeout), run_dir, rank
+        self.abort, self.on_stall, self.monitor = abort, on_stall, monitor
+        self.interval = interval or max(0.05, min(1.0, self.timeout / 5))
+        self.monitor.rank = rank
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lsgd-watchdog", daemon=True)
+        self.fired: Optional[str] = None
+
+    def start(self) -> "Watchdog":
+        os.makedirs(os.path.dirname(heartbeat_path(self.run_dir, self.rank)), exist_ok=True)
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _beat(self) -> dict:
+        rec = self.monitor.record()
+        path = heartbeat_path(self.run_dir, self.rank)
+        tmp = f"{path}.tmp"
+        try:
+            with open(tmp, "w") as fh:
+                json.dump(rec, fh)
+            os.replace(tmp, path)
+        except OSError:
+            pass          # a full or vanished disk must not end training; the report says so
+        return rec
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            rec = self._beat()
+            ins = rec["inside"]
+            if ins and rec["time"] - ins["since"] >= self.timeout:
+                self._fire(ins)
+                return
+
+    def report(self, ins: dict) -> str:
+        """Who has not arrived at collective ``ins`` (read from the members' heartbeats)."""
+        now = time.time()
+        key, seq = ins["key"], ins["seq"]
+        late: List[str] = []
+        for m in ins["members"]:
+            if m == self.rank:
+                continue
+            try:
+                with open(heartbeat_path(self.run_dir, m)) as fh:
+                    rec = json.load(fh)
+            except (OSError, ValueError):
+                rec = None
+            if rec is None or rec["entered"].get(key, [0])[0] < seq:
+                late.append(f"  rank {m}: {_describe(rec, key, now)}")
+        head = (f"collective watchdog: rank {self.rank} has waited {now - ins['since']:.0f} s "
+                f"(--collective-timeout {self.timeout:g}) in collective #{seq} ({ins['name']}) "
+                f"of communicator {key} at step {ins['step']}; ")
+        if late:
+            ranks = [int(line.split()[1].rstrip(":")) for line in late]
+            return (head + f"rank(s) {', '.join(map(str, ranks))} have not arrived:\n"
+                    + "\n".join(late))
+        return head + "every member has entered it (the MPI library or network is stuck)"
+
+    def _fire(self, ins: dict) -> None:
+        self.fired = self.report(ins)
+        print(self.fired, file=sys.stderr, flush=True)
+        try:
+            if self.on_stall is not None:
+                self.on_stall(self.fired)
+        finally:
+            sys.stderr.flush()
+            self.abort()
+            os._exit(EXIT_STALLED)        # if the abort returned
