@@ -38,7 +38,7 @@ def main(argv=None) -> int:
         results["raw"] = int(recv["rank"][0])
 
     def gather_bcast():
-        # What ALGORITHMS.md forbids: every score to one rank, the decision broadcast back
+        # What the election avoids: every score to one rank, the decision broadcast back
         # (two collectives on the critical path, rank 0 a serial bottleneck).
         mine[0] = score
         comm.Gather(mine, scores if rank == 0 else None, root=0)

@@ -1,4 +1,16 @@
-"""Per-rank checkpoints written atomically, and a pointer to the latest complete set."""
+"""Per-rank checkpoints written atomically, and a pointer to the latest complete set.
+
+Layout: ``RUN_DIR/checkpoints/stepNNNNNNNNN/rankRRRRR.pt`` (one file per rank, torch's zip
+format), ``stepNNNNNNNNN/manifest.json`` (written by rank 0 once every rank has saved: step,
+world size, every file's size) and ``latest.json`` (a copy of the newest manifest). The
+newest ``KEEP`` complete sets stay on disk.
+
+Resuming takes the newest set that is intact: every rank's file present, of the size the
+manifest recorded, and ending in a zip end-of-central-directory record (a truncated or
+half-copied file fails both). When the newest set is damaged -- a file deleted, truncated by a
+full disk, ``latest.json`` itself unreadable -- :func:`latest_checkpoint` falls back to the
+previous complete set, and says which newer steps it skipped.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +23,8 @@ import torch
 __all__ = ["save_rank", "commit_set", "latest_checkpoint", "load_rank", "atomic_write"]
 
 POINTER = "latest.json"
+MANIFEST = "manifest.json"
+_ZIP_END = b"PK\x05\x06"  # end-of-central-directory signature, the last record of a zip
 KEEP = 2  # complete sets kept on disk (the newest, and one before it in case it is damaged)
 
 
@@ -18,8 +32,12 @@ def _dir(run_dir: str) -> str:
     return os.path.join(run_dir, "checkpoints")
 
 
+def _set_name(step: int) -> str:
+    return f"step{step:09d}"
+
+
 def _rank_path(run_dir: str, step: int, rank: int) -> str:
-    return os.path.join(_dir(run_dir), f"step{step:09d}", f"rank{rank:05d}.pt")
+    return os.path.join(_dir(run_dir), _set_name(step), f"rank{rank:05d}.pt")
 
 
 def _fsync_dir(path: str) -> None:
@@ -54,36 +72,95 @@ def save_rank(run_dir: str, step: int, rank: int, state: dict) -> str:
     return path
 
 
+def _write_json(path: str, obj: dict) -> None:
+    atomic_write(path, lambda fh: fh.write(json.dumps(obj).encode()))
+
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as fh:
+            obj = json.load(fh)
+        obj["step"], obj["world_size"] = int(obj["step"]), int(obj["world_size"])
+        return obj
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def commit_set(run_dir: str, step: int, world_size: int) -> None:
-    """Rank 0, after every rank has saved: point ``latest.json`` at this set, drop old sets."""
-    folder = os.path.dirname(_rank_path(run_dir, step, 0))
+    """Rank 0, after every rank has saved: record the set's manifest, point ``latest.json``
+    at it, and drop all but the newest ``KEEP`` complete sets."""
+    folder = os.path.join(_dir(run_dir), _set_name(step))
     missing = [r for r in range(world_size)
                if not os.path.isfile(_rank_path(run_dir, step, r))]
     if missing:
         raise RuntimeError(f"checkpoint step {step}: ranks {missing} did not save")
-    pointer = {"step": step, "world_size": world_size, "folder": os.path.basename(folder)}
-    atomic_write(os.path.join(_dir(run_dir), POINTER),
-                 lambda fh: fh.write(json.dumps(pointer).encode()))
-    sets = sorted(d for d in os.listdir(_dir(run_dir)) if d.startswith("step"))
-    for old in sets[:-KEEP]:
+    sizes = [os.path.getsize(_rank_path(run_dir, step, r)) for r in range(world_size)]
+    manifest = {"step": step, "world_size": world_size, "folder": _set_name(step),
+                "sizes": sizes}
+    _write_json(os.path.join(folder, MANIFEST), manifest)
+    _write_json(os.path.join(_dir(run_dir), POINTER), manifest)
+    # Sets after this step belong to a timeline abandoned by resuming from an older set.
+    complete = sorted(d for d in os.listdir(_dir(run_dir)) if d.startswith("step")
+                      and d <= _set_name(step)
+                      and os.path.isfile(os.path.join(_dir(run_dir), d, MANIFEST)))
+    keep = set(complete[-KEEP:])
+    for old in sorted(d for d in os.listdir(_dir(run_dir)) if d.startswith("step")):
+        if old in keep:
+            continue
         old_path = os.path.join(_dir(run_dir), old)
         for name in os.listdir(old_path):
             os.remove(os.path.join(old_path, name))
         os.rmdir(old_path)
 
 
+def _intact(run_dir: str, pointer: dict) -> bool:
+    """Every rank's file is there, has the recorded size, and ends like a whole zip file."""
+    sizes = pointer.get("sizes")
+    for r in range(pointer["world_size"]):
+        path = _rank_path(run_dir, pointer["step"], r)
+        try:
+            size = os.path.getsize(path)
+            if sizes is not None and size != int(sizes[r]):
+                return False
+            with open(path, "rb") as fh:
+                fh.seek(max(0, size - 65557))   # the record is in the last 64 KiB + 22 bytes
+                if _ZIP_END not in fh.read():
+                    return False
+        except (OSError, IndexError, TypeError, ValueError):
+            return False
+    return True
+
+
 def latest_checkpoint(run_dir: str) -> Optional[dict]:
-    """The pointer of the latest complete set, or None (no pointer, or its files are gone)."""
-    path = os.path.join(_dir(run_dir), POINTER)
+    """The newest intact complete set as ``{"step", "world_size", "folder", ...}``, or None.
+
+    ``latest.json`` first, then every set that has a manifest, newest first. When newer sets
+    were passed over as damaged, ``"skipped"`` lists their steps.
+    """
+    folder = _dir(run_dir)
+    candidates = []
+    pointer = _read_json(os.path.join(folder, POINTER))
+    if pointer is not None:
+        candidates.append(pointer)
     try:
-        with open(path) as fh:
-            pointer = json.load(fh)
-        step, world = int(pointer["step"]), int(pointer["world_size"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if not all(os.path.isfile(_rank_path(run_dir, step, r)) for r in range(world)):
-        return None
-    return pointer
+        names = sorted((d for d in os.listdir(folder) if d.startswith("step")), reverse=True)
+    except OSError:
+        names = []
+    for name in names:
+        manifest = _read_json(os.path.join(folder, name, MANIFEST))
+        if manifest is not None and manifest["step"] not in [c["step"] for c in candidates]:
+            candidates.append(manifest)
+    candidates.sort(key=lambda c: c["step"], reverse=True)
+    skipped = []
+    for c in candidates:
+        if _intact(run_dir, c):
+            out = {"step": c["step"], "world_size": c["world_size"],
+                   "folder": c.get("folder", _set_name(c["step"]))}
+            if skipped:
+                out["skipped"] = skipped
+            return out
+        skipped.append(c["step"])
+    return None
 
 
 def load_rank(run_dir: str, step: int, rank: int) -> dict:

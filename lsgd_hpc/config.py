@@ -181,6 +181,7 @@ _UNSET_MEANS = {
     "easgd_alpha": "0.9 / world size", "easgd_tau": "--tau-local",
     "ranks_per_node": "by host name", "max_steps": "none (all epochs)",
     "local_steps_cost_ratio": "measured at run time",
+    "bn_recompute": "16 for models with BatchNorm, else 0",
 }
 
 

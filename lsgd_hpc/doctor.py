@@ -203,11 +203,15 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
     rows = [Check("MPI library", "info", f"{mpi_library}; started by {', '.join(launches)}")]
 
     # world size against what the launcher and SLURM meant to start
+    # Under srun the step's task count is what SLURM started; under mpirun (even inside an
+    # allocation, whose batch step has its own counts) only mpirun's own count applies.
     expected = {}
-    if env.get("SLURM_NTASKS", "").isdigit() and facts[0]["launch"].startswith("srun"):
-        expected["SLURM_NTASKS"] = int(env["SLURM_NTASKS"])
-    if env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
-        expected["SLURM_STEP_NUM_TASKS"] = int(env["SLURM_STEP_NUM_TASKS"])
+    by_srun = facts[0]["launch"].startswith("srun")
+    if by_srun:
+        for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+            if env.get(var, "").isdigit():
+                expected[var] = int(env[var])
+                break
     if facts[0]["launcher_size"] is not None:
         expected["launcher"] = facts[0]["launcher_size"]
     wrong = {k: v for k, v in expected.items() if v != size}
@@ -227,11 +231,12 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
     layout = "; ".join(f"{h}: ranks {_ranks_text(rs)}" for h, rs in by_host.items())
     how = f"--ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else "host names"
     detail = f"{n_nodes} node(s) by {how}, {len(by_host)} host(s): {layout}"
-    slurm_nodes = env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_JOB_NUM_NODES") \
-        or env.get("SLURM_NNODES")
+    slurm_nodes = (env.get("SLURM_STEP_NUM_NODES") if by_srun else None) \
+        or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     status = "ok"
     if slurm_nodes and slurm_nodes.isdigit() and int(slurm_nodes) != len(by_host):
-        status = "FAIL"
+        # srun spreads a step over its nodes; mpirun may use fewer on purpose
+        status = "FAIL" if by_srun else "warn"
         detail += f"; SLURM allocated {slurm_nodes} node(s)"
     elif len({len(m) for m in members}) > 1:
         status, detail = "warn", detail + "; nodes hold different numbers of ranks"
@@ -412,11 +417,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from mpi4py import MPI  # MPI_Init here, after the arguments are known to be good
 
+    comm = MPI.COMM_WORLD
+    try:
+        return _run(comm, args)
+    except Exception:  # noqa: BLE001 - a bug here must not leave the other ranks waiting
+        import traceback
+        print(f"{PROG}: rank {comm.Get_rank()}: unexpected error", file=sys.stderr)
+        traceback.print_exc()
+        sys.stderr.flush()
+        comm.Abort(EXIT_FAILED)
+        return EXIT_FAILED
+
+
+def _run(comm, args) -> int:
+    """Gather, probe, judge, print on rank 0; the exit status, the same on every rank."""
     from .comm.groups import node_layout
     from .comm.mpi import mpi_library
     from .netprobe import DEFAULT_SIZES, probe_network
 
-    comm = MPI.COMM_WORLD
     env = dict(os.environ)
     facts = comm.allgather(gather_local_facts(args, env))
     probe = None
@@ -440,7 +458,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             print(f"{PROG}: all checks passed", flush=True)
     return comm.bcast(status, root=0)
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

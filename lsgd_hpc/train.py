@@ -226,6 +226,10 @@ class Trainer:
                   f"node(s), {cfg.dataset} ({self.resolved['model']}), {self.total_steps} steps "
                   f"({self.spe}/epoch), run dir {self.run_dir}"
                   + (f", resumed at step {self.step}" if self.pointer else ""), flush=True)
+            if self.pointer and self.pointer.get("skipped"):
+                print(f"[lsgd_hpc] newer checkpoint set(s) at step(s) "
+                      f"{', '.join(map(str, self.pointer['skipped']))} damaged or incomplete: "
+                      f"resumed from the previous complete set", flush=True)
         # A method that owns its schedule ends training itself (ranks take uneven steps).
         owns = self.algo.owns_schedule
         last_step = math.inf if owns else self.total_steps

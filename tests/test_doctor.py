@@ -106,16 +106,33 @@ def test_all_good_facts_pass():
 def test_world_size_against_slurm():
     env = {"SLURM_NTASKS": "8", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"}
     facts = [fact(launch=launch_method(env))]
+    assert facts[0]["launch"].startswith("srun without PMI")
     status, detail = judge(facts, env)["world size"]
     assert status == "FAIL" and "SLURM_NTASKS=8" in detail and "1 ranks" in detail
     assert judge([fact(launch="srun --mpi=pmix")] * 8, env)["world size"][0] == "ok"
+    # the step's count wins over the job's
+    env["SLURM_STEP_NUM_TASKS"] = "4"
+    assert judge([fact(launch="srun --mpi=pmix")] * 4, env)["world size"][0] == "ok"
 
 
 def test_node_layout_against_slurm_nodes():
-    env = {"SLURM_JOB_NUM_NODES": "2"}
-    assert judge([fact("a"), fact("a")], env)["node layout"][0] == "FAIL"
-    assert judge([fact("a"), fact("b")], env)["node layout"][0] == "ok"
+    srun = {"SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NUM_NODES": "2"}
+    by_srun = dict(launch="srun --mpi=pmix")
+    assert judge([fact("a", **by_srun), fact("a", **by_srun)], srun)["node layout"][0] == "FAIL"
+    assert judge([fact("a", **by_srun), fact("b", **by_srun)], srun)["node layout"][0] == "ok"
+    # mpirun inside a 2-node allocation may use one node on purpose: a warning
+    assert judge([fact("a"), fact("a")], {"SLURM_JOB_NUM_NODES": "2"})["node layout"][0] == \
+        "warn"
     assert judge([fact("a"), fact("a"), fact("b")])["node layout"][0] == "warn"
+
+
+def test_mpirun_in_a_batch_job_ignores_the_batch_steps_counts():
+    env = {"SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "1", "SLURM_JOB_ID": "7"}
+    facts = [fact(launch="mpirun (Open MPI) inside a SLURM allocation", launcher_size=4)] * 4
+    status, detail = judge(facts, env)["world size"]
+    assert status == "ok" and detail == "4 ranks (launcher=4)"
+    status, detail = judge(facts[:3], env)["world size"]
+    assert status == "FAIL" and "launcher=4" in detail
 
 
 def test_gpus_and_cuda_aware_mpi_with_device_cuda():

@@ -31,10 +31,16 @@ def read(run_dir: Path, n: int) -> list:
     return out
 
 
-def model_bytes() -> int:
-    from lsgd_hpc.comm import FlatParams
-    from lsgd_hpc.models import build_model
-    return FlatParams(build_model("digits_cnn", 10, (1, 8, 8))).nbytes
+# digits_cnn's size, worked out from its layers (not from the package's FlatParams):
+# conv3x3 1->16 without bias, BatchNorm(16), conv3x3 16->32 without bias, BatchNorm(32),
+# linear 32*2*2 -> 10 with bias. BatchNorm has a weight and a bias per channel (parameters)
+# and a running mean and variance per channel (floats that travel with the model).
+DIGITS_PARAMS = (1 * 16 * 3 * 3) + 2 * 16 + (16 * 32 * 3 * 3) + 2 * 32 + (32 * 2 * 2 * 10 + 10)
+DIGITS_BN_FLOATS = 2 * 16 + 2 * 32
+assert (DIGITS_PARAMS, DIGITS_BN_FLOATS) == (6138, 96)
+GRAD_BYTES = 4 * DIGITS_PARAMS                        # float32 gradients
+MODEL_BYTES = 4 * (DIGITS_PARAMS + DIGITS_BN_FLOATS)  # float32 parameters + BN statistics
+ELECTION_BYTES = 16                                   # one MPI DOUBLE_INT {double; int} padded
 
 
 @pytest.fixture(scope="module")
@@ -101,31 +107,75 @@ def test_elections_agree_and_leader_has_lowest_score(all_runs):
     assert g_steps[:3] == [8, 16, 24]
 
 
+def per_step(f, column):
+    """Bytes of one rank in each logged step (the columns are cumulative; log_every is 1)."""
+    t = f["train"]
+    assert list(t["step"]) == list(range(1, len(t["step"]) + 1))
+    return np.diff(np.concatenate([[0], t[column]])), np.asarray(t["step"])
+
+
+BN_BYTES = 4 * DIGITS_BN_FLOATS
+
+
 @pytest.mark.mpi
-def test_bytes_per_step_match_each_method(all_runs):
-    nbytes = model_bytes()
+@pytest.mark.parametrize("alg,every,sent,recv", [
+    # gradient allreduce every step, and BatchNorm statistics broadcast from rank 0 (as DDP)
+    ("allreduce", 1, lambda r: GRAD_BYTES + (BN_BYTES if r == 0 else 0),
+     lambda r: GRAD_BYTES + (BN_BYTES if r != 0 else 0)),
+    # model allreduce every T = 8 steps
+    ("local-sgd", 8, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
+    # model allreduce every tau = 4 steps
+    ("easgd", 4, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
+    # ring of 4: the model to and from 2 neighbours every step
+    ("gossip", 1, lambda r: 2 * MODEL_BYTES, lambda r: 2 * MODEL_BYTES),
+])
+def test_bytes_per_step_exact(all_runs, alg, every, sent, recv):
+    for rank, f in enumerate(all_runs[alg]):
+        for column, want in (("comm_bytes_sent", sent(rank)), ("comm_bytes_recv", recv(rank))):
+            d, steps = per_step(f, column)
+            expected = np.where(steps % every == 0, want, 0)
+            assert np.array_equal(d, expected), (alg, rank, column, d[:10], expected[:10])
 
-    def sent_per_step(alg, rank):
-        t = all_runs[alg][rank]["train"]
-        return np.diff(np.concatenate([[0], t["comm_bytes_sent"]])), t["step"]
 
-    # allreduce: the fused gradient (params only) every step, on every rank
-    d, steps = sent_per_step("allreduce", 1)
-    grads = d[0]
-    assert grads > 0 and np.all(d == grads)
-    # local SGD, T = 8: the whole model once per period, nothing in between
-    d, steps = sent_per_step("local-sgd", 2)
-    assert np.all(d[steps % 8 != 0] == 0) and np.all(d[steps % 8 == 0] == nbytes)
-    # gossip on a ring of 4: the model to each of 2 neighbours every step
-    d, _ = sent_per_step("gossip", 3)
-    assert np.all(d == 2 * nbytes)
-    # LSGD: traffic only on multiples of tau_local = 4 (local) and 8 (global)
-    d, steps = sent_per_step("lsgd", 1)
-    assert np.all(d[steps % 4 != 0] == 0) and np.any(d[steps % 4 == 0] > 0)
-    # EASGD (tau = tau_local = 4): one model-sized allreduce per round
-    d, steps = sent_per_step("easgd", 0)
-    assert np.all(d[steps % 4 != 0] == 0) and np.all(d[steps % 4 == 0] == nbytes)
-    # the consensus distance is logged at every averaging round
+@pytest.mark.mpi
+def test_lsgd_bytes_per_step_exact(all_runs):
+    """4 ranks as nodes {0,1} and {2,3}, tau_local 4, tau_global 8. Every 4 steps a node
+    election and a broadcast of the model from the node's leader; every 8 steps also a world
+    election and a broadcast from the global leader. Every rank but the leader receives the
+    model once per pull; the broadcast tree is free, but each receiver is fed by one send."""
+    runs = all_runs["lsgd"]
+    node_of = [0, 0, 1, 1]
+    leaders = {}
+    for r, f in enumerate(runs):
+        L = f["leader"]
+        for step, scope, lead in zip(L["step"], L["scope"], L["leader_rank"]):
+            key = (int(step), "global" if scope == 0 else node_of[r])
+            assert leaders.setdefault(key, int(lead)) == int(lead)
+    sent = np.array([per_step(f, "comm_bytes_sent")[0] for f in runs])
+    recv = np.array([per_step(f, "comm_bytes_recv")[0] for f in runs])
+    steps = per_step(runs[0], "comm_bytes_sent")[1]
+    for i, step in enumerate(steps):
+        want_recv = np.zeros(4, dtype=np.int64)
+        want_total_sent = 0
+        if step % 4 == 0:
+            for r in range(4):
+                local_leader = leaders[(int(step), node_of[r])]
+                want_recv[r] += ELECTION_BYTES + (MODEL_BYTES if r != local_leader else 0)
+            want_total_sent += 4 * ELECTION_BYTES + 2 * MODEL_BYTES   # 1 receiver per node
+        if step % 8 == 0:
+            g = leaders[(int(step), "global")]
+            for r in range(4):
+                want_recv[r] += ELECTION_BYTES + (MODEL_BYTES if r != g else 0)
+            want_total_sent += 4 * ELECTION_BYTES + 3 * MODEL_BYTES   # 3 receivers
+        assert np.array_equal(recv[:, i], want_recv), (int(step), recv[:, i], want_recv)
+        assert sent[:, i].sum() == want_total_sent, (int(step), sent[:, i], want_total_sent)
+        if step % 4 == 0:  # the leader itself sends the model at least once
+            assert sent[leaders[(int(step), node_of[0])], i] >= ELECTION_BYTES + MODEL_BYTES
+    assert {k[1] for k in leaders} == {"global", 0, 1} and len(steps) >= 40
+
+
+@pytest.mark.mpi
+def test_consensus_logged_at_each_averaging_round(all_runs):
     c = all_runs["local-sgd"][0]["consensus"]
     assert list(c["step"]) == [s for s in all_runs["local-sgd"][0]["train"]["step"] if s % 8 == 0]
 

@@ -1,7 +1,8 @@
 """Run lsgd_hpc.train.main in one MPI job several times, with optional fault injection.
 
     mpirun -np N python tests/parallel/train_driver.py RUN_DIR_PREFIX ALG[,ALG...] -- [train options]
-Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of them).
+Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of them);
+ALG@TOPOLOGY (gossip@torus) adds --topology TOPOLOGY and trains into RUN_DIR_PREFIX-ALG-TOPOLOGY.
 LSGD_FAULT="kind:rank:step" makes that rank, after that step, raise (kind=raise), die by
 SIGKILL (kill) or send itself SIGTERM (sigterm, a preemption at a known step).
 """
@@ -43,8 +44,11 @@ def main() -> int:
     if fault:
         kind, rank, step = fault.split(":")
         inject(kind, int(rank), int(step))
-    for alg in algs:
-        rc = train.main(["--algorithm", alg, "--run-dir", f"{prefix}-{alg}", *extra])
+    for spec in algs:
+        alg, _, topo = spec.partition("@")
+        opts = ["--topology", topo] if topo else []
+        rc = train.main(["--algorithm", alg, *opts, "--run-dir",
+                         f"{prefix}-{spec.replace('@', '-')}", *extra])
         if rc != 0:
             return rc
     return 0
