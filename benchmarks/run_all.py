@@ -32,39 +32,52 @@ from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
 
 @dataclass
 class Bench:
+    """One section of results.json (``benchmarks[key]``) and of the table.
+
+    To add a section: write benchmarks/<module>.py and add a Bench here. Either a script
+    that ``mpirun -np np`` starts with ``--out FILE [--quick] *args`` and whose rank 0 writes
+    a JSON dict to FILE, or (``driver=True``) a module whose ``run(quick=, timeout=, log=,
+    **kwargs)`` returns the dict (it starts its own jobs). The dict has ``rows`` (see
+    _common.row) and may have ``ratio`` and ``target`` (e.g. ">= 0.95"), which land in
+    results.json's ``targets``, ``notes`` (lines under the table) and anything else.
+    """
+
     key: str                      # key in results.json
     module: str                   # benchmarks/<module>.py
     np: int = 4
-    timeout: float = 120.0        # seconds for the whole mpirun (per training run for drivers)
+    timeout: float = 120.0        # seconds for the whole mpirun (per job for drivers)
     args: List[str] = field(default_factory=list)
-    driver: bool = False          # runs its own mpirun jobs (algorithms_cost)
+    driver: bool = False          # runs its own jobs: module.run(quick, timeout, log, **kwargs)
+    kwargs: dict = field(default_factory=dict)
     full_only: bool = False       # skipped by --quick
     optional_s: Optional[float] = None   # run only if at least this many seconds remain
 
 
-#: Table order. Run order is RUN_ORDER (the optional 8-rank run goes last).
+#: Table and run order; optional benchmarks (optional_s) run after all others.
 BENCHES = [
     Bench("fused_vs_per_tensor", "fused_vs_per_tensor", timeout=120),
     Bench("hierarchical_broadcast", "hierarchical_broadcast", timeout=90,
           args=["--ranks-per-node", "2"]),
     Bench("hierarchical_broadcast_8", "hierarchical_broadcast", np=8, timeout=120,
           args=["--ranks-per-node", "2"], full_only=True, optional_s=60),
-    Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
-    Bench("backends", "backends", timeout=150),
     Bench("election", "election", timeout=90),
     Bench("topology_speed", "topology_speed", np=1, timeout=150),
-    # drivers of their own mpirun jobs on the emulated cluster (root; skipped with a reason
-    # otherwise); timeout per job
+    Bench("backends", "backends", timeout=150),
+    Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
+    Bench("collective_efficiency", "collectives", timeout=240),
+    Bench("loop_overhead", "loop_overhead", np=1, timeout=240),
+    # drivers of their own mpirun jobs (per-job timeouts); the *_network and cluster ones
+    # bring up the emulated cluster (root; skipped with a reason otherwise)
+    Bench("peers", "peers", timeout=240, driver=True, kwargs={"key": "peers"}),
+    Bench("peers_network", "peers", timeout=300, driver=True,
+          kwargs={"network": "1gbit", "key": "peers_network"}),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
     # its own mpirun jobs: 4 ranks (quick) or 4 and 8 ranks, each unslowed then slowed
     Bench("stragglers", "stragglers", timeout=600, driver=True),
 ]
-RUN_ORDER = ["fused_vs_per_tensor", "hierarchical_broadcast", "election", "topology_speed",
-             "backends", "algorithms_cost", "time_to_accuracy", "scale_model", "stragglers",
-             "hierarchical_broadcast_8"]
 #: Wall-clock targets of the whole run (seconds); optional benchmarks are dropped past them.
-BUDGET_S = {"full": 490.0, "quick": 205.0}
+BUDGET_S = {"full": 1100.0, "quick": 500.0}
 
 
 def _version(pkg: str) -> str:
@@ -118,7 +131,7 @@ def run_bench(bench: Bench, out_dir: Path, quick: bool) -> dict:
         import importlib
         mod = importlib.import_module(bench.module)
         result = mod.run(quick=quick, timeout=bench.timeout,
-                         log=lambda m: print(m, flush=True))
+                         log=lambda m: print(m, flush=True), **bench.kwargs)
         write_result(str(raw), result)
         return result
     cmd = mpirun_cmd(bench.np, [sys.executable, str(HERE / f"{bench.module}.py"),
@@ -131,6 +144,30 @@ def run_bench(bench: Bench, out_dir: Path, quick: bool) -> dict:
         return _fail(bench, f"failed (exit {p.returncode}): {' / '.join(tail)[-300:]}")
     with open(raw) as fh:
         return json.load(fh)
+
+
+def target_met(ratio, target: str) -> Optional[bool]:
+    """Whether ``ratio`` meets ``target`` (">= 0.95", "<= 1.03"); None when either is missing."""
+    try:
+        op, value = target.split()
+        value = float(value)
+    except (AttributeError, ValueError):
+        return None
+    if ratio is None or ratio != ratio:
+        return None
+    return {">=": ratio >= value, "<=": ratio <= value, ">": ratio > value,
+            "<": ratio < value}.get(op)
+
+
+def targets(results: dict) -> dict:
+    """key -> {ratio, target, met} for every section that states a target."""
+    out = {}
+    for b in BENCHES:
+        res = results.get(b.key)
+        if res and res.get("target"):
+            out[b.key] = {"ratio": res.get("ratio"), "target": res["target"],
+                          "met": target_met(res.get("ratio"), res["target"])}
+    return out
 
 
 def _cell(text) -> str:
@@ -157,6 +194,28 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def targets_table(tg: dict) -> str:
+    lines = ["| key | ratio | target | met |", "|---|---|---|---|"]
+    for key, t in tg.items():
+        r = "-" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        met = {True: "yes", False: "**no**", None: "-"}[t["met"]]
+        lines.append(f"| {key} | {r} | {t['target']} | {met} |")
+    return "\n".join(lines)
+
+
+def key_list(results: dict) -> str:
+    """One line per key of results.json's ``benchmarks``: what it measures."""
+    lines = []
+    for b in BENCHES:
+        res = results.get(b.key)
+        if res is None:
+            continue
+        doc = (res.get("doc") or "").strip().splitlines()
+        lines.append(f"- `{b.key}` ({b.module}.py, {b.np} ranks): "
+                     f"{doc[0] if doc else res.get('name', '')}")
+    return "\n".join(lines)
+
+
 def readme(doc: dict) -> str:
     m = doc["machine"]
     notes = []
@@ -179,12 +238,16 @@ def readme(doc: dict) -> str:
         f"{m['loadavg_start'][0]:.1f}, at end {m['loadavg_end'][0]:.1f}.", "",
         "Every ratio is measured side by side in this one run: the compared variants alternate "
         "repetition by repetition (order rotated), each timing starts after a barrier, a sample "
-        "is the slowest rank's time, and the figure is the median over samples. Ratios > 1 mean "
-        "the first-named variant of the ratio costs more. Timed collectives run with the "
-        "agreement check of lsgd_hpc.comm off (LSGD_HPC_COMM_VALIDATE=0), so that the "
-        "collectives themselves are compared. Raw samples and quartiles: results.json.", "",
+        "is the slowest rank's time, and the figure is the median over samples. Each ratio "
+        "says in its own words which way it goes (its label). The older collective benchmarks "
+        "run with the agreement check of lsgd_hpc.comm off (LSGD_HPC_COMM_VALIDATE=0), so that "
+        "the collectives themselves are compared; collective_efficiency keeps it on (the "
+        "default users get) and reports both. Raw samples and quartiles: results.json.", "",
         table(doc["benchmarks"]), "",
+        *(["Targets:", "", targets_table(doc["targets"]), ""] if doc["targets"] else []),
         *(["Notes:", "", *notes, ""] if notes else []),
+        "Keys of results.json `benchmarks` (each holds `rows`, the raw figures and `doc`):", "",
+        key_list(doc["benchmarks"]), "",
     ])
 
 
@@ -201,7 +264,8 @@ def main(argv=None) -> int:
     started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     mode = "quick" if args.quick else "full"
     by_key = {b.key: b for b in BENCHES}
-    todo = [by_key[k] for k in RUN_ORDER if not (args.quick and by_key[k].full_only)]
+    todo = [b for b in BENCHES if not (args.quick and b.full_only)]
+    todo.sort(key=lambda b: b.optional_s is not None)           # optional ones last (stable)
     if args.only:
         unknown = set(args.only) - set(by_key)
         if unknown:
@@ -230,13 +294,16 @@ def main(argv=None) -> int:
         "command": " ".join(["python", "benchmarks/run_all.py", *(argv or sys.argv[1:])]),
         "started": started,
         "quick": args.quick, "runtime_s": time.perf_counter() - t_start,
-        "machine": machine, "benchmarks": results,
+        "machine": machine, "benchmarks": results, "targets": targets(results),
         "table": [r for b in BENCHES if b.key in results for r in results[b.key]["rows"]],
     }
     write_result(str(out_dir / "results.json"), doc)
     (out_dir / "README.md").write_text(readme(doc))
     print()
     print(table(results))
+    if doc["targets"]:
+        print()
+        print(targets_table(doc["targets"]))
     print(f"\n{len(todo)} benchmarks in {doc['runtime_s']:.0f} s; wrote {out_dir}/results.json "
           f"and {out_dir}/README.md")
     failed = [k for k, r in results.items() if r.get("status", "").startswith(("failed", "timed",
