@@ -25,10 +25,10 @@ ranks, each node's link limited to RATE), which this script brings up and always
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -248,27 +248,27 @@ def measure(quick: bool, timeout: float, log, network: Optional[str]) -> dict:
     if why:
         missing["horovod"] = why
         methods.remove("horovod")
-    tmp = Path(tempfile.mkdtemp(prefix="lsgd_bench_peers_"))
+    cluster = None
+    where = "one network namespace (shared memory and loopback)"
+    if network:
+        cluster = Cluster(network, log)
+        why = cluster.missing()
+        if why:
+            return {"skipped": why}
+        where = (f"emulated cluster: {CLUSTER['nodes']} nodes x {CLUSTER['ranks_per_node']} "
+                 f"ranks, each node's link limited to {network} (tc tbf)")
     samples: Dict[str, List[float]] = {m: [] for m in methods}
     errors: Dict[str, str] = {}
-    where = "one network namespace (shared memory and loopback)"
+    tmp = Path(tempfile.mkdtemp(prefix="lsgd_bench_peers_"))
     try:
-        if network:
-            cluster = Cluster(network, log)
-            why = cluster.missing()
-            if why:
-                return {"skipped": why}
-            ctx = cluster
-            where = (f"emulated cluster: {CLUSTER['nodes']} nodes x {CLUSTER['ranks_per_node']} "
-                     f"ranks, each node's link limited to {network} (tc tbf)")
-        else:
-            ctx = None
-        if ctx is not None:
-            ctx.__enter__()
-        try:
-            mpi_args = ctx.mpirun_args if ctx is not None else []
+        with cluster or contextlib.nullcontext():
             # gloo's interface: the nodes' eth0 on the cluster, loopback otherwise
-            env = {"GLOO_SOCKET_IFNAME": "eth0" if ctx is not None else "lo"}
+            env = {"GLOO_SOCKET_IFNAME": "eth0" if cluster else "lo"}
+            mpi_args = []
+            if cluster:
+                mpi_args = list(cluster.mpirun_args)
+                for var in ("PYTHONPATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):
+                    mpi_args += ["-x", var]       # to the ranks on every emulated node
             for r in range(rounds):
                 order = methods[r % len(methods):] + methods[:r % len(methods)]
                 for m in order:
@@ -284,9 +284,6 @@ def measure(quick: bool, timeout: float, log, network: Optional[str]) -> dict:
                     log(f"  peers{' ' + network if network else ''}: round {r + 1}/{rounds} "
                         f"{m}: {res['steps_per_s']:.2f} steps/s "
                         f"(job {time.perf_counter() - t0:.0f} s)")
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {m: median(s) for m, s in samples.items() if s}
