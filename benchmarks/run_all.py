@@ -68,8 +68,8 @@ BENCHES = [
     Bench("loop_overhead", "loop_overhead", np=1, timeout=240),
     # drivers of their own mpirun jobs (per-job timeouts); the *_network and cluster ones
     # bring up the emulated cluster (root; skipped with a reason otherwise)
-    Bench("peers", "peers", timeout=240, driver=True, kwargs={"key": "peers"}),
-    Bench("peers_network", "peers", timeout=300, driver=True,
+    Bench("peers", "peers", timeout=600, driver=True, kwargs={"key": "peers"}),
+    Bench("peers_network", "peers", timeout=600, driver=True,
           kwargs={"network": "1gbit", "key": "peers_network"}),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),

@@ -11,6 +11,8 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
+from .memory import host_zeros
+
 __all__ = ["FlatParams"]
 
 
@@ -37,8 +39,9 @@ class FlatParams:
         dtype, device = dtypes.pop(), devices.pop()
         self.n_params = sum(p.numel() for p in params)
         self.numel = self.n_params + sum(b.numel() for b in buffers)
-        self.flat = torch.zeros(self.numel, dtype=dtype, device=device)
-        self.grad = torch.zeros(self.n_params, dtype=dtype, device=device)
+        # huge pages: MPI's shared-memory copies of these buffers are 2x faster (see memory)
+        self.flat = host_zeros(self.numel, dtype, device)
+        self.grad = host_zeros(self.n_params, dtype, device)
         self.slices: List[Tuple[str, int, int]] = []
         offset = 0
         for name, p in model.named_parameters():
