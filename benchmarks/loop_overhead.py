@@ -5,11 +5,12 @@
 Both loops train the digits CNN on the embedded digits (batch 32, SGD with momentum) from
 the same initial weights over the same batches (lsgd_hpc.data.ShardedBatches). The trainer
 runs as users run it, `python -m lsgd_hpc.train --algorithm allreduce` on one rank
-(lsgd_hpc.train.main in this process): its /train row every step, its metric flushes every
-200 steps, the stop-flag check, its learning-rate schedule, all included. The plain loop is
-what one writes by hand: forward, loss, zero_grad, backward, step, loss.item(). A small model
-makes the per-step bookkeeping visible (a step is a few milliseconds); the ratio is the
-trainer's seconds per step over the plain loop's, median over interleaved rounds.
+(lsgd_hpc.train.main in this process): its /train row every step, its metric flush every
+1000 steps (the default --flush-every), the stop-flag check, its learning-rate schedule,
+all included. The plain loop is what one writes by hand: forward, loss, zero_grad,
+backward, step, loss.item(). A small model makes the per-step bookkeeping visible (a step
+is a few milliseconds); the ratio is the trainer's seconds per step over the plain loop's,
+median over interleaved rounds.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from pathlib import Path
 from _common import median, parse_args, row, spread, write_result
 
 MODEL, DATASET, BATCH, LR, SEED = "digits_cnn", "digits", 32, 0.05, 0
-#: (first timed step, last step, rounds) per mode; 410 steps hold two metric flushes
-PLAN = {"full": (10, 410, 7), "quick": (10, 210, 3)}
+#: (first timed step, last step, rounds) per mode; the timed steps hold the metric flush
+#: at step 1000 (the default --flush-every)
+PLAN = {"full": (10, 1010, 5), "quick": (10, 1010, 2)}
 
 
 def plain_loop(skip: int, steps: int) -> float:

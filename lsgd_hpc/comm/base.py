@@ -258,6 +258,8 @@ class Communicator(abc.ABC):
 
     def any_true(self, flag: bool) -> bool:
         """True on every member when any member passed True (one tiny allreduce)."""
+        if self.size == 1:
+            return bool(flag)
         buf = torch.tensor([1 if flag else 0], dtype=torch.int32)
         self.allreduce_(buf, "sum")
         return bool(buf.item() > 0)
