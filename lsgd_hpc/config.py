@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-__all__ = ["Config", "ConfigError", "parse_config", "option_group", "ALGORITHMS",
-           "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
+__all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
+           "option_group", "ALGORITHMS", "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
 
 ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
 BACKENDS = ("mpi", "horovod")
@@ -443,15 +443,47 @@ def straggler_of(cfg: Config) -> Optional[tuple]:
     return out
 
 
+def launcher_world_size(env: dict):
+    """``(launcher, n)``: how many ranks the launcher of this process started, where it says.
+
+    ``mpirun`` (Open MPI's, or a Hydra mpirun) tells its ranks their count; inside a SLURM
+    allocation it starts its daemons with one-task ``srun`` steps, so there the SLURM
+    variables describe the daemon's step, not the ranks, and are not compared. A process
+    that ``srun`` started itself (a job step's task, no mpirun variables) is one of the
+    step's SLURM_STEP_NUM_TASKS tasks. ``(None, None)`` when nobody says.
+    """
+    if env.get("OMPI_COMM_WORLD_SIZE", "").isdigit():
+        return "mpirun", int(env["OMPI_COMM_WORLD_SIZE"])
+    if env.get("MPI_LOCALNRANKS") and env.get("PMI_SIZE", "").isdigit():   # Hydra
+        return "mpirun", int(env["PMI_SIZE"])
+    if env.get("PRTE_LAUNCHED") or env.get("MPI_LOCALNRANKS"):
+        return "mpirun", None
+    if env.get("SLURM_STEP_ID") is not None:
+        for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
+            if env.get(var, "").isdigit():
+                return "srun", int(env[var])
+    return None, None
+
+
 def check_world(cfg: Config, world_size: int, env: dict) -> None:
-    """Checks that need the world size (known locally after MPI_Init, no collective)."""
+    """Checks that need the world size (known locally after MPI_Init, no collective).
+
+    The world must be what the launcher started: otherwise the processes did not join one MPI
+    job (``srun --mpi=pmi2`` with Open MPI 5, which has no PMI-2, gives every task a world
+    of its own; an mpirun of another MPI than mpi4py's does the same).
+    """
     from . import topology
 
-    ntasks = env.get("SLURM_NTASKS")
-    if ntasks and ntasks.isdigit() and int(ntasks) != world_size:
-        raise ConfigError("MPI world size", f"is {world_size} but SLURM_NTASKS={ntasks}: the "
-                          "ranks did not join one MPI job (use srun --mpi=pmix, or mpirun "
-                          "from the MPI that mpi4py was built with)")
+    launcher, expected = launcher_world_size(env)
+    if expected is not None and expected != world_size:
+        if launcher == "srun":
+            raise ConfigError("MPI world size", f"is {world_size} but srun started {expected} "
+                              f"tasks (SLURM_STEP_NUM_TASKS={expected}): the ranks did not join "
+                              "one MPI job; use srun --mpi=pmix (Open MPI 5 has no PMI-2), or "
+                              "mpirun inside the allocation")
+        raise ConfigError("MPI world size", f"is {world_size} but mpirun started {expected} "
+                          "ranks: mpi4py is built against another MPI than this mpirun's; "
+                          "use the mpirun of the MPI that mpi4py was built with")
     if cfg.resume:
         from .checkpoint import latest_checkpoint
         pointer = latest_checkpoint(cfg.run_dir)

@@ -24,11 +24,14 @@ EXIT_USAGE = 2        # a user's mistake, found before any collective
 EXIT_STOPPED = 143    # stopped by SIGTERM/SIGUSR1 after a complete checkpoint (not requeued)
 
 
-def _env_rank() -> int:
-    """This process's rank before MPI starts (to print a usage error once, not once per rank)."""
+def _env_rank(env: Optional[dict] = None) -> int:
+    """This process's rank as its launcher set it, readable before MPI starts (to print a
+    message once; with ``srun --mpi=pmi2`` under Open MPI every process is rank 0 of a world
+    of its own, and only this tells them apart)."""
+    env = os.environ if env is None else env
     for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
+        if env.get(var, "").isdigit():
+            return int(env[var])
     return 0
 
 
@@ -40,7 +43,11 @@ def _usage_error(message: str) -> int:
 
 class StopFlag:
     """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption) sets a flag;
-    the loop acts on it at the next step boundary, after every rank agrees."""
+    the loop acts on it at the next step boundary, after every rank agrees.
+
+    Installed first thing in :func:`main`, before the heavy imports: a signal that arrives
+    while a (requeued) job starts up is then a request to stop, not the default action's
+    death ("User defined signal 1", a FAILED job instead of a requeued one)."""
 
     def __init__(self):
         self.signum: Optional[int] = None
@@ -53,6 +60,23 @@ class StopFlag:
     @property
     def raised(self) -> bool:
         return self.signum is not None
+
+
+def _requeue(env: dict) -> bool:
+    """Rank 0's half of a stop under SLURM: ``scontrol requeue`` this job (it comes back with
+    the same id and resumes from its checkpoint). True when SLURM took it."""
+    job = env.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    try:
+        res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
+        return False
+    print(f"[lsgd_hpc] scontrol requeue {job}: "
+          f"{'ok' if res.returncode == 0 else res.stderr.strip()}", flush=True)
+    return res.returncode == 0
 
 
 def _git_sha() -> str:
@@ -82,27 +106,90 @@ def _fmt_eta(seconds: float) -> str:
     return str(_dt.timedelta(seconds=int(max(0, seconds))))
 
 
+def _launched_alone(env: dict) -> bool:
+    """No launcher (mpirun, srun) started this process: its world is itself alone."""
+    return not any(env.get(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
+                                        "PMI_SIZE", "SLURM_STEP_ID", "MPI_LOCALNRANKS"))
+
+
+def _agree_on_start(comm, error: Optional[str], code: int, stop: StopFlag):
+    """The one start-up collective: every rank says whether its checks failed (why, and the
+    exit status that goes with it) and whether a stop signal came. Checks that can differ
+    between ranks (a data folder missing on one node, a per-node environment, a model that
+    fails to build there) would otherwise leave the good ranks waiting forever in their first
+    collective.
+
+    Returns ``(message, code, stop)``: the first failing rank's message (saying where it
+    failed when not every rank did) and exit status, or ``(None, 0, ...)``; and whether any
+    rank was signalled."""
+    votes = comm.allgather((error, code, stop.raised, socket.gethostname()))
+    failed = [r for r, vote in enumerate(votes) if vote[0]]
+    stopped = any(vote[2] for vote in votes)
+    if not failed:
+        return None, 0, stopped
+    message, code = votes[failed[0]][:2]
+    if len(failed) < len(votes):
+        hosts = sorted({votes[r][3] for r in failed})
+        message += (f" (on {len(failed)} of {len(votes)} ranks, from rank {failed[0]}; "
+                    f"host {', '.join(hosts)})")
+    return message, code, stopped
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # First, before the heavy imports (torch, MPI): a warning signal is a request from now on.
+    stop = StopFlag()
+    env = dict(os.environ)
     from .config import ConfigError, check_world, parse_config
 
-    env = dict(os.environ)
+    cfg, error, code = None, None, EXIT_USAGE
     try:
         cfg = parse_config(argv, env)
     except ConfigError as exc:
-        return _usage_error(str(exc))
+        if _launched_alone(env):           # a world of one: nobody to agree with
+            return _usage_error(str(exc))
+        error = str(exc)
 
-    from mpi4py import MPI  # MPI_Init here, after the options are known to be good
+    from mpi4py import MPI  # MPI_Init: every rank gets here, even one whose options failed
 
-    from .comm import CommError, make_world
+    from .comm import CommError
     from .data import DataError
-    rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    trainer = None
+    if error is None:
+        try:
+            check_world(cfg, size, env)
+            if cfg.backend == "horovod":   # hvd.init is collective: import it everywhere first
+                from .comm.horovod import NOT_INSTALLED, horovod_available
+                if not horovod_available():
+                    raise CommError(NOT_INSTALLED)
+            trainer = Trainer(cfg, env, rank, size)    # local only: data, model
+        except (ConfigError, CommError, DataError) as exc:
+            error = str(exc)
+        except Exception as exc:           # not the user's mistake: show it, then agree
+            traceback.print_exc(file=sys.stderr)
+            error, code = f"rank {rank} failed to start: {type(exc).__name__}: {exc}", 1
+    message, code, stopped = _agree_on_start(comm, error, code, stop)
+    if message is not None:
+        if rank == 0 and _env_rank(env) == 0:
+            print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
+        return code
+    if stopped:
+        # Signalled before step 1: nothing to lose. Under SLURM the job goes back to the
+        # queue and starts again (from the last checkpoint set, if any).
+        requeued = False
+        if rank == 0:
+            print(f"[lsgd_hpc] stop requested during start-up, before any step; nothing to "
+                  f"checkpoint", flush=True)
+            requeued = _requeue(env)
+        requeued = comm.bcast(requeued, root=0)
+        return 0 if requeued else EXIT_STOPPED
+
+    from .comm import make_world
     try:
-        check_world(cfg, size, env)
-        trainer = Trainer(cfg, env, rank, size)    # local only: data, model
         world = make_world(cfg.backend)
-    except (ConfigError, CommError, DataError) as exc:
+    except CommError as exc:
         return _usage_error(str(exc))
-    stop = StopFlag()
     try:
         return trainer.connect(world, stop).run()
     except BaseException as exc:  # fail fast: one rank's error ends every rank now
@@ -376,19 +463,11 @@ class Trainer:
     def _preempted(self) -> int:
         self.save_checkpoint()
         requeued = False
-        job = self.env.get("SLURM_JOB_ID")
         if self.rank == 0:
             print(f"[lsgd_hpc] stop requested: checkpoint at step {self.step} in "
                   f"{self.run_dir}/checkpoints", flush=True)
-            if job:
-                try:
-                    res = subprocess.run(["scontrol", "requeue", job], capture_output=True,
-                                         text=True, timeout=60)
-                    requeued = res.returncode == 0
-                    print(f"[lsgd_hpc] scontrol requeue {job}: "
-                          f"{'ok' if requeued else res.stderr.strip()}", flush=True)
-                except (OSError, subprocess.SubprocessError) as exc:
-                    print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
+            if self.env.get("SLURM_JOB_ID"):
+                requeued = _requeue(self.env)
             else:
                 print(f"[lsgd_hpc] continue with: --resume --run-dir {self.run_dir}", flush=True)
         requeued = self.world.allgather_object(requeued)[0]
