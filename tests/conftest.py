@@ -2,6 +2,53 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # Ranks (and this process) share two cores: one thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: Tests that need root, network namespaces, a SLURM cluster or a Horovod build. Where those
+#: are missing they skip, naming what is missing; with CI=true such a skip is a failure, so
+#: a CI run cannot go green without them.
+CI_REQUIRED_MARKERS = ("cluster", "netns", "horovod")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Every test about Horovod carries "horovod" in its name or parameters: mark it, so the
+    # CI rule below covers the backend tests wherever they live.
+    for item in items:
+        if "horovod" in item.nodeid.lower() and item.get_closest_marker("horovod") is None:
+            item.add_marker(pytest.mark.horovod)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or os.environ.get("CI", "").lower() not in ("true", "1"):
+        return
+    marks = [m for m in CI_REQUIRED_MARKERS if item.get_closest_marker(m) is not None]
+    if not marks:
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"CI=true: a {'/'.join(marks)} test must run in CI, but it skipped: "
+                       f"{reason}")
+
+
+@pytest.fixture(scope="session")
+def cluster_nodes():
+    """Emulated nodes (network namespaces with their own host names), SLURM when it could be
+    started; see tests/cluster_util.py. Skips, naming what is missing, without root."""
+    from cluster_util import session_cluster
+    with session_cluster() as cl:
+        yield cl
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(cluster_nodes):
+    """The emulated nodes with a real SLURM (munge, slurmctld, one slurmd per node)."""
+    if not cluster_nodes.slurm:
+        pytest.skip(f"no SLURM on the emulated cluster: {cluster_nodes.why_no_slurm}")
+    return cluster_nodes

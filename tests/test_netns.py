@@ -1,19 +1,17 @@
-"""Ranks on two emulated nodes: Linux network namespaces with distinct host names.
+"""Ranks on two emulated nodes: network namespaces with their own host names (scripts/cluster.sh).
 
 NodeGroups groups ranks into nodes by socket.gethostname(); every other test runs all ranks on
-one host and fakes nodes with --ranks-per-node. Here mpirun starts its daemons through a launch
-agent (tests/netns/agent.sh, used in place of ssh) inside two network namespaces, each in its
-own UTS namespace named nodeA / nodeB, joined by a bridge; ranks talk over real TCP between the
-namespaces (shared memory within one). See /work/shared/ENVIRONMENT.md, "An emulated cluster
-network on one machine". Needs root, `ip` and `unshare`; skips, naming what is missing, without.
+one host and fakes nodes with --ranks-per-node. Here mpirun starts its daemons through the
+cluster's launch agent (used in place of ssh) inside two network namespaces named
+<cluster>-node0 / -node1, joined by a bridge; ranks talk over real TCP between the namespaces
+(shared memory within one), so what crosses a node boundary goes through a network interface
+whose counters can be read. Needs root, `ip`, `unshare` and `nsenter`; skips, naming what is
+missing, without (and with CI=true that skip is a failure).
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 
 import pytest
@@ -21,119 +19,63 @@ import pytest
 from mpi_util import REPO, mpi_env, mpirun_cmd, run_group
 
 NETNS_DIR = REPO / "tests" / "netns"
-AGENT = NETNS_DIR / "agent.sh"
-RANK_PROGRAM = NETNS_DIR / "rank_check.py"
-NODES = ("nodeA", "nodeB")
-RANKS_PER_HOST = 2
-TIMEOUT_S = 120          # mpirun past this is killed (its whole process group) and fails
+RANKS_PER_NODE = 2
+TIMEOUT_S = 240          # mpirun past this is killed (its whole process group) and fails
 
-_NO_PERMISSION = ("Operation not permitted", "Permission denied")
+pytestmark = [pytest.mark.netns, pytest.mark.mpi]
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"ip {' '.join(args)} failed ({proc.returncode}): "
-                           f"{proc.stderr.strip()}")
-    return proc
-
-
-def _free_subnet() -> str:
-    """A 10.77.X.0/24 that no address or route on this machine touches; X depends on the pid,
-    so concurrent runs tend to pick different ones."""
-    used = _ip("-4", "addr").stdout + _ip("-4", "route").stdout
-    start = os.getpid() % 200
-    for i in range(200):
-        x = 20 + (start + i) % 200
-        if f"10.77.{x}." not in used:
-            return f"10.77.{x}"
-    raise RuntimeError("no free 10.77.X.0/24 subnet")
-
-
-@pytest.fixture
-def two_namespaces():
-    """Bridge (root namespace, PREFIX.1) + one namespace per node (PREFIX.2, PREFIX.3), each
-    with a veth on the bridge and lo up. Yields {address: (namespace, host name)}, subnet."""
-    if os.geteuid() != 0:
-        pytest.skip(f"not root (euid {os.geteuid()}): creating network namespaces needs root")
-    for binary in ("ip", "unshare"):
-        if shutil.which(binary) is None:
-            pytest.skip(f"no `{binary}` binary on PATH")
-
-    tag = str(os.getpid())
-    bridge = f"lsgdbr{tag}"
-    namespaces, links = [], [bridge]
-    try:
-        prefix = _free_subnet()
-        hosts = {}
-        for i, name in enumerate(NODES):
-            ns = f"lsgd-{tag}-{name}"
-            proc = _ip("netns", "add", ns, check=False)
-            if proc.returncode != 0:
-                if any(s in proc.stderr for s in _NO_PERMISSION):
-                    pytest.skip(f"`ip netns add` not permitted here: {proc.stderr.strip()}")
-                raise RuntimeError(f"ip netns add {ns} failed: {proc.stderr.strip()}")
-            namespaces.append(ns)
-            hosts[f"{prefix}.{2 + i}"] = (ns, name)
-        # Separate UTS namespaces (for distinct host names) must be allowed as well.
-        probe = subprocess.run(["unshare", "--uts", "true"], capture_output=True, text=True,
-                               timeout=30)
-        if probe.returncode != 0:
-            if any(s in probe.stderr for s in _NO_PERMISSION):
-                pytest.skip(f"`unshare --uts` not permitted here: {probe.stderr.strip()}")
-            raise RuntimeError(f"unshare --uts true failed: {probe.stderr.strip()}")
-
-        _ip("link", "add", bridge, "type", "bridge")
-        _ip("addr", "add", f"{prefix}.1/24", "dev", bridge)
-        _ip("link", "set", bridge, "up")
-        for i, (addr, (ns, name)) in enumerate(hosts.items()):
-            outer, inner = f"lsgd{tag}{name[-1]}", f"lsgd{tag}{name[-1]}n"
-            _ip("link", "add", outer, "type", "veth", "peer", "name", inner)
-            links.append(outer)
-            _ip("link", "set", inner, "netns", ns)
-            _ip("link", "set", outer, "master", bridge)
-            _ip("link", "set", outer, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", inner)
-            _ip("-n", ns, "link", "set", inner, "up")
-        yield {"hosts": hosts, "subnet": f"{prefix}.0/24"}
-    finally:
-        # Deleting a namespace removes the veth end in it, and with it the peer on the bridge;
-        # the link deletions below catch what is left when setup stopped half-way.
-        for ns in namespaces:
-            _ip("netns", "del", ns, check=False)
-        for link in reversed(links):
-            if _ip("link", "show", link, check=False).returncode == 0:
-                _ip("link", "del", link, check=False)
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(180)
-def test_node_groups_by_hostname_across_namespaces(two_namespaces):
-    assert os.access(AGENT, os.X_OK), f"{AGENT} must be executable (chmod +x; git keeps mode 755)"
-    hosts = two_namespaces["hosts"]
-    expected = [name for _, name in hosts.values() for _ in range(RANKS_PER_HOST)]
-    np_ = len(expected)
-    host_list = ",".join(f"{addr}:{RANKS_PER_HOST}" for addr in hosts)
-    env = mpi_env({
-        "LSGD_NETNS_HOSTS": ",".join(f"{a}={ns}:{name}" for a, (ns, name) in hosts.items()),
-    })
+def run_on_nodes(cluster, program: list, timeout: float = TIMEOUT_S):
+    nodes = cluster.nodes[:2]
+    assert len(nodes) == 2, cluster.nodes
+    env = mpi_env()
     assert "LSGD_HPC_RANKS_PER_NODE" not in env
-    mpi_args = [
-        "--host", host_list,
-        "--prtemca", "plm_ssh_agent", str(AGENT),
-        "--mca", "pml", "ob1",
-        "--mca", "btl", "self,sm,tcp",
-        "--mca", "btl_tcp_if_include", two_namespaces["subnet"],
-        "--mca", "coll", "^han,xhc,acoll",
-        "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED", "-x", "OMP_NUM_THREADS",
-    ]
-    cmd = mpirun_cmd(np_, [sys.executable, str(RANK_PROGRAM), ",".join(expected)], mpi_args)
-    proc = run_group(cmd, env=env, cwd=REPO, timeout=TIMEOUT_S)
+    args = [*cluster.mpirun_args(RANKS_PER_NODE), "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
+            "-x", "OMP_NUM_THREADS"]
+    # Only the first two nodes (the cluster may have more): --host lists every node.
+    hosts = ",".join(f"{a}:{RANKS_PER_NODE}" for a in cluster.addrs[:2])
+    args[args.index("--host") + 1] = hosts
+    cmd = mpirun_cmd(2 * RANKS_PER_NODE, [sys.executable, *map(str, program)], args)
+    proc = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
     log = f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-    assert proc.returncode is not None, f"mpirun across namespaces hung for {TIMEOUT_S} s\n{log}"
+    assert proc.returncode is not None, f"mpirun across namespaces hung for {timeout} s\n{log}"
     assert proc.returncode == 0, f"mpirun exited {proc.returncode}\n{log}"
+    return proc, log
+
+
+@pytest.mark.timeout(300)
+def test_node_groups_by_hostname_across_namespaces(cluster_nodes):
+    expected = [name for name in cluster_nodes.nodes[:2] for _ in range(RANKS_PER_NODE)]
+    proc, log = run_on_nodes(cluster_nodes, [NETNS_DIR / "rank_check.py", ",".join(expected)])
     markers = sorted(re.findall(r"^NETNS-OK rank=(\d+) host=(\S+) node=(\d+)", proc.stdout,
                                 re.M), key=lambda m: int(m[0]))
     assert [(int(r), h, int(n)) for r, h, n in markers] == \
-        [(r, expected[r], r // RANKS_PER_HOST) for r in range(np_)], log
+        [(r, expected[r], r // RANKS_PER_NODE) for r in range(len(expected))], log
+
+
+#: 250,000 float32 = 1 MB per broadcast. (At 8 MB Open MPI switches to a pipelined flat
+#: broadcast that crosses 1.5 times per broadcast on average over the 4 leaders instead of 2;
+#: the hierarchical one still crosses exactly once.)
+BROADCAST_NUMEL = 250_000
+
+
+@pytest.mark.timeout(300)
+def test_hierarchical_broadcast_crosses_nodes_once(cluster_nodes):
+    """Bytes each node sent through its own network interface while every rank in turn
+    broadcast 1 MB: the hierarchical broadcast moves the buffer across the node boundary
+    once per broadcast; a flat MPI broadcast over the world (binomial tree) crosses twice on
+    average (leaders that are not a node's first rank send across two or three times), so
+    the hierarchical one sends about half as much between the nodes."""
+    proc, log = run_on_nodes(cluster_nodes, [NETNS_DIR / "broadcast_bytes.py", BROADCAST_NUMEL])
+    sent = {m: [int(x) for x in s.split(",")]
+            for m, s in re.findall(r"^BYTES method=(\w+) sent=([\d,]+)", proc.stdout, re.M)}
+    assert set(sent) == {"hierarchical", "flat"} and all(len(v) == 2 for v in sent.values()), log
+    payload = 4 * BROADCAST_NUMEL * 2 * RANKS_PER_NODE      # one copy per broadcast, 4 leaders
+    hier, flat = sum(sent["hierarchical"]), sum(sent["flat"])
+    # Once across per broadcast: the payload plus TCP/IP headers (a few %), no second copy.
+    assert payload <= hier <= 1.1 * payload, (hier, payload, sent)
+    # Each node sends its own leaders' two broadcasts once: half the payload each.
+    for node_sent in sent["hierarchical"]:
+        assert payload / 2 <= node_sent <= 1.1 * payload / 2, sent
+    assert 1.8 * payload <= flat, (flat, payload, sent)
+    assert 0.4 <= hier / flat <= 0.6, (hier / flat, sent)
