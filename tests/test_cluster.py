@@ -1,0 +1,424 @@
+"""The SLURM templates and the trainer on a real SLURM cluster: two emulated nodes
+(scripts/cluster.sh: network namespaces with their own host names, munge, slurmctld, one
+slurmd per node), real sbatch/srun/salloc/scontrol, real time limits, signals and requeues.
+
+Every job runs under a timeout (a job still running past it is cancelled and the test fails).
+Times from SLURM come from its job completion log (one record per job end or requeue).
+The two preemption jobs run at the same time (one waits out its time limit while the other is
+requeued from outside); one uninterrupted reference run serves both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import yaml
+
+from cluster_util import catches, kill_quietly, parse_time
+from mpi_util import REPO, mpirun_path, run_group
+
+pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
+
+CIFAR_JOB = REPO / "slurm" / "lsgd_cifar.sbatch"
+SWEEP_JOB = REPO / "slurm" / "sweep.sbatch"
+# 2 nodes x 2 ranks, one CPU each: what this machine's cores can take.
+TWO_BY_TWO = ["--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1"]
+DIGITS = ["--dataset", "digits"]
+JOB_TIMEOUT = 600          # s: a job past this is cancelled and its test fails
+# Columns that measure time: they differ between any two runs.
+TIMING = re.compile(r"time|seconds")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def log_of(tmp_path: Path, job: int, prefix: str = "lsgd-cifar") -> str:
+    path = tmp_path / f"{prefix}-{job}.out"
+    return path.read_text() if path.exists() else f"(no {path.name})"
+
+
+def error_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("lsgd_hpc.train: error")]
+
+
+def read_ranks(run_dir: Path) -> list:
+    """(attributes, {group: {column: values}}) of every rank file, by rank."""
+    files = sorted((run_dir / "metrics").glob("rank*.h5"))
+    out = []
+    for f in files:
+        with h5py.File(f, "r") as h5:
+            attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in h5.attrs.items()}
+            groups = {g: {c: h5[g][c][()] for c in h5[g]} for g in h5
+                      if isinstance(h5[g], h5py.Group)}
+        out.append((attrs, groups))
+    return out
+
+
+def assert_two_nodes_by_hostname(cluster, run_dir: Path, world: int = 4) -> None:
+    ranks = read_ranks(run_dir)
+    assert len(ranks) == world, [a.get("rank") for a, _ in ranks]
+    hosts = [a["hostname"] for a, _ in ranks]
+    assert hosts == [cluster.nodes[0]] * 2 + [cluster.nodes[1]] * 2, hosts
+    assert [int(a["node_index"]) for a, _ in ranks] == [0, 0, 1, 1]
+    assert [int(a["n_nodes"]) for a, _ in ranks] == [2] * 4
+    for attrs, _ in ranks:
+        assert json.loads(attrs["config"])["ranks_per_node"] is None   # grouped by host name
+
+
+def submit_template(cluster, tmp_path: Path, *trainer_args: str, sbatch_args=(),
+                    env: dict | None = None) -> int:
+    """sbatch slurm/lsgd_cifar.sbatch from the repository, the job running in tmp_path."""
+    return cluster.sbatch(f"--chdir={tmp_path}", *TWO_BY_TWO, *sbatch_args, str(CIFAR_JOB),
+                          *trainer_args, env=env or cluster.env({"DATA_DIR": tmp_path / "data"}))
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def train_rows(run_dir: Path, rank: int) -> int:
+    try:
+        with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as h5:
+            return len(h5["train/step"])
+    except (OSError, KeyError):
+        return 0
+
+
+# ------------------------------------------------------------------------------ the script
+
+def test_script_up_status_down(cluster_nodes):
+    """A second, SLURM-less cluster beside the session's: names, host names, the rate limit,
+    refusal to come up twice, and a down that leaves nothing behind."""
+    from cluster_util import CLUSTER_SH, free_subnet
+    name = f"u{os.getpid() % 100000}"
+    sh = [str(CLUSTER_SH)]
+    up = subprocess.run(sh + ["up", "--name", name, "--no-slurm", "--nodes", "2", "--rate",
+                              "200mbit", "--subnet", free_subnet()],
+                        capture_output=True, text=True, timeout=120)
+    try:
+        assert up.returncode == 0, up.stderr
+        again = subprocess.run(sh + ["up", "--name", name, "--no-slurm"], capture_output=True,
+                               text=True, timeout=60)
+        assert again.returncode == 1 and "already up" in again.stderr, again.stderr
+        status = subprocess.run(sh + ["status", "--name", name], capture_output=True,
+                                text=True, timeout=60)
+        assert status.returncode == 0, status.stdout + status.stderr
+        for i in range(2):
+            node = f"{name}-node{i}"
+            inside = subprocess.run(sh + ["exec", "--name", name, node, "sh", "-c",
+                                          "hostname; tc qdisc show dev eth0; ip -4 -o addr"],
+                                    capture_output=True, text=True, timeout=60)
+            assert inside.returncode == 0, inside.stderr
+            assert inside.stdout.splitlines()[0] == node
+            assert re.search(r"qdisc tbf .* rate 200Mbit", inside.stdout), inside.stdout
+            assert re.search(r"eth0\s+inet \S+\.1%d/24" % i, inside.stdout), inside.stdout
+        # The session cluster is not touched by this one.
+        assert cluster_nodes.script("status").returncode == 0
+    finally:
+        down = subprocess.run(sh + ["down", "--name", name], capture_output=True, text=True,
+                              timeout=120)
+    assert down.returncode == 0, down.stderr
+    left = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout + \
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{name}-" not in left, left
+    assert not Path(f"/run/lsgd-cluster/{name}").exists()
+    assert cluster_nodes.script("status").returncode == 0
+
+
+# ------------------------------------------------------------------------------ jobs
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_template_on_two_nodes(slurm_cluster, tmp_path):
+    """The template unmodified, digits, 2 nodes x 2 tasks: ranks grouped by host name."""
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--max-steps", "6",
+                          "--eval-every", "3")
+    (rec,) = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    text = log_of(tmp_path, job)
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{text}"
+    assert "done: 6 steps" in text and "2 node(s)" in text, text
+    assert "--ranks-per-node" not in text and "--ranks-per-node" not in CIFAR_JOB.read_text()
+    run_dir = tmp_path / "runs" / str(job)
+    assert_two_nodes_by_hostname(slurm_cluster, run_dir)
+    for rank, (attrs, groups) in enumerate(read_ranks(run_dir)):
+        assert attrs["rank"] == rank and attrs["slurm_job_id"] == str(job)
+        assert list(groups["train"]["step"]) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.timeout(300)
+def test_srun_pmi2_says_use_pmix(slurm_cluster, tmp_path):
+    """srun --mpi=pmi2 with Open MPI 5 (no PMI-2): every task is a world of its own. Exit 2,
+    one line (not one per task) that names --mpi=pmix; nothing trains."""
+    proc = run_group(["srun", "--mpi=pmi2", *TWO_BY_TWO, sys.executable, "-m",
+                      "lsgd_hpc.train", *DIGITS, "--max-steps", "2", "--run-dir",
+                      str(tmp_path / "run")],
+                     env=slurm_cluster.env(), cwd=tmp_path, timeout=240)
+    assert proc.returncode is not None, "srun --mpi=pmi2 hung"
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 1, proc.stderr
+    assert "srun started 4 tasks" in lines[0] and "--mpi=pmix" in lines[0], lines
+    assert not (tmp_path / "run" / "metrics").exists()
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_mpirun_inside_sbatch(slurm_cluster, tmp_path):
+    """mpirun in a batch job starts the second node's ranks through a one-task srun step:
+    they see that step's SLURM variables, not the job's. It trains, on two nodes."""
+    script = tmp_path / "mpirun.sbatch"
+    script.write_text("#!/bin/bash\nset -e\n"
+                      f"{mpirun_path()} -np 4 {sys.executable} -m lsgd_hpc.train "
+                      "--dataset digits --max-steps 4 --eval-every 2 --run-dir run\n")
+    job = slurm_cluster.sbatch(f"--chdir={tmp_path}", *TWO_BY_TWO, "--output=%j.out",
+                               str(script))
+    (rec,) = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    text = (tmp_path / f"{job}.out").read_text()
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{text}"
+    assert "done: 4 steps" in text and not error_lines(text), text
+    assert_two_nodes_by_hostname(slurm_cluster, tmp_path / "run")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_mpirun_inside_salloc(slurm_cluster, tmp_path):
+    """salloc runs mpirun on the submit host (here the root namespace); mpirun starts its
+    daemons on both nodes with srun. It trains, on two nodes."""
+    proc = run_group(["salloc", *TWO_BY_TWO, mpirun_path(), "-np", "4", sys.executable, "-m",
+                      "lsgd_hpc.train", *DIGITS, "--max-steps", "4", "--eval-every", "2",
+                      "--run-dir", str(tmp_path / "run")],
+                     env=slurm_cluster.env(), cwd=tmp_path, timeout=JOB_TIMEOUT)
+    assert proc.returncode is not None, f"salloc mpirun hung\n{proc.stdout}{proc.stderr}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: 4 steps" in proc.stdout and not error_lines(proc.stderr)
+    assert_two_nodes_by_hostname(slurm_cluster, tmp_path / "run")
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_sweep_is_a_job_array(slurm_cluster, tmp_path):
+    """The sweep template as a real job array: one run directory per task; an index past the
+    end of the sweep file exits 2 with one line, before any rank starts."""
+    sweep = tmp_path / "sweep.txt"
+    sweep.write_text("# two runs\n--algorithm allreduce --seed 1\n\n"
+                     "--algorithm local-sgd --seed 2 --local-steps 2\n")
+    array = slurm_cluster.sbatch(f"--chdir={tmp_path}", "--array=0-2", "--nodes=1",
+                                 "--ntasks-per-node=2", "--cpus-per-task=1", str(SWEEP_JOB),
+                                 str(sweep), *DIGITS, "--max-steps", "3", "--eval-every", "3",
+                                 env=slurm_cluster.env({"DATA_DIR": tmp_path / "data"}))
+    recs = {int(r["ArrayTaskId"]): r for r in slurm_cluster.wait_end(array, JOB_TIMEOUT, 3)}
+    logs = {i: log_of(tmp_path, f"{array}_{i}", "lsgd-sweep") for i in range(3)}
+    for i, (algorithm, seed) in enumerate([("allreduce", 1), ("local-sgd", 2)]):
+        assert recs[i]["JobState"] == "COMPLETED", f"{recs[i]}\n{logs[i]}"
+        assert f"run {i} of 0-1" in logs[i], logs[i]
+        ranks = read_ranks(tmp_path / "runs" / f"sweep-{array}" / str(i))
+        assert len(ranks) == 2
+        for attrs, groups in ranks:
+            assert attrs["algorithm"] == algorithm and json.loads(attrs["config"])["seed"] == seed
+            assert attrs["slurm_job_id"] == recs[i]["JobId"]       # each task's own job id
+            assert list(groups["train"]["step"]) == [1, 2, 3]
+    assert recs[2]["JobState"] == "FAILED" and recs[2]["ExitCode"] == "2:0", recs[2]
+    errors = [line for line in logs[2].splitlines() if "error" in line]
+    assert len(errors) == 1 and "index 2 is past the end" in errors[0] and "0-1" in errors[0], \
+        logs[2]
+    assert not (tmp_path / "runs" / f"sweep-{array}" / "2").exists()
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_missing_data_on_one_node_is_agreed(slurm_cluster, tmp_path):
+    """The data folder exists on the first node only (the second node mounts an empty
+    folder over it): every rank exits 2, one line naming the second node, no hang."""
+    from lsgd_hpc.data import write_cifar10_python
+    data = tmp_path / "data"
+    write_cifar10_python(str(data), per_batch=20, n_test=20)
+    node = slurm_cluster.nodes[1]
+    hide = slurm_cluster.on_node(node, "mount", "-t", "tmpfs", "-o", "size=1m", "lsgd-hide",
+                                 str(data))
+    assert hide.returncode == 0, hide.stderr
+    try:
+        look = slurm_cluster.on_node(node, "ls", "-A", str(data))
+        assert look.returncode == 0 and look.stdout.strip() == "", look.stdout
+        assert any(data.iterdir())                     # ... still there on this machine
+        job = submit_template(slurm_cluster, tmp_path, "--model", "cnn7", "--batch-size", "8",
+                              "--max-steps", "2")
+        (rec,) = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.on_node(node, "umount", str(data))
+    text = log_of(tmp_path, job)
+    assert rec["JobState"] == "FAILED" and rec["ExitCode"] == "2:0", f"{rec}\n{text}"
+    lines = error_lines(text)
+    assert len(lines) == 1, text
+    assert "--data-dir" in lines[0] and f"on 2 of 4 ranks, from rank 2; host {node})" in lines[0]
+    assert "Traceback" not in text
+    assert not (tmp_path / "runs" / str(job) / "metrics").exists()
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_killed_rank_ends_the_job(slurm_cluster, tmp_path):
+    """SIGKILL to one rank under srun --kill-on-bad-exit=1 (the template's): the job ends
+    within 30 s of the kill (SLURM's end time), and the other ranks' HDF5 files read back."""
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--epochs", "100000",
+                          "--flush-every", "5", "--eval-every", "50")
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: all(train_rows(run_dir, r) >= 10 for r in range(4)), JOB_TIMEOUT,
+                 "10 flushed steps on every rank\n" + log_of(tmp_path, job), poll=0.5)
+        pids = slurm_cluster.rank_pids(job)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        killed_at = time.time()
+        os.kill(pids[2], signal.SIGKILL)
+        (rec,) = slurm_cluster.wait_end(job, 120)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+    text = log_of(tmp_path, job)
+    assert rec["JobState"] == "FAILED", f"{rec}\n{text}"
+    # SLURM's end time has second resolution (rounded down).
+    assert parse_time(rec["EndTime"]) - killed_at <= 30, (rec["EndTime"], killed_at, text)
+    for rank, (attrs, groups) in enumerate(read_ranks(run_dir)):
+        steps = list(groups["train"]["step"])
+        assert len(steps) >= 10 and steps == list(range(1, len(steps) + 1)), (rank, steps)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
+    """SIGUSR1 to every rank while it starts (handlers installed, no step yet): the ranks
+    agree, nothing needs a checkpoint, the job requeues itself and then runs to the end."""
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--max-steps", "4",
+                          "--eval-every", "2")
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        def starting():
+            pids = slurm_cluster.rank_pids(job)
+            return len(pids) == 4 and all(catches(p, signal.SIGUSR1) for p in pids.values())
+        wait_for(starting, JOB_TIMEOUT, "4 ranks catching SIGUSR1", poll=0.05)
+        assert not (run_dir / "metrics").exists(), "already training: too late to test start-up"
+        slurm_cluster.slurm_cmd("scancel", "--signal=USR1", str(job))
+        recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+    text = log_of(tmp_path, job)
+    states = [r["JobState"] for r in slurm_cluster.records(job)]
+    assert states == ["PENDING", "COMPLETED"], f"{states}\n{text}"   # requeued, then done
+    assert recs[0]["ExitCode"] == "0:0"
+    assert "stop requested during start-up" in text and f"scontrol requeue {job}: ok" in text
+    assert "restart 1" in text and "done: 4 steps" in text, text
+    assert "User defined signal" not in text and not error_lines(text)
+    for attrs, groups in read_ranks(run_dir):
+        assert list(groups["train"]["step"]) == [1, 2, 3, 4]
+
+
+# ------------------------------------------------------------------- preemption (long jobs)
+
+#: The same training for every preemption job (same seed, same layout): only how it is
+#: stopped differs. Many epochs: a job ends by its signal or at the --max-steps the test sets.
+PREEMPT = [*DIGITS, "--seed", "3", "--epochs", "100000", "--eval-every", "50",
+           "--flush-every", "10"]
+#: A real time limit and warning. SLURM looks every 30 s, so SIGUSR1 comes 90-120 s after the
+#: start, 60-90 s before the kill: room for a slow start (torch imports on a loaded machine)
+#: and for the checkpoint and the requeue.
+TIME_LIMIT = ["--time=3", "--signal=USR1@90"]
+EXTRA_STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def preemption(slurm_cluster, tmp_path_factory):
+    """Two jobs preempted at once: one by its time limit (SIGUSR1 from SLURM), one by
+    `scontrol requeue` from outside once it trains (SIGTERM). Each reads --max-steps from a
+    config file, rewritten once the job stopped so that its second life ends EXTRA_STEPS later.
+    Then an uninterrupted reference of the longer of the two. Returns what the tests check."""
+    base = tmp_path_factory.mktemp("preempt")
+    jobs = {}
+
+    def submit(what, *args, sbatch_args=()):
+        folder = base / what
+        folder.mkdir()
+        config = folder / "steps.yaml"
+        config.write_text("max_steps: 1000000\n")
+        job = submit_template(slurm_cluster, folder, *PREEMPT, "--config", str(config), *args,
+                              sbatch_args=sbatch_args)
+        jobs[what] = dict(folder=folder, config=config, job=job)
+
+    try:
+        submit("time_limit", sbatch_args=TIME_LIMIT)
+        submit("requeue", sbatch_args=["--time=15"])
+        q = jobs["requeue"]
+        wait_for(lambda: train_rows(q["folder"] / "runs" / str(q["job"]), 0) >= 10,
+                 JOB_TIMEOUT, f"job {q['job']} to train\n" + log_of(q["folder"], q["job"]),
+                 poll=0.5)
+        slurm_cluster.slurm_cmd("scontrol", "requeue", str(q["job"]))
+        for info in jobs.values():
+            folder, job = info["folder"], info["job"]
+            m = wait_for(lambda: re.search(r"stop requested: checkpoint at step (\d+)",
+                                           log_of(folder, job)), JOB_TIMEOUT,
+                         f"job {job} to checkpoint and stop\n" + log_of(folder, job), poll=0.5)
+            info["stopped"] = int(m.group(1))
+            info["config"].write_text(f"max_steps: {info['stopped'] + EXTRA_STEPS}\n")
+        want = max(info["stopped"] for info in jobs.values()) + EXTRA_STEPS
+        folder = base / "reference"
+        folder.mkdir()
+        jobs["reference"] = dict(folder=folder, job=submit_template(
+            slurm_cluster, folder, *PREEMPT, "--max-steps", str(want)))
+        for info in jobs.values():
+            info["records"] = slurm_cluster.wait_end(info["job"], JOB_TIMEOUT)
+        yield jobs
+    finally:
+        for info in jobs.values():
+            slurm_cluster.slurm_cmd("scancel", str(info["job"]), check=False)
+
+
+def _check_resumed_equals_reference(cluster, info: dict, reference: dict) -> None:
+    folder, job, stopped = info["folder"], info["job"], info["stopped"]
+    want = stopped + EXTRA_STEPS
+    text = log_of(folder, job)
+    states = [r["JobState"] for r in cluster.records(job)]
+    assert states == ["PENDING", "COMPLETED"], f"{states}\n{text}"   # requeued once, then done
+    assert "restart 1" in text and f"resumed at step {stopped}" in text, text
+    assert f"done: {want} steps" in text and "User defined signal" not in text, text
+    assert reference["records"][0]["JobState"] == "COMPLETED", reference["records"]
+    cut = read_ranks(folder / "runs" / str(job))
+    ref = read_ranks(reference["folder"] / "runs" / str(reference["job"]))
+    assert len(cut) == len(ref) == 4
+    for rank in range(4):
+        a, b = cut[rank][1], ref[rank][1]
+        assert list(a["train"]["step"]) == list(range(1, want + 1))
+        # Evaluations every 50 steps and at each run's end: compare those at the same steps.
+        common = sorted(set(a["eval"]["step"]) & set(b["eval"]["step"]))
+        assert [s for s in common if s % 50 == 0] == list(range(50, want + 1, 50))
+        for group in ("train", "eval"):
+            rows_a = np.isin(a[group]["step"], b[group]["step"])
+            rows_b = np.isin(b[group]["step"], a[group]["step"])
+            assert rows_a.sum() == rows_b.sum() >= len(common)
+            for column, values in a[group].items():
+                if TIMING.search(column):
+                    continue
+                assert np.array_equal(values[rows_a], b[group][column][rows_b]), \
+                    (rank, group, column)
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_preempt_at_time_limit_resumes_exactly(slurm_cluster, preemption):
+    """--time=3 --signal=USR1@90: SLURM warns the ranks, they checkpoint, the job requeues
+    itself, comes back with SLURM_RESTART_COUNT=1, resumes, and its metrics equal those of
+    an uninterrupted run (every column but the timings)."""
+    info = preemption["time_limit"]
+    assert f"scontrol requeue {info['job']}: ok" in log_of(info["folder"], info["job"])
+    _check_resumed_equals_reference(slurm_cluster, info, preemption["reference"])
+
+
+@pytest.mark.timeout(3 * JOB_TIMEOUT)
+def test_preempt_by_scontrol_requeue_resumes_exactly(slurm_cluster, preemption):
+    """scontrol requeue from outside (SIGTERM, SIGKILL after KillWait): the ranks checkpoint
+    on SIGTERM, the job comes back, resumes, and equals the uninterrupted run."""
+    _check_resumed_equals_reference(slurm_cluster, preemption["requeue"],
+                                    preemption["reference"])
