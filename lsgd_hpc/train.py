@@ -42,8 +42,13 @@ def _usage_error(message: str) -> int:
 
 
 class StopFlag:
-    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption) sets a flag;
-    the loop acts on it at the next step boundary, after every rank agrees.
+    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption, scancel,
+    scontrol requeue) sets a flag; the loop acts on it at the next step boundary, after every
+    rank agrees: a checkpoint, then exit.
+
+    Only the warning makes the job requeue itself: after SIGTERM SLURM already knows what
+    becomes of the job (a preempted or ``scontrol requeue``-d job goes back to the queue by
+    itself; a job ended with ``scancel`` must stay ended, and would not if it requeued itself).
 
     Installed first thing in :func:`main`, before the heavy imports: a signal that arrives
     while a (requeued) job starts up is then a request to stop, not the default action's
@@ -60,6 +65,11 @@ class StopFlag:
     @property
     def raised(self) -> bool:
         return self.signum is not None
+
+    @property
+    def warned(self) -> bool:
+        """SIGUSR1: the time limit is near; the job should requeue itself."""
+        return self.signum == signal.SIGUSR1
 
 
 def _requeue(env: dict) -> bool:
@@ -119,12 +129,12 @@ def _agree_on_start(comm, error: Optional[str], code: int, stop: StopFlag):
     fails to build there) would otherwise leave the good ranks waiting forever in their first
     collective.
 
-    Returns ``(message, code, stop)``: the first failing rank's message (saying where it
-    failed when not every rank did) and exit status, or ``(None, 0, ...)``; and whether any
-    rank was signalled."""
-    votes = comm.allgather((error, code, stop.raised, socket.gethostname()))
+    Returns ``(message, code, signals)``: the first failing rank's message (saying where it
+    failed when not every rank did) and exit status, or ``(None, 0, ...)``; and the set of
+    signals the ranks got."""
+    votes = comm.allgather((error, code, stop.signum, socket.gethostname()))
     failed = [r for r, vote in enumerate(votes) if vote[0]]
-    stopped = any(vote[2] for vote in votes)
+    stopped = {vote[2] for vote in votes if vote[2] is not None}
     if not failed:
         return None, 0, stopped
     message, code = votes[failed[0]][:2]
@@ -175,13 +185,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return code
     if stopped:
-        # Signalled before step 1: nothing to lose. Under SLURM the job goes back to the
-        # queue and starts again (from the last checkpoint set, if any).
+        # Signalled before step 1: nothing to lose. Warned of the time limit under SLURM, the
+        # job goes back to the queue and starts again (from the last checkpoint set, if any).
         requeued = False
         if rank == 0:
             print(f"[lsgd_hpc] stop requested during start-up, before any step; nothing to "
                   f"checkpoint", flush=True)
-            requeued = _requeue(env)
+            if signal.SIGUSR1 in stopped:
+                requeued = _requeue(env)
         requeued = comm.bcast(requeued, root=0)
         return 0 if requeued else EXIT_STOPPED
 
@@ -461,13 +472,19 @@ class Trainer:
             return self.world.any_true(self.stop.raised)
 
     def _preempted(self) -> int:
+        from .algorithms import uncounted
         self.save_checkpoint()
+        with uncounted(self.world):      # a time-limit warning on any rank: requeue
+            warned = self.world.any_true(self.stop.warned)
         requeued = False
         if self.rank == 0:
             print(f"[lsgd_hpc] stop requested: checkpoint at step {self.step} in "
                   f"{self.run_dir}/checkpoints", flush=True)
-            if self.env.get("SLURM_JOB_ID"):
+            if self.env.get("SLURM_JOB_ID") and warned:
                 requeued = _requeue(self.env)
+            elif self.env.get("SLURM_JOB_ID"):
+                print("[lsgd_hpc] SIGTERM: SLURM requeues a preempted job itself; "
+                      "a cancelled one stays cancelled", flush=True)
             else:
                 print(f"[lsgd_hpc] continue with: --resume --run-dir {self.run_dir}", flush=True)
         requeued = self.world.allgather_object(requeued)[0]

@@ -291,6 +291,31 @@ def test_killed_rank_ends_the_job(slurm_cluster, tmp_path):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_scancel_stays_cancelled(slurm_cluster, tmp_path):
+    """scancel sends SIGTERM, as preemption does: the ranks checkpoint, but the job must not
+    requeue itself (it did: a cancelled job came back). Only SIGUSR1, the time-limit warning,
+    makes it requeue itself."""
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--epochs", "100000",
+                          "--flush-every", "5", "--eval-every", "50")
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: train_rows(run_dir, 0) >= 5, JOB_TIMEOUT,
+                 "5 flushed steps\n" + log_of(tmp_path, job), poll=0.5)
+        slurm_cluster.slurm_cmd("scancel", str(job))
+        (rec,) = slurm_cluster.wait_end(job, 120)
+        info = slurm_cluster.job_info(job)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+    text = log_of(tmp_path, job)
+    assert rec["JobState"] == "CANCELLED", f"{rec}\n{text}"
+    assert info.get("JobState") == "CANCELLED" and info.get("Restarts") == "0", f"{info}\n{text}"
+    m = re.search(r"stop requested: checkpoint at step (\d+)", text)
+    assert m and "scontrol requeue" not in text, text
+    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert pointer["step"] == int(m.group(1)) and pointer["world_size"] == 4
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
     """SIGUSR1 to every rank while it starts (handlers installed, no step yet): the ranks
     agree, nothing needs a checkpoint, the job requeues itself and then runs to the end."""
