@@ -37,7 +37,10 @@
 # CLUSTER_BRIDGE, CLUSTER_CPUS, CLUSTER_RATE, CLUSTER_SLURM (1 or 0), CLUSTER_AGENT (the launch
 # agent's path), CLUSTER_VETHS (the nodes' veths on the bridge, root namespace) and, with SLURM,
 # SLURM_CONF (export it, then sbatch/srun/salloc/squeue/scontrol talk to this cluster) and
-# CLUSTER_JOBCOMP (one line per finished job: id, state, start and end time, exit code).
+# CLUSTER_JOBCOMP (one line per finished job: id, state, start and end time, exit code); and
+# OMPI_MCA_coll='^han,xhc,acoll': Open MPI's node-aware collectives (han) hang or crawl across
+# these nodes (all on one machine), so mpirun inside an allocation needs them off, as
+# mpirun-args turns them off (srun --mpi=pmix jobs run either way).
 #
 # Use:
 #   scripts/cluster.sh up --nodes 2 && eval "$(scripts/cluster.sh env | sed 's/^/export /')"
@@ -410,6 +413,7 @@ cmd_up() {
         echo "CLUSTER_RATE=${rate:-none}"
         echo "CLUSTER_SLURM=$slurm"
         echo "CLUSTER_AGENT=$STATE/agent"
+        echo "OMPI_MCA_coll='^han,xhc,acoll'"
         if ((slurm)); then
             echo "SLURM_CONF=$STATE/slurm.conf"
             echo "CLUSTER_JOBCOMP=$STATE/jobcomp.log"

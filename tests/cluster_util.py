@@ -75,6 +75,9 @@ class Cluster:
                     "LSGD_PYTHON": sys.executable, "HDF5_USE_FILE_LOCKING": "FALSE"})
         if self.slurm:
             env["SLURM_CONF"] = self.slurm_conf
+        # Open MPI's han collectives hang across the emulated nodes (one machine): off, as
+        # `cluster.sh env` says, for mpirun inside an allocation (jobs inherit it).
+        env["OMPI_MCA_coll"] = "^han,xhc,acoll"
         env.update({k: str(v) for k, v in (extra or {}).items()})
         return env
 
