@@ -552,5 +552,20 @@ def _mpi_library() -> str:
     return mpi_library()
 
 
+def _exit_together(code: int) -> None:
+    """Leave at once after an agreed usage error: every rank has the same status, but under
+    ``srun --kill-on-bad-exit`` the first rank to exit with it gets the others killed while
+    they still tear down the interpreter, and the step then reports the kill (143), not 2."""
+    from mpi4py import MPI
+    if MPI.Is_initialized() and not MPI.Is_finalized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        MPI.Finalize()
+        os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == EXIT_USAGE and "mpi4py.MPI" in sys.modules:
+        _exit_together(status)
+    sys.exit(status)

@@ -133,7 +133,10 @@ class Cluster:
             for rec in self.records(job_id):
                 if rec.get("JobState") in FINAL_STATES:
                     done[rec["JobId"]] = rec
-            if len(done) >= tasks:
+            # Ended, and no longer completing: its processes are gone (SLURM writes the
+            # record when it ends the job, while the ranks may still be checkpointing).
+            if len(done) >= tasks and not self.slurm_cmd(
+                    "squeue", "-h", "-j", str(job_id), check=False).stdout.strip():
                 return list(done.values())
             if time.monotonic() > deadline:
                 show = self.slurm_cmd("scontrol", "show", "job", str(job_id), check=False)
