@@ -4,8 +4,8 @@ slurmd per node), real sbatch/srun/salloc/scontrol, real time limits, signals an
 
 Every job runs under a timeout (a job still running past it is cancelled and the test fails).
 Times from SLURM come from its job completion log (one record per job end or requeue).
-The two preemption jobs run at the same time (one waits out its time limit while the other is
-requeued from outside); one uninterrupted reference run serves both.
+The two preemption jobs overlap (one waits out its time limit while the other is requeued from
+outside); one uninterrupted reference run serves both.
 """
 
 from __future__ import annotations
@@ -349,46 +349,54 @@ def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
 #: stopped differs. Many epochs: a job ends by its signal or at the --max-steps the test sets.
 PREEMPT = [*DIGITS, "--seed", "3", "--epochs", "100000", "--eval-every", "50",
            "--flush-every", "10"]
-#: A real time limit and warning. SLURM looks every 30 s, so SIGUSR1 comes 90-120 s after the
-#: start, 60-90 s before the kill: room for a slow start (torch imports on a loaded machine)
+#: A real time limit and warning. SLURM looks every 30 s, so SIGUSR1 comes 120-150 s after the
+#: start, 30-60 s before the kill: room for a slow start (torch imports on a loaded machine)
 #: and for the checkpoint and the requeue.
-TIME_LIMIT = ["--time=3", "--signal=USR1@90"]
+TIME_LIMIT = ["--time=3", "--signal=USR1@60"]
 EXTRA_STEPS = 10
+STOPPED = re.compile(r"stop requested: checkpoint at step (\d+)")
 
 
 @pytest.fixture(scope="module")
 def preemption(slurm_cluster, tmp_path_factory):
-    """Two jobs preempted at once: one by its time limit (SIGUSR1 from SLURM), one by
-    `scontrol requeue` from outside once it trains (SIGTERM). Each reads --max-steps from a
-    config file, rewritten once the job stopped so that its second life ends EXTRA_STEPS later.
-    Then an uninterrupted reference of the longer of the two. Returns what the tests check."""
+    """Two jobs preempted: one by its time limit (SIGUSR1 from SLURM), one by `scontrol
+    requeue` from outside once it trains (SIGTERM); the second is submitted once the first
+    trains, so that their start-ups do not compete. Each reads --max-steps from a config file,
+    rewritten as soon as the job stopped, so that its second life ends EXTRA_STEPS later. Then
+    an uninterrupted reference as long as the longer of the two."""
     base = tmp_path_factory.mktemp("preempt")
     jobs = {}
 
-    def submit(what, *args, sbatch_args=()):
+    def submit(what, sbatch_args):
         folder = base / what
         folder.mkdir()
         config = folder / "steps.yaml"
         config.write_text("max_steps: 1000000\n")
-        job = submit_template(slurm_cluster, folder, *PREEMPT, "--config", str(config), *args,
+        job = submit_template(slurm_cluster, folder, *PREEMPT, "--config", str(config),
                               sbatch_args=sbatch_args)
-        jobs[what] = dict(folder=folder, config=config, job=job)
+        jobs[what] = dict(folder=folder, config=config, job=job, run=folder / "runs" / str(job))
+
+    def trained(what, rows=1):
+        return what in jobs and train_rows(jobs[what]["run"], 0) >= rows
 
     try:
-        submit("time_limit", sbatch_args=TIME_LIMIT)
-        submit("requeue", sbatch_args=["--time=15"])
-        q = jobs["requeue"]
-        wait_for(lambda: train_rows(q["folder"] / "runs" / str(q["job"]), 0) >= 10,
-                 JOB_TIMEOUT, f"job {q['job']} to train\n" + log_of(q["folder"], q["job"]),
-                 poll=0.5)
-        slurm_cluster.slurm_cmd("scontrol", "requeue", str(q["job"]))
-        for info in jobs.values():
-            folder, job = info["folder"], info["job"]
-            m = wait_for(lambda: re.search(r"stop requested: checkpoint at step (\d+)",
-                                           log_of(folder, job)), JOB_TIMEOUT,
-                         f"job {job} to checkpoint and stop\n" + log_of(folder, job), poll=0.5)
-            info["stopped"] = int(m.group(1))
-            info["config"].write_text(f"max_steps: {info['stopped'] + EXTRA_STEPS}\n")
+        submit("time_limit", TIME_LIMIT)
+        deadline = time.monotonic() + JOB_TIMEOUT
+        requeued = False
+        while not all("stopped" in jobs.get(w, {}) for w in ("time_limit", "requeue")):
+            assert time.monotonic() < deadline, "preemption jobs did not stop in time:\n" + \
+                "\n".join(log_of(i["folder"], i["job"]) for i in jobs.values())
+            if "requeue" not in jobs and trained("time_limit"):
+                submit("requeue", ["--time=15"])
+            if not requeued and trained("requeue", 10):
+                slurm_cluster.slurm_cmd("scontrol", "requeue", str(jobs["requeue"]["job"]))
+                requeued = True
+            for info in jobs.values():
+                m = "stopped" not in info and STOPPED.search(log_of(info["folder"], info["job"]))
+                if m:
+                    info["stopped"] = int(m.group(1))
+                    info["config"].write_text(f"max_steps: {info['stopped'] + EXTRA_STEPS}\n")
+            time.sleep(0.5)
         want = max(info["stopped"] for info in jobs.values()) + EXTRA_STEPS
         folder = base / "reference"
         folder.mkdir()
@@ -433,7 +441,7 @@ def _check_resumed_equals_reference(cluster, info: dict, reference: dict) -> Non
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
 def test_preempt_at_time_limit_resumes_exactly(slurm_cluster, preemption):
-    """--time=3 --signal=USR1@90: SLURM warns the ranks, they checkpoint, the job requeues
+    """--time=3 --signal=USR1@60: SLURM warns the ranks, they checkpoint, the job requeues
     itself, comes back with SLURM_RESTART_COUNT=1, resumes, and its metrics equal those of
     an uninterrupted run (every column but the timings)."""
     info = preemption["time_limit"]
