@@ -202,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CommError as exc:
         return _usage_error(str(exc))
     try:
-        return trainer.connect(world, stop).run()
+        status = trainer.connect(world, stop).run()
     except BaseException as exc:  # fail fast: one rank's error ends every rank now
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -211,6 +211,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
         return 1
+    # Done, or stopped after its checkpoint: a warning that comes while the process winds down
+    # (MPI_Finalize, interpreter teardown, which puts Python handlers back to the default) has
+    # nothing left to save, and its default action would turn a finished job into a failed one.
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    return status
 
 
 class Trainer:

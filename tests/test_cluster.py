@@ -396,6 +396,9 @@ def preemption(slurm_cluster, tmp_path_factory):
                 if m:
                     info["stopped"] = int(m.group(1))
                     info["config"].write_text(f"max_steps: {info['stopped'] + EXTRA_STEPS}\n")
+                    # Time for the second life to start and finish before another warning.
+                    slurm_cluster.slurm_cmd("scontrol", "update", f"JobId={info['job']}",
+                                            "TimeLimit=15")
             time.sleep(0.5)
         want = max(info["stopped"] for info in jobs.values()) + EXTRA_STEPS
         folder = base / "reference"
