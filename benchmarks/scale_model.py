@@ -22,8 +22,8 @@ the smallest error) and the software cost per collective call (least squares on 
 communication error; the prediction is linear in it). The memory bandwidth of the elementwise
 passes is measured on this machine. Error = |predicted - measured| / measured step time.
 
-Prediction. The fitted model (with the GPU cluster's own figures for links, memory and call
-cost) gives step time and communication share per method from 8 to 4096 ranks, for the model of
+Prediction. The model (with the GPU cluster's own figures for links, memory, call cost,
+buckets and overlap, and the fastest allreduce algorithm at each size, as NCCL picks) gives step time and communication share per method from 8 to 4096 ranks, for the model of
 lsgd_hpc.models named by --model at --step-ms per step.
 """
 
@@ -320,8 +320,9 @@ def run(quick: bool = False, timeout: float = 600, log=print, gpu: Optional[Dict
     from lsgd_hpc.plan import model_facts
     mem = memory_bandwidth(cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
     fitted = fit(pts, mem) if pts else None
-    coll = cm.Collectives(fitted["allreduce"] if fitted else "auto")
-    pred = predict(gpu, coll)
+    # the GPU cluster's library (NCCL-like) picks its algorithm by size and topology: "auto",
+    # not the algorithm fitted to Open MPI's flat collectives here
+    pred = predict(gpu, cm.Collectives("auto"))
     plot(pred, fitted, png)
     rows = []
     if fitted:
