@@ -458,3 +458,32 @@ def test_preempt_by_scontrol_requeue_resumes_exactly(slurm_cluster, preemption):
     on SIGTERM, the job comes back, resumes, and equals the uninterrupted run."""
     _check_resumed_equals_reference(slurm_cluster, preemption["requeue"],
                                     preemption["reference"])
+
+
+# ------------------------------------------------------------------------------ preflight
+
+@pytest.mark.timeout(300)
+def test_doctor_on_two_nodes(slurm_cluster, tmp_path):
+    """python -m lsgd_hpc.doctor under srun --mpi=pmix, 2 nodes x 2 tasks: one table, every
+    check passes, the layout names both host names, SLURM's task count agrees with the
+    world, and the probe measured the link between the nodes (node 0's root to node 1's)."""
+    out = tmp_path / "doctor.json"
+    proc = run_group(["srun", "--mpi=pmix", *TWO_BY_TWO, sys.executable, "-m",
+                      "lsgd_hpc.doctor", "--run-dir", str(tmp_path / "run"),
+                      "--probe-repeats", "2", "--json", str(out)],
+                     env=slurm_cluster.env(), cwd=tmp_path, timeout=240)
+    assert proc.returncode is not None, "srun doctor hung"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("lsgd_hpc doctor: 4 rank(s)") == 1
+    report = json.loads(out.read_text())
+    a, b = slurm_cluster.nodes[0], slurm_cluster.nodes[1]
+    assert [f["host"] for f in report["facts"]] == [a, a, b, b]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["node layout"]["status"] == "ok"
+    assert checks["node layout"]["detail"] == \
+        f"2 node(s) by host names, 2 host(s): {a}: ranks 0, 1; {b}: ranks 2, 3"
+    assert "srun --mpi=pmix" in checks["MPI library"]["detail"]
+    assert checks["world size"]["status"] == "ok"
+    assert checks["world size"]["detail"].startswith("4 ranks (SLURM_STEP_NUM_TASKS=4")
+    assert report["probe"]["inter"]["pairs"] == [[0, 2]]
+    assert report["probe"]["intra"]["pairs"] == [[0, 1], [2, 3]]
