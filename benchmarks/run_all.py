@@ -70,7 +70,7 @@ BENCHES = [
     # bring up the emulated cluster (root; skipped with a reason otherwise)
     Bench("peers", "peers", timeout=600, driver=True, kwargs={"key": "peers"}),
     Bench("peers_network", "peers", timeout=600, driver=True,
-          kwargs={"network": "1gbit", "key": "peers_network"}),
+          kwargs={"network": "1gbit", "key": "peers_network", "rounds": 2}),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
     # its own mpirun jobs: 4 ranks (quick) or 4 and 8 ranks, each unslowed then slowed
