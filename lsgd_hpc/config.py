@@ -16,6 +16,7 @@ __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_wor
 ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
 BACKENDS = ("mpi", "horovod")
 LR_SCHEDULES = ("constant", "step", "cosine")
+LSGD_BN = ("keep", "copy", "pull")
 
 
 class ConfigError(ValueError):
@@ -56,7 +57,12 @@ class Config:
     easgd_tau: Optional[int] = None       # None: tau_local
     ranks_per_node: Optional[int] = None
     eval_every: Optional[int] = None
-    consensus_every: int = 10             # gossip: steps between consensus-distance probes
+    consensus_every: int = 10             # steps between consensus-distance probes; 0 = off
+    bn_recompute: Optional[int] = None    # batches; None: 16 for models with BatchNorm, else 0
+    stop_check_every: int = 10            # steps between non-blocking stop-flag agreements
+    nesterov: bool = False                # Nesterov momentum (needs --momentum > 0)
+    lsgd_pull_every_step: bool = False    # LSGD: proximal pull toward the last leader copies
+    lsgd_bn: str = "keep"                 # LSGD: BatchNorm statistics on a pull
     bucket_mb: float = 1.0                # allreduce: gradient bucket size; 0 = no overlap
     backend: str = "mpi"
     device: str = "cpu"                   # cuda: one GPU per rank (node-local rank % GPUs)
@@ -112,7 +118,16 @@ _HELP = {
     "easgd_tau": "EASGD: steps between elastic updates",
     "ranks_per_node": "group K consecutive ranks as one node",
     "eval_every": "steps between test evaluations (and log lines)",
-    "consensus_every": "gossip: steps between consensus-distance measurements",
+    "consensus_every": "steps between consensus-distance measurements, every method "
+                       "(0: none; timing experiments use 0)",
+    "bn_recompute": "batches on which BatchNorm statistics of a model no worker trained "
+                    "(EASGD's centre) are recomputed before evaluation (default 16 with "
+                    "BatchNorm, 0 = off)",
+    "stop_check_every": "steps between the non-blocking agreements on a stop signal",
+    "nesterov": "Nesterov momentum (with --momentum > 0)",
+    "lsgd_pull_every_step": "LSGD: also pull toward the last leader copies at every step, "
+                            "strength c/tau",
+    "lsgd_bn": "LSGD: BatchNorm statistics on a pull: keep local, copy the leader's, or pull",
     "bucket_mb": "allreduce: MB per gradient bucket averaged during backward "
                  "(0: one allreduce after backward)",
     "backend": "communication backend",
@@ -125,7 +140,7 @@ _HELP = {
 }
 DEVICES = ("cpu", "cuda")
 _CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES,
-            "device": DEVICES}
+            "device": DEVICES, "lsgd_bn": LSGD_BN}
 
 
 #: Help sections of ``--help``, in the order they are printed.
@@ -359,11 +374,16 @@ def validate(cfg: Config, env: dict) -> None:
     if cfg.topology not in topology.TOPOLOGIES:
         raise ConfigError("--topology", f"must be one of {', '.join(topology.TOPOLOGIES)}")
     _positive(cfg, ["epochs", "batch_size", "lr", "tau_local", "tau_global", "leader_window",
-                    "eval_every", "consensus_every", "log_every", "flush_every",
+                    "eval_every", "stop_check_every", "log_every", "flush_every",
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
                     "ranks_per_node", "easgd_tau"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
-                    "collective_timeout"], strict=False)
+                    "collective_timeout", "consensus_every", "bn_recompute"], strict=False)
+    if cfg.lsgd_bn not in LSGD_BN:
+        raise ConfigError("--lsgd-bn", f"must be one of {', '.join(LSGD_BN)}")
+    if cfg.nesterov and cfg.momentum <= 0:
+        raise ConfigError("--nesterov", "needs --momentum > 0 (Nesterov momentum without "
+                                        "momentum is plain SGD)")
     if not (math.isfinite(cfg.bucket_mb) and cfg.bucket_mb >= 0):
         raise ConfigError("--bucket-mb", f"must be a finite number >= 0, got {cfg.bucket_mb}")
     straggler_of(cfg)

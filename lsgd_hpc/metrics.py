@@ -21,11 +21,13 @@ GROUPS: Dict[str, Dict[str, str]] = {
     "train": {"step": "i8", "epoch": "f8", "wall_time": "f8", "loss": "f8", "accuracy": "f8",
               "lr": "f8", "comm_bytes_sent": "i8", "comm_bytes_recv": "i8",
               "comm_seconds": "f8", "compute_seconds": "f8",
-              # beyond schema 1's list (readers ignore it): cumulative seconds of measurement
-              # and control traffic (consensus probes, stop-flag checks)
-              "overhead_seconds": "f8"},
-    "eval": {"step": "i8", "epoch": "f8", "wall_time": "f8", "test_loss": "f8",
-             "test_accuracy": "f8"},
+              # cumulative seconds (docs/metrics.md): control traffic (stop flag), consensus
+              # probes, evaluations, checkpoints, metric flushes, and the training time =
+              # wall_time less probes, evaluations, checkpoints and flushes
+              "overhead_seconds": "f8", "probe_seconds": "f8", "eval_seconds": "f8",
+              "checkpoint_seconds": "f8", "metrics_seconds": "f8", "training_time": "f8"},
+    "eval": {"step": "i8", "epoch": "f8", "wall_time": "f8", "training_time": "f8",
+             "test_loss": "f8", "test_accuracy": "f8"},
     "leader": {"step": "i8", "scope": "i8", "leader_rank": "i8", "score": "f8"},
     "consensus": {"step": "i8", "distance": "f8"},
 }

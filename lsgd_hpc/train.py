@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Optional, Sequence
 
-__all__ = ["main", "EXIT_USAGE", "EXIT_STOPPED"]
+__all__ = ["main", "make_optimizer", "EXIT_USAGE", "EXIT_STOPPED"]
 
 PROG = "lsgd_hpc.train"
 EXIT_USAGE = 2        # a user's mistake, found before any collective
@@ -252,11 +252,18 @@ class Trainer:
         torch.manual_seed(cfg.seed * 100003 + rank)   # per-rank dropout etc.
         self.param = nn.Parameter(self.flat.params)   # one fused tensor for the optimizer
         self.param.grad = self.flat.grad
-        self.opt = torch.optim.SGD([self.param], lr=cfg.lr, momentum=cfg.momentum,
-                                   weight_decay=cfg.weight_decay)
+        self.opt = make_optimizer(cfg, self.param)
+        from .batchnorm import DEFAULT_BN_BATCHES, batchnorm_layers
+        # models no worker trained get BatchNorm statistics of their own before evaluation
+        self.bn_batches = (cfg.bn_recompute if cfg.bn_recompute is not None
+                           else DEFAULT_BN_BATCHES if batchnorm_layers(self.model) else 0)
         self.step = 0
         self.elapsed0 = 0.0          # wall time before this process (resume)
         self.compute_seconds = 0.0
+        # cumulative seconds left out of the training time (see training_time)
+        self.eval_seconds = 0.0
+        self.checkpoint_seconds = 0.0
+        self.metrics_seconds = 0.0
         self.losses_since_print: list = []
 
     def connect(self, world, stop: StopFlag) -> "Trainer":
@@ -279,11 +286,14 @@ class Trainer:
         if cfg.resume and self.pointer is None:
             raise RuntimeError(f"no complete checkpoint in {self.run_dir}")
         resolved = cfg.to_dict()
-        resolved.update(model=self.model_name, world_size=self.size,
+        resolved.update(model=self.model_name, world_size=self.size, bn_recompute=self.bn_batches,
                         n_nodes=self.groups.n_nodes, steps_per_epoch=self.spe,
                         total_steps=self.total_steps)
         self.resolved = resolved
         self.algo = build_algorithm(cfg, self.groups, self.flat, self._log, self.spe)
+        self.algo.consensus_every = cfg.consensus_every
+        from .stopping import StopAgreement
+        self.stop_agreement = StopAgreement(world, cfg.stop_check_every)
         attrs = {
             "schema_version": SCHEMA_VERSION, "rank": self.rank, "world_size": self.size,
             "local_rank": self.groups.local_rank, "node_index": self.groups.node_index,
@@ -312,6 +322,21 @@ class Trainer:
     def wall(self) -> float:
         return self.elapsed0 + time.perf_counter() - self.t_start
 
+    def training_time(self) -> float:
+        """Wall time less what measures the training rather than doing it: test evaluations
+        (with BatchNorm recomputes and the progress line), consensus probes, checkpoints and
+        metric flushes. Control traffic (the stop-flag agreement) stays in."""
+        return (self.wall() - self.eval_seconds - self.checkpoint_seconds
+                - self.metrics_seconds - self.world.stats.probe_seconds)
+
+    def _flush_metrics(self, force: bool = False) -> None:
+        t0 = time.perf_counter()
+        if force:
+            self.metrics.flush()
+        else:
+            self.metrics.maybe_flush()
+        self.metrics_seconds += time.perf_counter() - t0
+
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
         from . import config
@@ -321,7 +346,7 @@ class Trainer:
             self._restore(self.pointer)
         else:
             self._start_fresh()
-        self.metrics.flush()
+        self._flush_metrics(force=True)
         t_print, step_print = time.perf_counter(), self.step
         loss_fn = torch.nn.CrossEntropyLoss()
         self.model.train()
@@ -349,7 +374,8 @@ class Trainer:
                 xb = xb.to(self.device, non_blocking=True)
                 yb = yb.to(self.device, non_blocking=True)
                 t0 = time.perf_counter()
-                comm0 = self.world.stats.seconds + self.world.stats.overhead_seconds
+                stats = self.world.stats
+                comm0 = stats.seconds + stats.overhead_seconds + stats.probe_seconds
                 lr = _lr_at(cfg, min(self.step, self.total_steps), self.total_steps)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
@@ -364,20 +390,26 @@ class Trainer:
                 self.algo.before_step(self.step)
                 self.opt.step()
                 loss_v = float(loss.detach())
+                # the same point of every method's cycle: after the local step, before the
+                # method's communication of this step
+                # (a method whose ranks take uneven steps measures at its own agreed moments)
+                if cfg.consensus_every and not owns and self.step % cfg.consensus_every == 0:
+                    self.algo.measure_consensus(self.step)
                 self.algo.after_step(self.step, loss_v)
-                stats = self.world.stats
                 self.compute_seconds += (time.perf_counter() - t0) - (
-                    stats.seconds + stats.overhead_seconds - comm0)
+                    stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0)
                 self.losses_since_print.append(loss_v)
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     acc = float((out.argmax(1) == yb).float().mean())
                     self._log_train(loss_v, acc, lr)
                 if self.step % cfg.eval_every == 0 or self.step == self.total_steps:
+                    t_eval = time.perf_counter()
                     test_acc = self.evaluate()
                     if self.rank == 0:
                         now = time.perf_counter()
                         self._print_line(test_acc, (self.step - step_print) / max(now - t_print, 1e-9))
                         t_print, step_print = now, self.step
+                    self.eval_seconds += time.perf_counter() - t_eval
                 if owns:
                     action = self.algo.control(self.stop.raised)
                     if action == "checkpoint":
@@ -389,16 +421,19 @@ class Trainer:
                 else:
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save_checkpoint()
-                    if self._stop_agreed():
+                    if self.stop_agreement.check(self.step, self.stop.raised):
                         return self._preempted()
-                self.metrics.maybe_flush()
+                self._flush_metrics()
                 if self.step >= last_step:
                     break
+        self.stop_agreement.drain()
         if owns and self.step != self.total_steps:   # the last step's rows (uneven steps)
             if self.step % cfg.log_every:
                 self._log_train(loss_v, float((out.argmax(1) == yb).float().mean()), lr)
             if self.step % cfg.eval_every:
+                t_eval = time.perf_counter()
                 self.evaluate()
+                self.eval_seconds += time.perf_counter() - t_eval
         self.save_checkpoint()                # flushes the metrics too
         if self.rank == 0:
             print(f"[lsgd_hpc] done: {self.step} steps in {self.wall():.1f} s; metrics in "
@@ -429,6 +464,9 @@ class Trainer:
                   loss=loss, accuracy=acc, lr=lr, comm_bytes_sent=s.bytes_sent,
                   comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
                   compute_seconds=self.compute_seconds, overhead_seconds=s.overhead_seconds,
+                  probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
+                  checkpoint_seconds=self.checkpoint_seconds,
+                  metrics_seconds=self.metrics_seconds, training_time=self.training_time(),
                   **self.algo.train_columns())
 
     def _print_line(self, test_acc: float, steps_per_s: float) -> None:
@@ -458,25 +496,39 @@ class Trainer:
         return loss_sum / total, correct / total
 
     def evaluate(self) -> float:
-        loss, acc = self._eval_current()
         row = dict(step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
-                   test_loss=loss, test_accuracy=acc)
+                   training_time=self.training_time())
+        row["test_loss"], row["test_accuracy"] = self._eval_current()
         extra = self.algo.eval_models()
         if extra:
+            from .batchnorm import int_buffers, recompute_bn_stats
             saved = self.flat.flat.clone()
+            saved_ints = [b.clone() for b in int_buffers(self.model)]
             for name, vec in extra.items():
                 self.flat.flat.copy_(vec)
+                if self.bn_batches:   # no worker trained this model: its own statistics
+                    recompute_bn_stats(self.model, self._bn_inputs())
                 row[f"{name}_test_loss"], row[f"{name}_test_accuracy"] = self._eval_current()
+            # the worker's own parameters and statistics, untouched by the above
             self.flat.flat.copy_(saved)
+            for b, v in zip(int_buffers(self.model), saved_ints):
+                b.copy_(v)
         self._log("eval", **row)
-        return acc
+        return row["test_accuracy"]
+
+    def _bn_inputs(self):
+        """The first ``bn_batches`` training inputs of this rank from the current epoch on
+        (read from the sampler, whose order and state the training does not share)."""
+        epoch, n = self.step // self.spe, 0
+        while n < self.bn_batches:
+            for xb, _ in self.sampler.batches(epoch, 0):
+                if n == self.bn_batches:
+                    return
+                n += 1
+                yield xb.to(self.device)
+            epoch += 1
 
     # -- preemption and checkpoints -----------------------------------------------------------
-    def _stop_agreed(self) -> bool:
-        from .algorithms import uncounted
-        with uncounted(self.world):
-            return self.world.any_true(self.stop.raised)
-
     def _preempted(self) -> int:
         from .algorithms import uncounted
         self.save_checkpoint()
@@ -497,6 +549,11 @@ class Trainer:
         return 0 if requeued else EXIT_STOPPED
 
     def save_checkpoint(self) -> None:
+        t0 = time.perf_counter()
+        self._save_checkpoint()
+        self.checkpoint_seconds += time.perf_counter() - t0
+
+    def _save_checkpoint(self) -> None:
         torch = self.torch
         state = {
             "step": self.step, "world_size": self.size,
@@ -506,6 +563,8 @@ class Trainer:
                          else torch.empty(0, dtype=torch.uint8)),
             "comm_stats": self.world.stats.state_dict(), "wall_time": self.wall(),
             "compute_seconds": self.compute_seconds, "metrics_rows": self.metrics.row_counts(),
+            "eval_seconds": self.eval_seconds, "checkpoint_seconds": self.checkpoint_seconds,
+            "metrics_seconds": self.metrics_seconds,
         }
         # The set's label: the step, or, where ranks take uneven steps, the largest one (each
         # rank's own step is in its file).
@@ -534,7 +593,18 @@ class Trainer:
         self.world.stats.load_state_dict(state["comm_stats"])
         self.elapsed0 = float(state["wall_time"])
         self.compute_seconds = float(state["compute_seconds"])
+        for name in ("eval_seconds", "checkpoint_seconds", "metrics_seconds"):
+            setattr(self, name, float(state.get(name, 0.0)))
         self.metrics.load_existing(state["metrics_rows"])
+
+
+def make_optimizer(cfg, param):
+    """SGD on the fused parameter tensor: with momentum mu and weight decay wd,
+        g <- g + wd x;   b <- mu b + g;   x <- x - lr (g + mu b)  (Nesterov)  or  x - lr b,
+    Nesterov's form being the reference LSGD's choice whenever mu > 0 (--nesterov)."""
+    import torch
+    return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay, nesterov=bool(cfg.nesterov))
 
 
 def _device(kind: str, rank: int, env: dict):

@@ -17,16 +17,14 @@ class AllreduceSGD(Algorithm):
     ``before_step``; with 0, one blocking allreduce of the whole buffer after backward.
     Either way the same bytes move and every rank gets the same mean.
     Floating-point buffers (BatchNorm statistics) are broadcast from rank 0 each step, as
-    DDP does, so that replicas stay bit-identical. The consensus distance, zero by
-    construction, is probed at every ``consensus_every`` step as a check.
+    DDP does, so that replicas stay bit-identical (their consensus distance, measured by the
+    trainer as for every method, is zero).
     """
 
     name = "allreduce"
 
-    def __init__(self, groups: NodeGroups, flat: FlatParams, consensus_every: int = 0, log=None,
-                 bucket_bytes: int = 0):
+    def __init__(self, groups: NodeGroups, flat: FlatParams, log=None, bucket_bytes: int = 0):
         super().__init__(groups, flat, log)
-        self.consensus_every = consensus_every
         self.buffers = flat.flat[flat.n_params:]
         self.buckets = GradBuckets(self.world, flat, bucket_bytes) if bucket_bytes > 0 else None
 
@@ -39,5 +37,3 @@ class AllreduceSGD(Algorithm):
     def after_step(self, step: int, loss: float) -> None:
         if self.buffers.numel():
             self.world.broadcast_(self.buffers, 0)
-        if self.consensus_every and step % self.consensus_every == 0:
-            self.probe_consensus(step)

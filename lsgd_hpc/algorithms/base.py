@@ -17,17 +17,21 @@ MetricsSink = Callable[..., None]
 
 
 @contextmanager
-def uncounted(comm: Communicator) -> Iterator[None]:
+def uncounted(comm: Communicator, probe: bool = False) -> Iterator[None]:
     """Measurement and control traffic (consensus probes, stop flags) is not the method's
     communication: restore the counters afterwards so comm_* report only the algorithm, and
-    book the time as overhead (neither communication nor compute)."""
+    book the time as control overhead (``overhead_seconds``, still training time) or, with
+    ``probe``, as measurement (``probe_seconds``, left out of the training time)."""
     saved = comm.stats.snapshot()
     t0 = time.perf_counter()
     try:
         yield
     finally:
         comm.stats.load_state_dict(saved.state_dict())
-        comm.stats.overhead_seconds += time.perf_counter() - t0
+        if probe:
+            comm.stats.probe_seconds += time.perf_counter() - t0
+        else:
+            comm.stats.overhead_seconds += time.perf_counter() - t0
 
 
 class Algorithm:
@@ -46,6 +50,9 @@ class Algorithm:
     #: True for a method that decides itself when training ends, stops and checkpoints
     #: (ranks take different numbers of steps): see AsyncLeaderSGD.control
     owns_schedule = False
+    #: --consensus-every, set by the trainer: a method that owns its schedule measures the
+    #: consensus distance at its own agreed moments when this is non-zero (0: never)
+    consensus_every = 0
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, log: Optional[MetricsSink] = None):
         self.groups = groups
@@ -74,19 +81,23 @@ class Algorithm:
         pass
 
     # -- shared pieces ----------------------------------------------------------------------
-    def log_consensus(self, step: int, deviation: torch.Tensor) -> float:
-        """Log mean_i ||x_i - mean_j x_j||^2 given this worker's deviation x_i - mean (one
-        scalar allreduce, not counted as the method's traffic)."""
-        sq = torch.tensor([float(deviation.double().pow(2).sum())], dtype=torch.float64)
-        with uncounted(self.world):
-            self.world.allreduce_(sq, "mean")
-        self.log("consensus", step=step, distance=float(sq.item()))
-        return float(sq.item())
+    def measure_consensus(self, step: int) -> float:
+        """Log and return the consensus distance of the trainable parameters,
 
-    def probe_consensus(self, step: int) -> float:
-        """Consensus distance when the method has no average at hand: one full allreduce
-        (not counted as the method's traffic)."""
-        mean = self.flat.flat.clone()
-        with uncounted(self.world):
+            D = (1/p) sum_i ||x_i - xbar||^2,   xbar = (1/p) sum_j x_j,
+
+        over the parameters only (BatchNorm running statistics are not trained, and would
+        otherwise dominate D). The same code for every method; the trainer calls it at the
+        same point of every method's cycle: after the local optimizer step, before the
+        method's communication of that step. Two uncounted allreduces (the mean, then the
+        mean of the squared deviations), booked as measurement (probe_seconds).
+        """
+        x = self.flat.params
+        mean = x.detach().clone()
+        with uncounted(self.world, probe=True):
             self.world.allreduce_(mean, "mean")
-        return self.log_consensus(step, self.flat.flat - mean)
+            sq = (x.detach().double() - mean.double()).pow(2).sum().reshape(1).cpu()
+            self.world.allreduce_(sq, "mean")
+        distance = float(sq.item())
+        self.log("consensus", step=step, distance=distance)
+        return distance

@@ -16,8 +16,8 @@ class EASGD(Algorithm):
     Every ``tau`` steps, with the centre c identical on every worker:
         d_i = alpha (x_i - c);   x_i <- x_i - d_i;   c <- c + sum_i d_i   (one allreduce)
     c starts at the common x_0. The centre is EASGD's model: it is evaluated beside each
-    worker's own. The consensus distance uses the mean that the allreduce gives for free:
-    mean_j x_j = c + sum_j d_j / (p alpha).
+    worker's own (with BatchNorm statistics recomputed on training batches first, since no
+    worker trained the centre; see the trainer's --bn-recompute).
     """
 
     name = "easgd"
@@ -37,11 +37,8 @@ class EASGD(Algorithm):
         x, c, d = self.flat.flat, self.center, self.d
         torch.sub(x, c, out=d).mul_(self.alpha)          # d_i = alpha (x_i - c)
         x.sub_(d)
-        deviation = d / self.alpha                        # x_i - c, before the update
         self.world.allreduce_(d, "sum")                   # d <- sum_i d_i
-        deviation.sub_(d, alpha=1.0 / (self.world.size * self.alpha))   # x_i - mean_j x_j
         c.add_(d)
-        self.log_consensus(step, deviation)
 
     def eval_models(self):
         return {"center": self.center}

@@ -18,25 +18,19 @@ class GossipSGD(Algorithm):
     exchange parameters, through the communicator's neighbour allgather on an MPI
     distributed-graph communicator (one per distinct graph; a time-varying topology
     cycles through its period). W doubly stochastic keeps the global mean of x.
-    The consensus distance is probed every ``consensus_every`` steps with one full
-    allreduce, which is measurement and not counted as gossip traffic.
     """
 
     name = "gossip"
 
-    def __init__(self, groups: NodeGroups, flat: FlatParams, topology: Topology,
-                 consensus_every: int = 10, log=None):
+    def __init__(self, groups: NodeGroups, flat: FlatParams, topology: Topology, log=None):
         super().__init__(groups, flat, log)
         if topology.n != self.world.size:
             raise ValueError(f"topology has {topology.n} nodes, world has {self.world.size}")
         self.topology = topology
-        self.consensus_every = consensus_every
         self._recv = {}
 
     def after_step(self, step: int, loss: float) -> None:
         self.combine(step)
-        if self.consensus_every and step % self.consensus_every == 0:
-            self.probe_consensus(step)
 
     def combine(self, step: int) -> None:
         me, topo, x = self.world.rank, self.topology, self.flat.flat

@@ -83,7 +83,6 @@ class LocalSGD(Algorithm):
         x, mean = self.flat.flat, self.scratch
         mean.copy_(x)
         self.world.allreduce_(mean, "mean")
-        self.log_consensus(step, x - mean)
         x.copy_(mean)
 
     def _close_segment(self) -> None:

@@ -223,7 +223,8 @@ class AsyncLeaderSGD(Algorithm):
         self._wait_until(lambda: all(lv.idle and not lv.busy for lv in self.levels),
                          "drain before " + self.action)
         action, self.action, self.draining = self.action, None, False
-        self.probe_consensus(self.steps)        # every rank is here: a consistent moment
+        if self.consensus_every:                # every rank is here: a consistent moment
+            self.measure_consensus(self.steps)
         return action
 
     def decide(self, s: torch.Tensor) -> Optional[str]:

@@ -41,9 +41,11 @@ class CommStats:
     bytes_recv: int = 0
     seconds: float = 0.0
     calls: int = 0
-    #: seconds of measurement and control traffic (consensus probes, stop flags), kept out of
-    #: both the method's communication and the compute time
+    #: seconds of control traffic (the stop-flag agreement), kept out of both the method's
+    #: communication and the compute time; still part of the training time
     overhead_seconds: float = 0.0
+    #: seconds of measurement traffic (consensus probes): left out of the training time
+    probe_seconds: float = 0.0
 
     def snapshot(self) -> "CommStats":
         return CommStats(**self.state_dict())
@@ -51,7 +53,7 @@ class CommStats:
     def state_dict(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv,
                 "seconds": self.seconds, "calls": self.calls,
-                "overhead_seconds": self.overhead_seconds}
+                "overhead_seconds": self.overhead_seconds, "probe_seconds": self.probe_seconds}
 
     def load_state_dict(self, state: dict) -> None:
         self.bytes_sent = int(state["bytes_sent"])
@@ -59,6 +61,7 @@ class CommStats:
         self.seconds = float(state["seconds"])
         self.calls = int(state["calls"])
         self.overhead_seconds = float(state.get("overhead_seconds", 0.0))
+        self.probe_seconds = float(state.get("probe_seconds", 0.0))
 
 
 @dataclass(frozen=True)
