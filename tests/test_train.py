@@ -39,6 +39,7 @@ DIGITS_PARAMS = (1 * 16 * 3 * 3) + 2 * 16 + (16 * 32 * 3 * 3) + 2 * 32 + (32 * 2
 DIGITS_BN_FLOATS = 2 * 16 + 2 * 32
 assert (DIGITS_PARAMS, DIGITS_BN_FLOATS) == (6138, 96)
 GRAD_BYTES = 4 * DIGITS_PARAMS                        # float32 gradients
+PARAM_BYTES = 4 * DIGITS_PARAMS                       # float32 parameters (no BN statistics)
 MODEL_BYTES = 4 * (DIGITS_PARAMS + DIGITS_BN_FLOATS)  # float32 parameters + BN statistics
 ELECTION_BYTES = 16                                   # one MPI DOUBLE_INT {double; int} padded
 
@@ -142,7 +143,8 @@ def test_lsgd_bytes_per_step_exact(all_runs):
     """4 ranks as nodes {0,1} and {2,3}, tau_local 4, tau_global 8. Every 4 steps a node
     election and a broadcast of the model from the node's leader; every 8 steps also a world
     election and a broadcast from the global leader. Every rank but the leader receives the
-    model once per pull; the broadcast tree is free, but each receiver is fed by one send."""
+    model's parameters once per pull (--lsgd-bn keep: BatchNorm statistics stay local and are
+    not sent); the broadcast tree is free, but each receiver is fed by one send."""
     runs = all_runs["lsgd"]
     node_of = [0, 0, 1, 1]
     leaders = {}
@@ -160,24 +162,26 @@ def test_lsgd_bytes_per_step_exact(all_runs):
         if step % 4 == 0:
             for r in range(4):
                 local_leader = leaders[(int(step), node_of[r])]
-                want_recv[r] += ELECTION_BYTES + (MODEL_BYTES if r != local_leader else 0)
-            want_total_sent += 4 * ELECTION_BYTES + 2 * MODEL_BYTES   # 1 receiver per node
+                want_recv[r] += ELECTION_BYTES + (PARAM_BYTES if r != local_leader else 0)
+            want_total_sent += 4 * ELECTION_BYTES + 2 * PARAM_BYTES    # 1 receiver per node
         if step % 8 == 0:
             g = leaders[(int(step), "global")]
             for r in range(4):
-                want_recv[r] += ELECTION_BYTES + (MODEL_BYTES if r != g else 0)
-            want_total_sent += 4 * ELECTION_BYTES + 3 * MODEL_BYTES   # 3 receivers
+                want_recv[r] += ELECTION_BYTES + (PARAM_BYTES if r != g else 0)
+            want_total_sent += 4 * ELECTION_BYTES + 3 * PARAM_BYTES    # 3 receivers
         assert np.array_equal(recv[:, i], want_recv), (int(step), recv[:, i], want_recv)
         assert sent[:, i].sum() == want_total_sent, (int(step), sent[:, i], want_total_sent)
         if step % 4 == 0:  # the leader itself sends the model at least once
-            assert sent[leaders[(int(step), node_of[0])], i] >= ELECTION_BYTES + MODEL_BYTES
+            assert sent[leaders[(int(step), node_of[0])], i] >= ELECTION_BYTES + PARAM_BYTES
     assert {k[1] for k in leaders} == {"global", 0, 1} and len(steps) >= 40
 
 
 @pytest.mark.mpi
-def test_consensus_logged_at_each_averaging_round(all_runs):
-    c = all_runs["local-sgd"][0]["consensus"]
-    assert list(c["step"]) == [s for s in all_runs["local-sgd"][0]["train"]["step"] if s % 8 == 0]
+def test_consensus_logged_on_the_same_steps_for_every_method(all_runs):
+    # every --consensus-every (10) steps, for every method alike
+    for alg in ALGS:
+        c = all_runs[alg][0]["consensus"]
+        assert list(c["step"]) == [s for s in all_runs[alg][0]["train"]["step"] if s % 10 == 0]
 
 
 @pytest.mark.mpi

@@ -120,7 +120,7 @@ def test_lsgd_local_then_global(groups):
     assert torch.allclose(flat.flat, want, atol=1e-12)
     glob = [r for r in rows.rows["leader"] if r["scope"] == 0]
     assert [r["leader_rank"] for r in glob] == [lead]
-    assert rows.rows["consensus"][-1]["step"] == 4
+    assert "consensus" not in rows.rows     # measured by the trainer, the same for every method
 
 
 def test_lsgd_nan_worker_never_leads(groups):
@@ -152,9 +152,6 @@ def test_easgd_centre_identical_and_formula(world, groups):
     assert torch.allclose(flat.flat, x_of(world.rank) - alpha * (x_of(world.rank) - c0), atol=1e-12)
     centres = world.allgather_object(algo.center.tolist())
     assert all(c == centres[0] for c in centres)       # bit-identical on every rank
-    mean = sum(xs) / world.size
-    want_d = float(sum(((x - mean) ** 2).sum() for x in xs) / world.size)
-    assert rows.rows["consensus"][0]["distance"] == pytest.approx(want_d, rel=1e-9, abs=1e-12)
 
 
 def test_local_sgd_exact_average_on_period_only(world, groups):
@@ -172,9 +169,6 @@ def test_local_sgd_exact_average_on_period_only(world, groups):
     assert torch.equal(flat.flat, want)
     if world.size > 1:
         assert world.stats.bytes_sent - before.bytes_sent == flat.nbytes
-    assert rows.rows["consensus"][0]["step"] == 3
-    want_d = sum(8 * (r - (world.size - 1) / 2) ** 2 for r in range(world.size)) / world.size
-    assert rows.rows["consensus"][0]["distance"] == pytest.approx(want_d)
 
 
 @pytest.mark.parametrize("measured", [False, True])
@@ -226,7 +220,7 @@ def test_gossip_preserves_mean_neighbour_only(world, groups, name):
     topo = build_topology(name, world.size, node_of=groups.node_of)
     flat = tiny(0.0)
     flat.flat.copy_(x_of(world.rank) * (1 + world.rank))
-    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    algo = GossipSGD(groups, flat, topo)
     mean0 = sum(x_of(r) * (1 + r) for r in range(world.size)) / world.size
     before = world.stats.snapshot()
     for step in range(1, 4):
@@ -281,7 +275,7 @@ def test_one_peer_exponential_exact_average_over_period(world, groups):
     topo = build_topology("one-peer-exponential", n)
     flat = tiny(0.0)
     flat.flat.copy_(x_of(world.rank))
-    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    algo = GossipSGD(groups, flat, topo)
     for step in range(topo.period):
         algo.combine(step)
     want = torch.arange(8, dtype=torch.float64) * 0.25 + (n - 1) / 2

@@ -5,6 +5,8 @@ Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of 
 ALG@TOPOLOGY (gossip@torus) adds --topology TOPOLOGY and trains into RUN_DIR_PREFIX-ALG-TOPOLOGY.
 LSGD_FAULT="kind:rank:step" makes that rank, after that step, raise (kind=raise), die by
 SIGKILL (kill) or send itself SIGTERM (sigterm, a preemption at a known step).
+LSGD_EVAL_SLEEP=SECONDS makes every evaluation of a model sleep that long first (an
+artificially slow evaluation, to check that the training time leaves it out).
 """
 
 import os
@@ -37,6 +39,16 @@ def inject(kind: str, rank: int, step: int) -> None:
         cls.after_step = after_step
 
 
+def slow_evaluation(seconds: float) -> None:
+    original = train.Trainer._eval_current
+
+    def _eval_current(self, _orig=original):
+        time.sleep(seconds)
+        return _orig(self)
+
+    train.Trainer._eval_current = _eval_current
+
+
 def main() -> int:
     prefix, algs = sys.argv[1], sys.argv[2].split(",")
     extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
@@ -44,6 +56,8 @@ def main() -> int:
     if fault:
         kind, rank, step = fault.split(":")
         inject(kind, int(rank), int(step))
+    if os.environ.get("LSGD_EVAL_SLEEP"):
+        slow_evaluation(float(os.environ["LSGD_EVAL_SLEEP"]))
     for spec in algs:
         alg, _, topo = spec.partition("@")
         opts = ["--topology", topo] if topo else []
