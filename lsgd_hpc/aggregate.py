@@ -4,8 +4,13 @@ Reads every ``RUN_DIR/metrics/rank%05d.h5`` (read-only, h5py) and writes
 
 * ``DIR/summary.csv``  one row per run (columns: ``SUMMARY_COLUMNS``);
 * ``DIR/curves.csv``   tidy rows ``run, rank, step, wall_time, metric, value``;
-* ``DIR/*.png``        test accuracy against wall time, bytes sent and step, and the
-  training loss against step.
+* ``DIR/*.png``        test accuracy against training time (the default time axis), wall
+  time, bytes sent and step, and the training loss against step.
+
+Training time is the trainer's ``/train/training_time`` and ``/eval/training_time``: wall time
+less evaluations, consensus probes, checkpoints and metric flushes (docs/metrics.md), so
+that methods which evaluate or probe more are not charged for it. Files written before that
+column existed have no training time; their runs are left out of that plot only.
 
 A rank file that cannot be read (truncated, not HDF5) is reported on stderr in one line
 and skipped. A RUN_DIR without ``metrics/`` whose sub-directories are runs (a sweep's
@@ -26,21 +31,22 @@ Per-evaluation figures (one evaluation = one ``/eval`` step):
 
 ``final_*`` is the last evaluation that every readable rank reached; ``best_*`` is the
 maximum over evaluations of the per-evaluation figure (evaluations that every readable rank
-reached; all evaluations if there is none). ``wall_time`` is the maximum over ranks of the
-last ``/train`` wall time, ``total_bytes_sent`` the sum over ranks of the last
+reached; all evaluations if there is none). ``wall_time`` and ``training_time`` are the
+maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` the sum over ranks of the last
 ``comm_bytes_sent``, ``steps`` the last logged training step (maximum over ranks).
 
 Plots: one line per configuration. Runs whose config.yaml differ only in ``seed`` (and the
 bookkeeping keys in ``NON_CONFIG_KEYS``) form one configuration and are drawn as the mean
 over seeds with a shaded min-max band. The y value of a run is the per-evaluation mean over
 ranks (test accuracy) or the per-step mean over ranks (training loss); its wall time is the
-latest rank's, its bytes sent the total over all ranks; with 300 or more steps the training
+latest rank's (training time likewise), its bytes sent the total over all ranks; with 300 or more steps the training
 loss is smoothed by a centred moving average over 1% of the steps. The legend names a configuration by
 its algorithm plus the options that differ between the configurations shown.
 
 In curves.csv, ``consensus_distance`` rows take their wall time from the rank's /train rows
 (linear interpolation in step; empty outside the logged range); EASGD runs also get
-``center_test_loss`` and ``center_test_accuracy`` rows.
+``center_test_loss`` and ``center_test_accuracy`` rows; ``training_time`` rows (one per
+/train row, value in seconds) let a reader put any metric on the training-time axis.
 """
 from __future__ import annotations
 
@@ -63,7 +69,7 @@ PROG = "lsgd_hpc.aggregate"
 GROUPS = ("train", "eval", "leader", "consensus")
 
 SUMMARY_COLUMNS = (
-    "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time",
+    "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time", "training_time",
     "final_test_acc_leader", "final_test_acc_mean", "final_test_acc_best",
     "best_test_acc_leader", "best_test_acc_mean", "best_test_acc_best",
     "total_bytes_sent", "steps",
@@ -80,6 +86,7 @@ NON_CONFIG_KEYS = frozenset({"seed", "run_dir", "resume", "config", "data_dir",
 DERIVED_KEYS = frozenset({"steps_per_epoch", "total_steps"})
 
 PLOTS = {
+    "test_acc_vs_training_time.png": ("training_time", "test_accuracy"),
     "test_acc_vs_wall_time.png": ("wall_time", "test_accuracy"),
     "test_acc_vs_bytes_sent.png": ("bytes_sent", "test_accuracy"),
     "test_acc_vs_step.png": ("step", "test_accuracy"),
@@ -306,7 +313,8 @@ def _value_at(steps: np.ndarray, values: np.ndarray, step: int, default=np.nan):
 
 def eval_table(run: Run) -> dict[str, np.ndarray]:
     """One row per evaluation step (union over ranks, ascending). Columns: step,
-    n_ranks, complete (every readable rank evaluated), wall_time (max over ranks),
+    n_ranks, complete (every readable rank evaluated), wall_time and training_time (max over
+    ranks; NaN where the files have no training time),
     bytes_sent (total over readable ranks of the cumulative counter at that step),
     acc_mean, acc_best, acc_leader, leader_rank (-1 for the centre), loss_mean."""
     per_rank: dict[int, dict[int, tuple[float, float, float, float]]] = {}
@@ -317,11 +325,13 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
         acc = col(d, "eval", "test_accuracy")
         loss = col(d, "eval", "test_loss")
         wt = col(d, "eval", "wall_time")
+        tt = col(d, "eval", "training_time")
         n = min(len(steps), len(acc))
         loss = loss if len(loss) >= n else np.full(n, np.nan)
         wt = wt if len(wt) >= n else np.full(n, np.nan)
-        per_rank[r] = {int(s): (float(a), float(l), float(w))
-                       for s, a, l, w in zip(steps[:n], acc[:n], loss[:n], wt[:n])}
+        tt = tt if len(tt) >= n else np.full(n, np.nan)
+        per_rank[r] = {int(s): (float(a), float(l), float(w), float(t))
+                       for s, a, l, w, t in zip(steps[:n], acc[:n], loss[:n], wt[:n], tt[:n])}
         c = col(d, "eval", "center_test_accuracy")
         for s, a in zip(steps[:len(c)], c):
             centre.setdefault(int(s), float(a))
@@ -331,7 +341,8 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
     bytes_cols = {r: (col(d, "train", "step", np.int64), col(d, "train", "comm_bytes_sent"))
                   for r, d in run.ranks.items()}
     rows: dict[str, list] = {k: [] for k in (
-        "step", "n_ranks", "complete", "wall_time", "bytes_sent", "acc_mean", "acc_best",
+        "step", "n_ranks", "complete", "wall_time", "training_time", "bytes_sent", "acc_mean",
+        "acc_best",
         "acc_leader", "leader_rank", "loss_mean")}
     for s in all_steps:
         have = {r: m[s] for r, m in per_rank.items() if s in m}
@@ -351,8 +362,8 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
         rows["step"].append(s)
         rows["n_ranks"].append(len(have))
         rows["complete"].append(len(have) == len(run.ranks))
-        rows["wall_time"].append(np.nanmax([v[2] for v in have.values()])
-                                 if not all(math.isnan(v[2]) for v in have.values()) else np.nan)
+        rows["wall_time"].append(_nanmax(np.array([v[2] for v in have.values()])))
+        rows["training_time"].append(_nanmax(np.array([v[3] for v in have.values()])))
         rows["bytes_sent"].append(total_bytes)
         rows["acc_mean"].append(float(np.mean(accs)))
         rows["acc_best"].append(float(np.max(accs)))
@@ -383,6 +394,8 @@ def summarize_run(run: Run) -> dict:
     walls = [_last(col(d, "train", "wall_time")) for d in run.ranks.values()]
     walls = [w for w in walls if w is not None]
     row["wall_time"] = float(max(walls)) if walls else math.nan
+    train_times = [_last(col(d, "train", "training_time")) for d in run.ranks.values()]
+    row["training_time"] = _nanmax(np.array([t for t in train_times if t is not None]))
     for fig in ("leader", "mean", "best"):
         vals = tab[f"acc_{fig}"][use]
         row[f"final_test_acc_{fig}"] = float(vals[-1]) if len(vals) else math.nan
@@ -437,7 +450,8 @@ def curve_rows(run: Run) -> Iterator[tuple]:
         tstep, twall = tstep[:n], twall[:n]
         for metric, name, dtype in (("train_loss", "loss", float),
                                     ("train_accuracy", "accuracy", float),
-                                    ("comm_bytes_sent", "comm_bytes_sent", np.int64)):
+                                    ("comm_bytes_sent", "comm_bytes_sent", np.int64),
+                                    ("training_time", "training_time", float)):
             vals = col(d, "train", name, dtype)
             for s, wt, v in zip(tstep, twall, vals):
                 yield (run.name, r, s, wt, metric, v)
@@ -525,7 +539,7 @@ def group_runs(runs: list[Run]) -> list[RunGroup]:
 
 def run_curve(run: Run, x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
     """One run's curve. y 'test_accuracy': per-evaluation mean over ranks against x in
-    {'step', 'wall_time', 'bytes_sent'}. y 'train_loss': per-step mean over ranks
+    {'step', 'wall_time', 'training_time', 'bytes_sent'}. y 'train_loss': per-step mean over ranks
     against 'step'."""
     if y == "test_accuracy":
         tab = eval_table(run)
@@ -571,6 +585,7 @@ def _smooth(y: np.ndarray, n_points: int) -> np.ndarray:
 
 
 _XLABEL = {"step": "training step", "wall_time": "wall time (s)",
+           "training_time": "training time (s): wall time less evaluation, probes, checkpoints",
            "bytes_sent": "bytes sent, all ranks together"}
 _YLABEL = {"test_accuracy": "test accuracy (mean over ranks)",
            "train_loss": "training loss (mean over ranks)"}

@@ -322,11 +322,12 @@ class Trainer:
     def wall(self) -> float:
         return self.elapsed0 + time.perf_counter() - self.t_start
 
-    def training_time(self) -> float:
-        """Wall time less what measures the training rather than doing it: test evaluations
-        (with BatchNorm recomputes and the progress line), consensus probes, checkpoints and
-        metric flushes. Control traffic (the stop-flag agreement) stays in."""
-        return (self.wall() - self.eval_seconds - self.checkpoint_seconds
+    def training_time(self, wall: Optional[float] = None) -> float:
+        """Wall time (now, or ``wall``) less what measures the training rather than doing
+        it: test evaluations (with BatchNorm recomputes and the progress line), consensus
+        probes, checkpoints and metric flushes. Control traffic (the stop-flag agreement)
+        stays in."""
+        return ((self.wall() if wall is None else wall) - self.eval_seconds - self.checkpoint_seconds
                 - self.metrics_seconds - self.world.stats.probe_seconds)
 
     def _flush_metrics(self, force: bool = False) -> None:
@@ -459,14 +460,14 @@ class Trainer:
             v.copy_(self.flat.flat)
 
     def _log_train(self, loss: float, acc: float, lr: float) -> None:
-        s = self.world.stats
-        self._log("train", step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
+        s, wall = self.world.stats, self.wall()
+        self._log("train", step=self.step, epoch=self.step / self.spe, wall_time=wall,
                   loss=loss, accuracy=acc, lr=lr, comm_bytes_sent=s.bytes_sent,
                   comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
                   compute_seconds=self.compute_seconds, overhead_seconds=s.overhead_seconds,
                   probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
                   checkpoint_seconds=self.checkpoint_seconds,
-                  metrics_seconds=self.metrics_seconds, training_time=self.training_time(),
+                  metrics_seconds=self.metrics_seconds, training_time=self.training_time(wall),
                   **self.algo.train_columns())
 
     def _print_line(self, test_acc: float, steps_per_s: float) -> None:
@@ -496,8 +497,9 @@ class Trainer:
         return loss_sum / total, correct / total
 
     def evaluate(self) -> float:
-        row = dict(step=self.step, epoch=self.step / self.spe, wall_time=self.wall(),
-                   training_time=self.training_time())
+        wall = self.wall()
+        row = dict(step=self.step, epoch=self.step / self.spe, wall_time=wall,
+                   training_time=self.training_time(wall))
         row["test_loss"], row["test_accuracy"] = self._eval_current()
         extra = self.algo.eval_models()
         if extra:

@@ -83,12 +83,14 @@ def write_run(root, name, algorithm, seed, acc, elections=(), local_elections=()
             t["comm_bytes_recv"] = (50 * TRAIN_STEPS).astype(np.int64)
             t["comm_seconds"] = 0.01 * TRAIN_STEPS
             t["compute_seconds"] = 0.4 * TRAIN_STEPS
+            t["training_time"] = 0.45 * TRAIN_STEPS + 0.01 * r
             if extra_train:
                 t["local_steps"] = np.full(n, 4, dtype=np.int64)
             e = f.create_group("eval")
             e["step"] = np.asarray(EVAL_STEPS, dtype=np.int64)
             e["epoch"] = np.asarray(EVAL_STEPS) / 10.0
             e["wall_time"] = 0.5 * np.asarray(EVAL_STEPS) + 0.2 + 0.01 * r
+            e["training_time"] = 0.45 * np.asarray(EVAL_STEPS) + 0.01 * r
             e["test_loss"] = 1.0 - np.asarray(acc[r])
             e["test_accuracy"] = np.asarray(acc[r], dtype=np.float64)
             if centre is not None:
@@ -214,12 +216,12 @@ def test_curves_csv(aggregated):
     rows = read_csv(out / "curves.csv")
     with open(out / "curves.csv") as fh:
         assert fh.readline().strip().split(",") == list(agg.CURVE_COLUMNS)
-    per_rank = 3 * 20 + 2 * 3 + 2                    # train x3, eval x2, consensus
-    expected = 2 * 4 * per_rank + 2 * (per_rank + 2 * 3) + 3 * (3 * 20 + 2 * 3)
+    per_rank = 4 * 20 + 2 * 3 + 2                    # train x4, eval x2, consensus
+    expected = 2 * 4 * per_rank + 2 * (per_rank + 2 * 3) + 3 * (4 * 20 + 2 * 3)
     assert len(rows) == expected == res["curve_rows"]
     metrics = {r["metric"] for r in rows if r["run"] == "lsgd_s1"}
     assert metrics == {"train_loss", "train_accuracy", "test_loss", "test_accuracy",
-                       "comm_bytes_sent", "consensus_distance"}
+                       "comm_bytes_sent", "consensus_distance", "training_time"}
     pick = [r for r in rows if r["run"] == "lsgd_s1" and r["rank"] == "2"]
     ta = [r for r in pick if r["metric"] == "test_accuracy"]
     assert [(int(r["step"]), float(r["value"])) for r in ta] == list(zip(EVAL_STEPS,
@@ -271,7 +273,8 @@ def test_pngs_are_real_plots(aggregated):
     import matplotlib.image as mpimg
     out, res = aggregated
     names = sorted(p.name for p in out.glob("*.png"))
-    assert names == sorted(agg.PLOTS) and len(res["plots"]) == 4
+    assert names == sorted(agg.PLOTS) and len(res["plots"]) == 5
+    assert "test_acc_vs_training_time.png" in names
     for name in names:
         path = out / name
         assert path.stat().st_size > 15_000
@@ -319,7 +322,7 @@ def test_cli_aggregate(runs_root, tmp_path):
     p = _cli("lsgd_hpc.aggregate", *(str(runs_root / n) for n in RUN_NAMES), "--out", str(out))
     assert p.returncode == 0, p.stderr
     assert (out / "summary.csv").is_file() and len(read_csv(out / "summary.csv")) == 4
-    assert len(list(out.glob("*.png"))) == 4
+    assert len(list(out.glob("*.png"))) == 5
 
     for bad in ([str(tmp_path / "missing"), "--out", str(out)],
                 [str(tmp_path), "--out", str(out)],          # no metrics files

@@ -256,7 +256,7 @@ def test_gossip_on_the_directed_exponential_graph_mixes_from_in_neighbours(world
         pytest.skip(f"no hand-computed step for n={n} (have {sorted(EXPONENTIAL_ONE_STEP)})")
     topo = build_topology("exponential", n)
     flat = tiny(float(world.rank))
-    algo = GossipSGD(groups, flat, topo, consensus_every=0)
+    algo = GossipSGD(groups, flat, topo)
     before = world.stats.snapshot()
     algo.combine(1)
     want = EXPONENTIAL_ONE_STEP[n][world.rank]

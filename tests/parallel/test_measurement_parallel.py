@@ -95,6 +95,40 @@ def test_consensus_distance_same_for_every_method(world, groups):
     assert len({r["distance"] for r in logged}) == 1        # bit-identical across methods
 
 
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_iallreduce_completes_later_with_the_allreduce_result(world, op):
+    """Posted, then a blocking collective in between (as the trainer's steps do), then
+    completed: the same result as allreduce_, bytes counted once, at the post."""
+    t = torch.full((3,), float(world.rank + 1), dtype=torch.float64)
+    before = world.stats.snapshot()
+    req = world.iallreduce_(t, op)
+    other = torch.ones(2, dtype=torch.float64)
+    world.allreduce_(other, "sum")
+    assert torch.equal(other, torch.full((2,), float(world.size), dtype=torch.float64))
+    out = req.wait()
+    total = world.size * (world.size + 1) / 2
+    assert out is t and req.test()
+    assert torch.equal(t, torch.full((3,), total / (world.size if op == "mean" else 1),
+                                     dtype=torch.float64))
+    if world.size > 1:
+        assert world.stats.bytes_sent - before.bytes_sent == 24 + 16   # 3 + 2 doubles
+
+
+def test_stop_agreement_same_step_on_every_rank(world):
+    from lsgd_hpc.stopping import StopAgreement
+    agree = StopAgreement(world, every=3)
+    decided = []
+    for step in range(1, 16):
+        raised = world.rank == world.size - 1 and step >= 4     # one rank, after step 4
+        if agree.check(step, raised):
+            decided.append(step)
+            break
+    # posted at step 6 (first agreement after the signal), read at step 9, on every rank
+    assert decided == [9]
+    assert world.allgather_object(decided) == [[9]] * world.size
+    agree.drain()
+
+
 def _scores(size):
     return [float((r * 7) % 5) for r in range(size)]     # a scrambled order, ties broken low
 
