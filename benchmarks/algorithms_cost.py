@@ -31,10 +31,10 @@ METHODS = [
     ("gossip exponential", ["--algorithm", "gossip", "--topology", "exponential"]),
 ]
 #: Common options. --epochs is raised so that --max-steps (not the 2-epoch default) ends the
-#: run; evaluation and gossip's consensus probe only at the last step, so that they do not
-#: weigh on steps/s (LSGD's probe after every global pull is part of the method, see notes).
+#: run; evaluation only at the last step and consensus probes off (--consensus-every 0, as
+#: every timing experiment), so that measurement does not weigh on steps/s.
 COMMON = ["--dataset", "synthetic", "--max-steps", str(STEPS), "--epochs", "100",
-          "--eval-every", str(STEPS), "--consensus-every", str(STEPS),
+          "--eval-every", str(STEPS), "--consensus-every", "0",
           "--ranks-per-node", str(RANKS_PER_NODE)]
 SKIP_STEPS = 8           # start-up steps left out of steps/s
 #: steps/s is timed over blocks of PERIOD steps: a multiple of every method's period
@@ -166,8 +166,8 @@ def run(quick: bool = False, timeout: float = 150, log=print) -> dict:
             "Bytes are lsgd_hpc's logical payload (CommStats): allreduce n sent; broadcast n "
             "sent by the root only; neighbour exchange n per out-neighbour.",
             "comm share = comm_seconds / (comm_seconds + compute_seconds) from the rank files; "
-            "measurement traffic (consensus probes) is uncounted and its time lands in "
-            "compute_seconds (LSGD probes after every global pull).",
+            "consensus probes are off (--consensus-every 0); the stop-flag agreement is "
+            "control traffic (overhead_seconds), in neither.",
             f"steps/s = {PERIOD} / median seconds of a block of {PERIOD} steps (a multiple of "
             f"every method's period) over steps {SKIP_STEPS}..{STEPS} (wall_time of /train), "
             "median over ranks; the methods run one after another on a shared machine, so "
