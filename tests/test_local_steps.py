@@ -182,9 +182,12 @@ def test_evidence_adds_across_ranks():
 
 
 def _columns(run_dir, rank):
+    """/train columns, the averaging rounds' steps (the steps that sent bytes: local SGD
+    communicates only when it averages) and the law codes."""
     with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as f:
-        return ({k: f["train"][k][()] for k in ("step", "local_steps", "local_law")},
-                f["consensus"]["step"][()], f.attrs["local_law_codes"])
+        cols = {k: f["train"][k][()] for k in ("step", "local_steps", "local_law")}
+        sent = np.diff(np.concatenate([[0], f["train"]["comm_bytes_sent"][()]]))
+        return cols, cols["step"][sent > 0], f.attrs["local_law_codes"]
 
 
 @pytest.mark.mpi

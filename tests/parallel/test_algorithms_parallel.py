@@ -184,16 +184,16 @@ def test_auto_local_steps_ranks_with_different_evidence_end_on_the_same_T(world,
     rows = Rows()
     algo = LocalSGD(groups, tiny(0.0), "auto", t_max=64, t_initial=4, reestimate_steps=40,
                     cost_ratio=None if measured else c, log=rows)
-    Ts, laws = [], []
+    Ts, laws, rounds = [], [], []
     for step in range(1, 121):
-        averagings = len(rows.rows.get("consensus", []))
-        algo.after_step(step, 2.0 * step ** -beta * 0.9 ** averagings)   # drop at averagings
+        algo.after_step(step, 2.0 * step ** -beta * 0.9 ** len(rounds))   # drop at averagings
+        if algo.since_avg == 0:           # this step averaged
+            rounds.append(step)
         Ts.append(algo.T)
         laws.append(algo.law)
     everyone = world.allgather_object((Ts, laws))
     assert all(e == everyone[0] for e in everyone)
     # averaging rounds follow the T in force: the T set at a round is the gap to the next
-    rounds = [r["step"] for r in rows.rows["consensus"]]
     assert all(b - a == Ts[a - 1] for a, b in zip(rounds, rounds[1:]))
     if not measured:
         mean_beta = 0.4 + 0.05 * (n - 1)
