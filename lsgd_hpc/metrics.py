@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 import h5py
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "GROUPS", "MetricsWriter", "rank_file", "encode_config"]
+__all__ = ["SCHEMA_VERSION", "GROUPS", "TIME_COLUMNS", "MetricsWriter", "rank_file", "encode_config"]
 
 SCHEMA_VERSION = 1
 
@@ -31,6 +31,13 @@ GROUPS: Dict[str, Dict[str, str]] = {
     "leader": {"step": "i8", "scope": "i8", "leader_rank": "i8", "score": "f8"},
     "consensus": {"step": "i8", "distance": "f8"},
 }
+
+
+#: Columns that hold measured times: they differ between two runs of the same seed (a
+#: resumed run is compared with an uninterrupted one on everything else).
+TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
+                "overhead_seconds", "probe_seconds", "eval_seconds", "checkpoint_seconds",
+                "metrics_seconds")
 
 
 def rank_file(run_dir: str, rank: int) -> str:

@@ -12,8 +12,10 @@ def writer(path, n_train=5):
     for s in range(1, n_train + 1):
         w.log("train", step=s, epoch=s / 10, wall_time=float(s), loss=1.0 / s, accuracy=0.5,
               lr=0.1, comm_bytes_sent=10 * s, comm_bytes_recv=10 * s, comm_seconds=0.0,
-              compute_seconds=0.0, overhead_seconds=0.0)
-    w.log("eval", step=5, epoch=0.5, wall_time=5.0, test_loss=0.3, test_accuracy=0.9)
+              compute_seconds=0.0, overhead_seconds=0.0, probe_seconds=0.0, eval_seconds=0.0,
+              checkpoint_seconds=0.0, metrics_seconds=0.0, training_time=float(s))
+    w.log("eval", step=5, epoch=0.5, wall_time=5.0, training_time=5.0, test_loss=0.3,
+          test_accuracy=0.9)
     w.flush()
     return w
 

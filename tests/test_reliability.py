@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
+from lsgd_hpc.metrics import TIME_COLUMNS
 from mpi_util import REPO, mpi_env, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
@@ -45,9 +46,7 @@ def test_sigterm_checkpoint_resume_equals_uninterrupted(tmp_path, alg):
         a, b = rows(ref, rank), rows(cut, rank)
         for g in a:
             for c in a[g]:
-                if c in ("wall_time", "comm_seconds", "compute_seconds", "overhead_seconds",
-                         "probe_seconds", "eval_seconds", "checkpoint_seconds",
-                         "metrics_seconds", "training_time"):
+                if c in TIME_COLUMNS:
                     assert len(a[g][c]) == len(b[g][c])
                     continue
                 assert np.array_equal(a[g][c], b[g][c]), (rank, g, c)
