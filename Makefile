@@ -11,6 +11,9 @@ export OMP_NUM_THREADS ?= 1
 MPIRUN  = $(shell [ -x $(VENV)/bin/mpirun ] && echo $(VENV)/bin/mpirun || echo mpirun)
 MPIFLAGS ?= --oversubscribe
 DEMO_DIR ?= runs/demo
+# Two pytest workers: the emulated-cluster tests (one worker, mostly waiting on SLURM) beside
+# the CPU-bound rest. PYTEST_PAR= runs the suite in one process.
+PYTEST_PAR ?= -n 2 --dist loadgroup
 
 .PHONY: venv demo test test-fast bench horovod clean
 
@@ -26,7 +29,7 @@ demo: $(READY)
 	$(PY) -m lsgd_hpc.summary $(DEMO_DIR)
 
 test: $(READY)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra tests
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra $(PYTEST_PAR) tests
 
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks

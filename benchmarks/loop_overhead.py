@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import median, parse_args, row, spread, write_result
+from _common import parse_args, row, spread, write_result
 
 MODEL, DATASET, BATCH, LR, SEED = "digits_cnn", "digits", 32, 0.05, 0
 #: (first timed step, last step, rounds) per mode; the timed steps hold the metric flush

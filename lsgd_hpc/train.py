@@ -189,8 +189,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # job goes back to the queue and starts again (from the last checkpoint set, if any).
         requeued = False
         if rank == 0:
-            print(f"[lsgd_hpc] stop requested during start-up, before any step; nothing to "
-                  f"checkpoint", flush=True)
+            print("[lsgd_hpc] stop requested during start-up, before any step; nothing to "
+                  "checkpoint", flush=True)
             if signal.SIGUSR1 in stopped:
                 requeued = _requeue(env)
         requeued = comm.bcast(requeued, root=0)

@@ -20,6 +20,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "horovod" in item.nodeid.lower() and item.get_closest_marker("horovod") is None:
             item.add_marker(pytest.mark.horovod)
+        # Under pytest-xdist (make test: -n 2 --dist loadgroup) the emulated-cluster tests run
+        # one after another on one worker: they share the cluster's nodes, and they mostly wait
+        # on SLURM's timers, so the other worker runs the CPU-bound tests meanwhile.
+        if item.get_closest_marker("cluster") or item.get_closest_marker("netns"):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 @pytest.hookimpl(hookwrapper=True)

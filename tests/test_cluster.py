@@ -22,9 +22,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-import yaml
 
-from cluster_util import catches, kill_quietly, parse_time
+from cluster_util import catches, parse_time
 from mpi_util import REPO, mpirun_path, run_group
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mpi]

@@ -80,11 +80,16 @@ def _import_horovod():
 
 
 def horovod_available() -> bool:
-    """True when ``horovod.torch`` imports (does not initialise Horovod)."""
+    """True when ``horovod.torch`` imports (does not initialise Horovod). mpi4py is imported
+    first, as the backend does, so an import-order problem is not mistaken for a missing
+    Horovod; only a missing ``horovod`` package gives False."""
+    from mpi4py import MPI  # noqa: F401
     try:
         import horovod.torch  # noqa: F401
-    except ImportError:
-        return False
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "horovod":
+            return False
+        raise
     return True
 
 

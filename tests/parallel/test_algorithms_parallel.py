@@ -1,32 +1,18 @@
 """Update rules of every method against their formulas, with rank-valued parameters.
 
 Runs at any world size: directly under pytest (size 1) and under mpirun -np 2/4 through
-tests/test_algorithms_mpi.py (with LSGD_TEST_RPN grouping ranks into nodes).
+tests/test_parallel_mpi.py (with LSGD_TEST_RPN grouping ranks into nodes).
 """
 
 import math
-import os
 
 import pytest
 import torch
 from torch import nn
 
 from lsgd_hpc.algorithms import EASGD, AllreduceSGD, GossipSGD, LeaderSGD, LocalSGD
-from lsgd_hpc.comm import FlatParams, NodeGroups, make_world
+from lsgd_hpc.comm import FlatParams
 from lsgd_hpc.topology import build_topology
-
-RPN = int(os.environ.get("LSGD_TEST_RPN", "0")) or None
-
-
-@pytest.fixture(scope="module")
-def world():
-    return make_world(os.environ.get("LSGD_TEST_BACKEND", "mpi"))
-
-
-@pytest.fixture(scope="module")
-def groups(world):
-    return NodeGroups.build(world, RPN)
-
 
 class Rows:
     """A metrics sink that keeps rows in lists (the trainer's is the HDF5 writer)."""

@@ -4,7 +4,6 @@ Runs at any world size: directly under pytest (size 1) and under mpirun -np 2/4 
 tests/test_measurement.py (LSGD_TEST_RPN groups ranks into nodes).
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,22 +11,9 @@ import torch
 from torch import nn
 
 from lsgd_hpc.algorithms import EASGD, AllreduceSGD, GossipSGD, LeaderSGD, LocalSGD
-from lsgd_hpc.comm import FlatParams, NodeGroups, make_world
+from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
 from lsgd_hpc.train import make_optimizer
-
-RPN = int(os.environ.get("LSGD_TEST_RPN", "0")) or None
-
-
-@pytest.fixture(scope="module")
-def world():
-    return make_world(os.environ.get("LSGD_TEST_BACKEND", "mpi"))
-
-
-@pytest.fixture(scope="module")
-def groups(world):
-    return NodeGroups.build(world, RPN)
-
 
 @pytest.fixture(scope="module")
 def flat_groups(world):
