@@ -44,6 +44,8 @@ NOT_INSTALLED = ("--backend horovod: Horovod is not installed in this environmen
                  "`make horovod` (builds Horovod 0.28.1 against this torch, about 5 minutes)")
 
 _hvd = None
+#: non-blocking allreduce names cycle through this many slots (see _start_iallreduce)
+NAME_CYCLE = 256
 #: world ranks (sorted) -> the Horovod process set of those ranks, added once per process
 _PROCESS_SETS: Dict[Tuple[int, ...], object] = {}
 
@@ -123,7 +125,7 @@ class HorovodCommunicator(Communicator):
         self._is_world = _process_set is self._hvd.global_process_set
         # Process-set ids agree on every rank: every rank adds the same sets in the same order.
         self._tag = "-" if _process_set is None else str(_process_set.process_set_id)
-        self._slots: set = set()              # name slots of non-blocking operations in flight
+        self._started = 0                     # non-blocking operations started (names)
 
     @property
     def rank(self) -> int:
@@ -178,23 +180,17 @@ class HorovodCommunicator(Communicator):
             self._mpi._agree("iallreduce_", tensor)
         if tensor.numel() == 0:
             return (lambda: None), (lambda: True)
-        # Names must be unique among operations in flight and the same on every member:
-        # the lowest slot not held by an operation started and not yet waited for (members
-        # start and wait in the same order, so they pick the same slot). Names then repeat
-        # step after step, and Horovod's response cache keeps working.
-        slot = min(set(range(len(self._slots) + 1)) - self._slots)
-        self._slots.add(slot)
+        # Names must be unique among operations in flight and the same on every member.
+        # Members start these in the same order, but they see them complete at different
+        # times (test() polls), so a name may depend only on the start count: the count
+        # modulo NAME_CYCLE. Names then repeat (Horovod's response cache keeps working), and
+        # two in flight at once could share one only with NAME_CYCLE operations in between.
+        slot = self._started % NAME_CYCLE
+        self._started += 1
         handle = self._hvd.allreduce_async_(tensor.detach(), op=self._hvd.Sum,
                                             name=f"{self._name('isum', tensor)}.{slot}",
                                             process_set=self._ps)
-
-        def wait() -> None:
-            try:
-                self._hvd.synchronize(handle)
-            finally:
-                self._slots.discard(slot)
-
-        return wait, (lambda: self._hvd.poll(handle))
+        return (lambda: self._hvd.synchronize(handle)), (lambda: self._hvd.poll(handle))
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)
