@@ -369,17 +369,23 @@ def allreduce_sgd(w: Workload, c: Cluster, coll: Collectives = Collectives(),
     return MethodCost("allreduce", setting, w.compute_s, t, sent)
 
 
-def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int) -> MethodCost:
+def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
+         bn: str = "keep") -> MethodCost:
     """Every tau_L steps (multi-leader: 1 < N < p): elect the node's leader and broadcast
     inside the node; every tau_G steps: elect the global leader and broadcast it
     hierarchically (hierarchical_broadcast_time). One node or one rank per node: single
     leader, one flat broadcast every tau_G. Each pull: copy + difference + update, 3 passes.
+    ``bn`` is the trainer's --lsgd-bn: with ``keep`` (its default) the leader sends its
+    parameters only, with ``copy`` or ``pull`` the BatchNorm buffers too.
 
         t_comm = (E_node + B_intra(q) + pull) / tau_L + (E_world + B_hier + pull) / tau_G
     """
     if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
         raise ValueError("tau_global must be a positive multiple of tau_local")
-    N, q, p, n = c.nodes, c.ranks_per_node, c.ranks, w.flat_bytes
+    if bn not in ("keep", "copy", "pull"):
+        raise ValueError(f"bn must be keep, copy or pull, got {bn!r}")
+    N, q, p = c.nodes, c.ranks_per_node, c.ranks
+    n = w.grad_bytes if bn == "keep" else w.flat_bytes
     if p == 1:
         return MethodCost("lsgd", f"tau {tau_global}", w.compute_s, 0.0, 0.0)
     pull = _passes(n, c, 3)

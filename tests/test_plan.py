@@ -229,6 +229,9 @@ def test_model_bytes_equal_the_counted_bytes_of_a_real_run(tmp_path):
     predicted_bytes["lsgd"] += cm.ELECTION_BYTES * (1 / 2 + 1 / 4)
     for name, b in measured.items():
         assert b == pytest.approx(predicted_bytes[name], rel=1e-6), name
+    # the default --lsgd-bn keep sends parameters only; copy/pull send the BN buffers too
+    assert (cm.lsgd(w, c, 2, 4, bn="copy").bytes_per_step - predicted["lsgd"].bytes_per_step
+            == pytest.approx(facts.n_buffers * 4 * (1 / 2 / 2 + 3 / 4 / 4)))
 
 
 # -- command line ----------------------------------------------------------------------------------
