@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # the CPU-bound rest. PYTEST_PAR= runs the suite in one process.
 PYTEST_PAR ?= -n 2 --dist loadgroup
 
-.PHONY: venv demo test test-fast bench horovod clean
+.PHONY: venv demo test test-fast bench results horovod clean
 
 venv: $(READY)
 
@@ -33,6 +33,11 @@ test: $(READY)
 
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks
+
+# Every experiment under results/ (about 40 min on 2 cores; the network one needs root for
+# the emulated cluster). RESULTS_ARGS=--quick checks that they run.
+results: $(READY)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) results/run_all.py --out results $(RESULTS_ARGS)
 
 horovod: $(READY)
 	bash scripts/install_horovod.sh $(VENV)

@@ -1,0 +1,158 @@
+"""Regenerate every experiment under results/ and results/README.md: ``make results``.
+
+    python results/run_all.py [--out results] [--quick] [--only NAME ...]
+
+Each experiment is ``results/experiments/<name>.py`` (runnable alone, with options for a bigger
+budget on a cluster); this driver calls its ``run(out, quick, log)`` in the order of
+EXPERIMENTS, each into ``OUT/<name>/``, keeps going when one fails (and then exits 1), and writes
+``OUT/summary.json`` (machine, durations, findings) and ``OUT/README.md``: per experiment its
+command, duration, tables, figures, the findings it computed from its numbers, and the reading in
+``results/readings/<name>.md`` (written by people, for the committed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE / "experiments"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+#: (name, what a quiet 2-core machine needs in full mode, in minutes), in the order they run.
+EXPERIMENTS = [
+    ("methods", 12),
+    ("topologies", 7),
+    ("local_steps", 6),
+    ("network", 9),
+    ("stragglers", 4),
+]
+
+INTRO = """\
+# results/
+
+What the package's methods do on real runs: every file here except `readings/` and the
+`experiments/` scripts was written by
+
+    make results            # = python results/run_all.py --out results   (about {minutes} min)
+
+on the machine below. Each experiment can be rerun alone, with a bigger budget on a cluster:
+`python results/experiments/<name>.py --out results/<name> --help` lists its options. Raw runs
+(one HDF5 file per rank) go to `runs/results/<name>/` and are not kept in git; the CSV tables
+and PNG figures are. `make bench` writes `results/benchmarks/` (speed ratios; per machine, not
+kept in git; see benchmarks/README.md).
+
+Training time everywhere is the trainer's `training_time`: wall time less evaluation,
+consensus probes, checkpoints and metric flushes (docs/metrics.md). Ranks of one "node" are
+emulated with `--ranks-per-node` except in the network experiment, which runs on emulated nodes
+(network namespaces with rate-limited links, scripts/cluster.sh).
+"""
+
+
+def machine() -> dict:
+    from run_all import machine_info          # benchmarks/run_all.py
+    info = machine_info(8)
+    info.pop("max_ranks", None)
+    return info
+
+
+def _section(name: str, res: dict, out: Path) -> list:
+    lines = [f"## {res.get('title', name)}", ""]
+    lines += [f"`python results/experiments/{name}.py --out results/{name}"
+              f"{' --quick' if res.get('quick') else ''}` - {res.get('seconds', 0) / 60:.1f} min"
+              f" in this run; status: {res.get('status', 'ok')}.", ""]
+    reading = HERE / "readings" / f"{name}.md"
+    if reading.exists():
+        lines += ["### Reading", "", reading.read_text().strip(), ""]
+    if res.get("findings"):
+        lines += ["### Findings (computed from this run's numbers)", ""]
+        lines += [f"- {f}" for f in res["findings"]] + [""]
+    if res.get("tables"):
+        lines += ["Tables: " + ", ".join(f"[`{t}`]({name}/{t})" for t in res["tables"]), ""]
+    for fig in res.get("figures", []):
+        lines += [f"![{name}: {fig}]({name}/{fig})", ""]
+    return lines
+
+
+def readme(doc: dict) -> str:
+    m = doc["machine"]
+    lines = [INTRO.format(minutes=round(doc["runtime_s"] / 60)),
+             f"This run: `{doc['command']}`, started {doc['started']}, "
+             f"{doc['runtime_s'] / 60:.1f} min{' (quick mode: small budgets, not for reading)' if doc['quick'] else ''}; "
+             f"git {m.get('git_sha', '')[:10]}.", "",
+             f"Machine: {m['hostname']}, {m['nproc']} CPUs ({m['usable_cpus']} usable), "
+             f"{m['platform']}; {m['mpi_library']}; torch {m['torch']}, mpi4py {m['mpi4py']}; "
+             f"OMP_NUM_THREADS=1 per rank, `--oversubscribe` (up to 16 ranks on these cores); "
+             f"load average at start {m['loadavg_start'][0]:.1f}, at end "
+             f"{m.get('loadavg_end', [float('nan')])[0]:.1f}.", ""]
+    lines += ["| experiment | minutes | status |", "|---|---|---|"]
+    for name, res in doc["experiments"].items():
+        lines.append(f"| [{res.get('title', name)}](#{name}) | {res.get('seconds', 0) / 60:.1f} | "
+                     f"{res.get('status', 'ok')} |")
+    lines.append("")
+    for name, res in doc["experiments"].items():
+        lines += [f'<a id="{name}"></a>', ""] + _section(name, res, Path(doc["out"]))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(HERE), help="output folder (default: results/)")
+    p.add_argument("--quick", action="store_true",
+                   help="every experiment in its quick form (minutes; checks that it runs)")
+    names = [n for n, _ in EXPERIMENTS]
+    p.add_argument("--only", nargs="*", metavar="NAME", choices=names,
+                   help=f"run only these ({', '.join(names)}); README keeps the others' last "
+                        "results from OUT/summary.json")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    todo = [n for n in names if not args.only or n in args.only]
+    previous = {}
+    if args.only and (out / "summary.json").exists():
+        previous = json.loads((out / "summary.json").read_text()).get("experiments", {})
+    started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
+    t_start = time.perf_counter()
+    info = machine()
+    results, failed = {}, []
+    for name in names:
+        if name not in todo:
+            if name in previous:
+                results[name] = previous[name]
+            continue
+        print(f"- {name} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            mod = importlib.import_module(name)
+            res = mod.run(out / name, quick=args.quick, log=lambda m: print(f"  {m}", flush=True))
+            res.setdefault("status", "ok")
+        except Exception as exc:              # one broken experiment must not lose the others
+            traceback.print_exc()
+            res = {"name": name, "status": f"failed: {type(exc).__name__}: {exc}"[:300]}
+            failed.append(name)
+        res["seconds"] = time.perf_counter() - t0
+        res["quick"] = args.quick
+        results[name] = res
+        print(f"  {name}: {res['status']} in {res['seconds'] / 60:.1f} min", flush=True)
+    info["loadavg_end"] = list(os.getloadavg())
+    doc = {"command": " ".join(["python", "results/run_all.py", *(argv or sys.argv[1:])]),
+           "started": started, "quick": args.quick, "runtime_s": time.perf_counter() - t_start,
+           "machine": info, "out": str(out), "experiments": results}
+    (out / "summary.json").write_text(json.dumps(doc, indent=1, default=float))
+    (out / "README.md").write_text(readme(doc))
+    print(f"{len(todo)} experiments in {doc['runtime_s'] / 60:.1f} min; wrote {out}/README.md"
+          + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
