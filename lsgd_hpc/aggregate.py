@@ -64,6 +64,12 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+# Part of this module's interface: the experiments rank predictors against measurements.
+from lsgd_hpc.stats import rank_correlation
+
+__all__ = ["AggregateError", "Run", "RunGroup", "read_rank_file", "read_run", "read_runs",
+           "eval_table", "summarize_run", "group_runs", "rank_correlation", "aggregate", "main"]
+
 PROG = "lsgd_hpc.aggregate"
 
 GROUPS = ("train", "eval", "leader", "consensus")
