@@ -59,6 +59,8 @@ class Algorithm:
         self.world = groups.world
         self.flat = flat
         self.log = log or (lambda group, **row: None)
+        # the flat buffers' shapes are agreed on once here, not before every collective
+        self.world.agree_buffers(flat.flat, flat.params, flat.grad, flat.flat[flat.n_params:])
 
     def before_step(self, step: int) -> None:
         """Gradients of this step are in flat.grad; the optimizer has not stepped yet."""

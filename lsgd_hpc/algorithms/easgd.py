@@ -30,6 +30,7 @@ class EASGD(Algorithm):
         self.alpha, self.tau = alpha, tau
         self.center = flat.flat.detach().clone()
         self.d = torch.empty_like(self.center)
+        self.world.agree_buffers(self.d)
 
     def after_step(self, step: int, loss: float) -> None:
         if step % self.tau:

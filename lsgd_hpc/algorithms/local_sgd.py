@@ -60,6 +60,7 @@ class LocalSGD(Algorithm):
         self.last_decision: Decision = Decision(self.law)
         self._t_last = None
         self.scratch = torch.empty_like(flat.flat)
+        self.world.agree_buffers(self.scratch)
 
     def after_step(self, step: int, loss: float) -> None:
         now = time.perf_counter()

@@ -73,6 +73,7 @@ class LeaderSGD(Algorithm):
         self.pulled = flat.flat if bn == "pull" else flat.params
         # the last received copy of each level's leader (x~_l, x~_L)
         self.copies = {LOCAL: torch.empty_like(self.sent), GLOBAL: torch.empty_like(self.sent)}
+        self.world.agree_buffers(*self.copies.values())
         self.have_copy = {LOCAL: False, GLOBAL: False}
         self.n_params = n
         self.multi_level = 1 < groups.n_nodes < groups.world.size

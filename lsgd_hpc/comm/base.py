@@ -179,6 +179,10 @@ class Communicator(abc.ABC):
         return self.world_ranks[self.rank]
 
     # -- collectives ---------------------------------------------------------------------
+    def agree_buffers(self, *tensors: torch.Tensor) -> None:
+        """Collective, at set-up: agree once on these fixed buffers' shapes, so that later
+        collectives on them skip the per-call agreement check (backends that have one)."""
+
     @abc.abstractmethod
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In place: tensor <- sum (op='sum') or mean (op='mean') over the group."""

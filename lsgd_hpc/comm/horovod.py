@@ -223,6 +223,9 @@ class HorovodCommunicator(Communicator):
     def ielect(self, score: float) -> Request:
         return self._mpi.ielect(score)
 
+    def agree_buffers(self, *tensors: torch.Tensor) -> None:
+        self._mpi.agree_buffers(*tensors)
+
     def dup(self) -> MPICommunicator:
         """The mpi4py side's duplicate: what a method keeps in flight across steps stays out of
         Horovod's negotiation with the trainer's blocking collectives."""

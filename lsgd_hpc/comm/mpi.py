@@ -61,6 +61,11 @@ def _buffer(t: torch.Tensor, count: Optional[int] = None):
     return [arr, count, mpitype]
 
 
+def _buffer_key(t: torch.Tensor) -> tuple:
+    """What identifies a buffer whose shape was agreed on: its memory, length and type."""
+    return (t.device.type, t.data_ptr(), t.numel(), t.dtype)
+
+
 class MPICommunicator(Communicator):
     """An mpi4py communicator behind the lsgd_hpc interface.
 
@@ -84,6 +89,9 @@ class MPICommunicator(Communicator):
         self.key = key
         self._n_derived = 0       # children made so far: the same count on every member
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
+        # fixed buffers agreed on once at set-up (agree_buffers), key -> the tensor: shared
+        # with every communicator derived from this one, whose members are a subset of ours
+        self._agreed: Dict[tuple, torch.Tensor] = {}
         # made once: an election is on the path of every LSGD period
         self._elect_bufs = (np.zeros(1, dtype=_DOUBLE_INT), np.zeros(1, dtype=_DOUBLE_INT))
 
@@ -103,7 +111,7 @@ class MPICommunicator(Communicator):
 
         Over a graph only the neighbours compare, so gossip stays neighbour-only.
         """
-        if not self.validate:
+        if not self.validate or (graph is None and _buffer_key(tensor) in self._agreed):
             return
         sig = np.array([tensor.numel(), _DTYPE_CODE[tensor.dtype], root], dtype=np.int64)
         if graph is None:
@@ -127,6 +135,25 @@ class MPICommunicator(Communicator):
         if not ok:
             raise CommError(f"{what}: ranks disagree on the buffer (numel {lo[0]}..{hi[0]}, "
                             f"dtype code {lo[1]}..{hi[1]}, root {lo[2]}..{hi[2]})")
+
+    def agree_buffers(self, *tensors: torch.Tensor) -> None:
+        """Collective: check once that every member passes the same numel and dtype for each
+        of these fixed buffers (one small allreduce each); blocking collectives on exactly
+        these buffers (same memory, numel and dtype), on this communicator or any split or
+        duplicate of it, then skip the per-call agreement check. A model's flat buffers never
+        change shape, so checking them at set-up instead of at every step loses no safety
+        against a mismatched configuration and saves a latency-bound allreduce per
+        collective. Roots (of broadcasts on these buffers) come from elections, which every
+        member computes from the same reduction.
+        """
+        for t in tensors:
+            check_tensor(t)
+            if self._size > 1:
+                self._agree("agree_buffers", t)
+            # The entry holds the tensor, so its memory cannot be freed and handed to another
+            # buffer of the same length on some ranks only: entries are added collectively and
+            # never go stale, and every member decides alike whether to check.
+            self._agreed[_buffer_key(t)] = t
 
     # -- collectives ---------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
@@ -260,6 +287,7 @@ class MPICommunicator(Communicator):
         with MONITOR.blocking(key, (), "world ranks"):
             ranks = sub.allgather(self.world_rank)
         child = MPICommunicator(sub, self.stats, ranks, key=key)
+        child._agreed = self._agreed
         self._children.append(child)
         return child
 

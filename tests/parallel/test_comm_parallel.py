@@ -205,6 +205,54 @@ def test_mismatched_sizes_raise_on_every_rank(world):
     assert ok.tolist() == [world.size] * 2
 
 
+class _CountingComm:
+    """Forwards to an mpi4py communicator and counts its blocking Allreduce calls."""
+
+    def __init__(self, real):
+        self.real, self.allreduces = real, 0
+
+    def __getattr__(self, name):
+        if name == "Allreduce":
+            self.allreduces += 1
+        return getattr(self.real, name)
+
+
+def test_agreed_buffers_skip_the_per_call_check(world):
+    if world.size == 1:
+        pytest.skip("a one-rank communicator neither checks nor communicates")
+    mpi = getattr(world, "_mpi", world)          # Horovod checks on its mpi4py side
+    agreed, other = torch.ones(6), torch.ones(6)
+    world.agree_buffers(agreed)
+    spy = _CountingComm(mpi.comm)
+    mpi.comm = spy
+    try:
+        world.allreduce_(agreed)
+        with_agreement = spy.allreduces
+        world.allreduce_(other)
+        without = spy.allreduces - with_agreement
+        spy.allreduces = 0
+        world.broadcast_(agreed, world.size - 1)
+        bcast_checks = spy.allreduces
+        world.broadcast_(agreed[:3], 0)            # a view of another length: not agreed
+        view_checks = spy.allreduces - bcast_checks
+    finally:
+        mpi.comm = spy.real
+    assert without == with_agreement + 1           # exactly the one agreement allreduce
+    assert bcast_checks == 0 and view_checks == 1
+    assert agreed.tolist() == [world.size] * 6     # the collectives still did their work
+    assert other.tolist() == [world.size] * 6
+
+
+def test_agree_buffers_mismatch_raises_on_every_rank(world):
+    if world.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    with pytest.raises(CommError, match="disagree"):
+        world.agree_buffers(torch.zeros(4 + world.rank))
+    ok = torch.ones(2)
+    world.allreduce_(ok)
+    assert ok.tolist() == [world.size] * 2
+
+
 def test_inconsistent_graph_raises(world):
     if world.size == 1:
         pytest.skip("needs two ranks to disagree")
