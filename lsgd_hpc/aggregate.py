@@ -60,25 +60,34 @@ import textwrap
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from lsgd_hpc.metrics import SCHEMA_VERSION, rank_file
+from lsgd_hpc.predictions import (CORRELATION_COLUMNS, PredictionsError, correlation_table,
+                                  default_plot_measured, join_predictions,
+                                  plot_predicted_vs_measured, read_predictions)
 # Part of this module's interface: the experiments rank predictors against measurements.
 from lsgd_hpc.stats import rank_correlation
 
-__all__ = ["AggregateError", "Run", "RunGroup", "read_rank_file", "read_run", "read_runs",
-           "eval_table", "summarize_run", "group_runs", "rank_correlation", "aggregate", "main"]
+__all__ = ["AggregateError", "Run", "RunGroup", "Targets", "read_rank_file", "read_run",
+           "read_runs", "eval_table", "train_table", "time_to_accuracy", "time_to_loss",
+           "consensus_figures", "summarize_run", "group_runs", "group_table", "group_metrics",
+           "rank_correlation", "aggregate", "main"]
 
 PROG = "lsgd_hpc.aggregate"
 
 GROUPS = ("train", "eval", "leader", "consensus")
 
+#: schema versions whose meaning this aggregator knows (docs/metrics.md, schema_version policy)
+KNOWN_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
+
 SUMMARY_COLUMNS = (
     "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time", "training_time",
     "final_test_acc_leader", "final_test_acc_mean", "final_test_acc_best",
     "best_test_acc_leader", "best_test_acc_mean", "best_test_acc_best",
-    "total_bytes_sent", "steps",
+    "total_bytes_sent", "steps", "final_consensus_distance", "mean_consensus_distance",
 )
 CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
@@ -217,10 +226,109 @@ def _rank_files(metrics: Path) -> list[Path]:
     return sorted(p for p in metrics.glob("rank*.h5") if p.is_file())
 
 
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _schema_problem(data: dict) -> str | None:
+    """Why a readable file is not one this aggregator can interpret (None when it is)."""
+    version = data["attrs"].get("schema_version")
+    if version is None:
+        return "no schema_version attribute (not a lsgd_hpc metrics file?)"
+    try:
+        known = int(version) in KNOWN_SCHEMA_VERSIONS
+    except (TypeError, ValueError):
+        known = False
+    if not known:
+        return (f"schema_version {version!r}, this aggregator reads schema_version "
+                f"{', '.join(map(str, KNOWN_SCHEMA_VERSIONS))}")
+    return None
+
+
+def run_identity(data: dict) -> tuple[str, str]:
+    """What makes a rank file part of one run: the start time every rank shares and the
+    resolved configuration (which includes the seed, the world size and the run directory)."""
+    return (str(data["attrs"].get("start_time", "")), _canonical(data["config"]))
+
+
+def _identity_difference(ref: dict, other: dict) -> str:
+    """'start_time A, not B; config differs in seed, run_dir' (what tells two runs apart)."""
+    parts = []
+    a, b = ref["attrs"].get("start_time"), other["attrs"].get("start_time")
+    if str(a) != str(b):
+        parts.append(f"start_time {b}, not {a}")
+    keys = sorted(set(ref["config"]) | set(other["config"]))
+    diff = [k for k in keys
+            if _canonical(ref["config"].get(k)) != _canonical(other["config"].get(k))]
+    if diff:
+        parts.append("config differs in " + ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else ""))
+    return "; ".join(parts) or "identity differs"
+
+
+def _one_run(datas: list[dict], dir_config: dict, run_dir: Path,
+             skip: Callable[[str, str], None]) -> list[dict]:
+    """Keep the files of the run the directory holds; skip the files of any other run.
+
+    The run is the identity (``run_identity``) most files share; on a tie, the one whose
+    config agrees with ``config.yaml`` on the most keys, then the one of the lowest rank."""
+    by_id: dict[tuple[str, str], list[dict]] = {}
+    for d in datas:
+        by_id.setdefault(run_identity(d), []).append(d)
+    if len(by_id) <= 1:
+        return datas
+
+    def agreement(ds: list[dict]) -> int:
+        cfg = ds[0]["config"]
+        return sum(_canonical(cfg.get(k)) == _canonical(v) for k, v in dir_config.items())
+
+    chosen = max(by_id, key=lambda i: (len(by_id[i]), agreement(by_id[i]),
+                                       -min(d["rank"] for d in by_id[i])))
+    keep = by_id[chosen]
+    for ident, ds in by_id.items():
+        if ident == chosen:
+            continue
+        for d in ds:
+            skip(d["path"], f"a file of another run than the other {len(keep)} file(s) in "
+                            f"{run_dir / 'metrics'} ({_identity_difference(keep[0], d)})")
+    return [d for d in datas if run_identity(d) == chosen]
+
+
+def _one_file_per_rank(datas: list[dict], skip: Callable[[str, str], None]) -> dict[int, dict]:
+    """rank -> file. Two files claiming one rank: the one whose file name is that rank's
+    (``rank%05d.h5``) is kept and the others skipped; when none or several are so named,
+    there is no telling which is the rank's and all of them are skipped."""
+    claims: dict[int, list[dict]] = {}
+    for d in datas:
+        claims.setdefault(d["rank"], []).append(d)
+    out: dict[int, dict] = {}
+    for rank, ds in sorted(claims.items()):
+        if len(ds) == 1:
+            out[rank] = ds[0]
+            continue
+        own = [d for d in ds if Path(d["path"]).name == Path(rank_file("", rank)).name]
+        names = [Path(d["path"]).name for d in ds]
+        for d in ds:
+            others = ", ".join(n for n in names if n != Path(d["path"]).name)
+            if len(own) == 1 and d is own[0]:
+                continue
+            if len(own) == 1:
+                why = f"claims rank {rank}, as does {others}, whose file name is that rank's"
+            else:
+                why = f"claims rank {rank}, as does {others}; no telling which is rank {rank}'s"
+            skip(d["path"], why)
+        if len(own) == 1:
+            out[rank] = own[0]
+    return out
+
+
 def read_run(run_dir: str | os.PathLike, name: str | None = None,
              warn: Callable[[str], None] = _warn) -> Run:
-    """Read a run directory. Unreadable rank files are warned about and skipped;
-    raises AggregateError when there is nothing to read."""
+    """Read a run directory.
+
+    Rank files are skipped, each with one warning naming the file and why, when they are
+    unreadable (truncated, not HDF5), carry a ``schema_version`` this aggregator does not know,
+    belong to another run (``_one_run``), or claim the rank of another file
+    (``_one_file_per_rank``). Raises AggregateError when nothing readable is left."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AggregateError(f"run directory not found: {run_dir}")
@@ -228,31 +336,39 @@ def read_run(run_dir: str | os.PathLike, name: str | None = None,
     files = _rank_files(metrics) if metrics.is_dir() else []
     if not files:
         raise AggregateError(f"no metrics files (metrics/rank*.h5) in {run_dir}")
-    ranks: dict[int, dict] = {}
     skipped: list[tuple[str, str]] = []
+
+    def skip(path: str, reason: str) -> None:
+        skipped.append((str(path), reason))
+        warn(f"skipping metrics file {path}: {reason}")
+
+    datas: list[dict] = []
     for p in files:
         try:
             data = read_rank_file(p)
         except Exception as exc:  # truncated / corrupt file: skip it, keep the rest
             reason = " ".join(str(exc).split()) or type(exc).__name__
-            skipped.append((str(p), reason))
-            warn(f"skipping unreadable metrics file {p}: {reason[:200]}")
+            skip(str(p), f"unreadable ({reason[:200]})")
             continue
-        ranks[data["rank"]] = data
-    if not ranks:
-        raise AggregateError(f"no readable metrics files in {run_dir}")
-    config: dict = {}
+        problem = _schema_problem(data)
+        if problem:
+            skip(str(p), problem)
+            continue
+        datas.append(data)
+    dir_config: dict = {}
     cfg_path = run_dir / "config.yaml"
     if cfg_path.is_file():
         try:
             import yaml
             loaded = yaml.safe_load(cfg_path.read_text())
-            config = loaded if isinstance(loaded, dict) else {}
+            dir_config = loaded if isinstance(loaded, dict) else {}
         except Exception as exc:
             warn(f"cannot read {cfg_path} ({' '.join(str(exc).split())[:200]}); "
                  "using the config stored in the metrics files")
-    if not config:
-        config = dict(ranks[min(ranks)]["config"])
+    ranks = _one_file_per_rank(_one_run(datas, dir_config, run_dir, skip), skip)
+    if not ranks:
+        raise AggregateError(f"no readable metrics files in {run_dir}")
+    config = dir_config or dict(ranks[min(ranks)]["config"])
     return Run(path=run_dir, name=name or run_dir.resolve().name, config=config,
                ranks=ranks, skipped=skipped)
 
@@ -273,11 +389,23 @@ def expand_run_dirs(paths: Iterable[str | os.PathLike]) -> list[Path]:
 
 def read_runs(paths: Iterable[str | os.PathLike],
               warn: Callable[[str], None] = _warn) -> list[Run]:
+    """Read every run of ``paths`` (``expand_run_dirs``). A run directory with nothing readable
+    is warned about and skipped; AggregateError (all the reasons, one line) when no run is left."""
     dirs = expand_run_dirs(paths)
     names = [d.resolve().name for d in dirs]
     dup = {n for n, c in Counter(names).items() if c > 1}
-    return [read_run(d, name=(str(d) if n in dup else n), warn=warn)
-            for d, n in zip(dirs, names)]
+    runs: list[Run] = []
+    failed: list[str] = []
+    for d, n in zip(dirs, names):
+        try:
+            runs.append(read_run(d, name=(str(d) if n in dup else n), warn=warn))
+        except AggregateError as exc:
+            failed.append(str(exc))
+    if not runs:
+        raise AggregateError("; ".join(failed) if failed else "no run directories given")
+    for reason in failed:
+        warn(f"skipping run: {reason}")
+    return runs
 
 
 # --------------------------------------------------------------------------- figures
@@ -389,7 +517,135 @@ def _nanmax(a: np.ndarray) -> float:
     return float(np.nanmax(a)) if len(a) and not np.all(np.isnan(a)) else math.nan
 
 
-def summarize_run(run: Run) -> dict:
+def train_table(run: Run) -> dict[str, np.ndarray]:
+    """One row per /train step that every readable rank logged (ascending). Columns: step,
+    loss_mean (mean over ranks), training_time and wall_time (max over ranks; training_time NaN
+    where the files have none), bytes_sent (sum over ranks of the cumulative counter)."""
+    per_rank = []
+    for d in run.ranks.values():
+        steps = col(d, "train", "step", np.int64)
+        cols = {k: col(d, "train", k) for k in ("loss", "training_time", "wall_time",
+                                                 "comm_bytes_sent")}
+        n = min([len(steps)] + [len(v) for v in cols.values() if len(v)])
+        cols = {k: (v[:n] if len(v) >= n else np.full(n, np.nan)) for k, v in cols.items()}
+        per_rank.append((steps[:n], cols))
+    common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_rank))) \
+        if per_rank else []
+    grid = np.asarray(common, dtype=np.int64)
+    picked = []
+    for steps, cols in per_rank:
+        first = {int(s): i for i, s in reversed(list(enumerate(steps)))}  # first row of a step
+        idx = np.asarray([first[int(s)] for s in grid], dtype=np.int64)
+        picked.append({k: v[idx] for k, v in cols.items()})
+    if not picked:
+        e = np.zeros(0)
+        return {"step": grid, "loss_mean": e, "training_time": e, "wall_time": e,
+                "bytes_sent": e}
+    stack = {k: np.vstack([p[k] for p in picked]) for k in picked[0]}
+    with np.errstate(all="ignore"):
+        return {"step": grid, "loss_mean": stack["loss"].mean(0),
+                "training_time": np.max(stack["training_time"], 0),
+                "wall_time": np.max(stack["wall_time"], 0),
+                "bytes_sent": stack["comm_bytes_sent"].sum(0)}
+
+
+ACCURACY_FIGURES = ("mean", "leader", "best")
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What "reaching the target" means for the time-to-target columns.
+
+    ``acc``: the first evaluation (one that every readable rank reached) whose test accuracy
+    ``figure`` (``mean`` over ranks, the ``leader`` figure or the ``best`` worker; see
+    "Per-evaluation figures") is >= acc. ``loss``: the first /train step logged by every
+    readable rank whose training loss, averaged over the ranks and over the last
+    ``loss_window`` such steps, is <= loss (the minibatch loss is noisy: a window > 1 keeps
+    one lucky batch from counting)."""
+    acc: float | None = None
+    loss: float | None = None
+    figure: str = "mean"
+    loss_window: int = 1
+
+    def __post_init__(self):
+        if self.acc is not None and not 0.0 < self.acc <= 1.0:
+            raise AggregateError(f"target accuracy must be a fraction in (0, 1], not {self.acc}")
+        if self.loss is not None and not (math.isfinite(self.loss) and self.loss >= 0):
+            raise AggregateError(f"target loss must be a number >= 0, not {self.loss}")
+        if self.figure not in ACCURACY_FIGURES:
+            raise AggregateError(f"target accuracy figure must be one of "
+                                 f"{', '.join(ACCURACY_FIGURES)}, not {self.figure!r}")
+        if self.loss_window < 1:
+            raise AggregateError(f"loss window must be >= 1 step, not {self.loss_window}")
+
+    def columns(self) -> tuple[str, ...]:
+        out: tuple[str, ...] = ()
+        if self.acc is not None:
+            out += TARGET_ACC_COLUMNS
+        if self.loss is not None:
+            out += TARGET_LOSS_COLUMNS
+        return out
+
+
+TARGET_ACC_COLUMNS = ("target_acc", "time_to_target_acc", "steps_to_target_acc",
+                      "bytes_to_target_acc")
+TARGET_LOSS_COLUMNS = ("target_loss", "time_to_target_loss", "steps_to_target_loss",
+                       "bytes_to_target_loss")
+
+
+def _reached(steps: np.ndarray, times: np.ndarray, sent: np.ndarray, hit: np.ndarray) -> dict:
+    """time, step and bytes of the first row where ``hit``; None each when never reached."""
+    where = np.flatnonzero(hit)
+    if not len(where):
+        return {"time": None, "step": None, "bytes": None}
+    i = int(where[0])
+    return {"time": float(times[i]), "step": int(steps[i]), "bytes": int(round(sent[i]))}
+
+
+def time_to_accuracy(run: Run, target: float, figure: str = "mean") -> dict:
+    """{'time', 'step', 'bytes'} at the first complete evaluation whose ``acc_<figure>`` is >=
+    target: its training time (max over ranks, as the evaluation started), its step, and the
+    bytes all ranks had sent by then (eval_table). None each when never reached."""
+    tab = eval_table(run)
+    use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
+    acc = tab[f"acc_{figure}"][use]
+    with np.errstate(invalid="ignore"):
+        hit = acc >= target
+    return _reached(tab["step"][use], tab["training_time"][use], tab["bytes_sent"][use], hit)
+
+
+def time_to_loss(run: Run, target: float, window: int = 1) -> dict:
+    """{'time', 'step', 'bytes'} at the first step (train_table) whose training loss, the mean
+    over ranks averaged over the last ``window`` logged steps, is <= target: the training
+    time (max over ranks), the step, the bytes all ranks had sent. None each when never."""
+    tab = train_table(run)
+    loss = tab["loss_mean"]
+    if window > 1 and len(loss):
+        csum = np.concatenate([[0.0], np.cumsum(loss)])
+        idx = np.arange(1, len(loss) + 1)
+        lo = np.maximum(idx - window, 0)
+        loss = (csum[idx] - csum[lo]) / (idx - lo)
+        loss[: window - 1] = np.nan          # not yet a full window
+    with np.errstate(invalid="ignore"):
+        hit = loss <= target
+    return _reached(tab["step"], tab["training_time"], tab["bytes_sent"], hit)
+
+
+def consensus_figures(run: Run) -> tuple[float, float]:
+    """(final, mean) consensus distance of a run: at its last probe, and the mean over its
+    probes. The distance is the same on every rank; the union over readable ranks is used
+    (lowest rank first). NaN when the run has no probes (--consensus-every 0)."""
+    by_step: dict[int, float] = {}
+    for r in sorted(run.ranks):
+        d = run.ranks[r]
+        for s, v in zip(col(d, "consensus", "step", np.int64), col(d, "consensus", "distance")):
+            by_step.setdefault(int(s), float(v))
+    if not by_step:
+        return math.nan, math.nan
+    return by_step[max(by_step)], float(np.mean(list(by_step.values())))
+
+
+def summarize_run(run: Run, targets: Targets | None = None) -> dict:
     """The summary.csv row of a run (see the module docstring for the rules)."""
     tab = eval_table(run)
     use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
@@ -412,6 +668,16 @@ def summarize_run(run: Run) -> dict:
     steps = [_last(col(d, "train", "step", np.int64)) for d in run.ranks.values()]
     steps = [int(s) for s in steps if s is not None]
     row["steps"] = max(steps) if steps else None
+    row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
+    targets = targets or Targets()
+    if targets.acc is not None:
+        hit = time_to_accuracy(run, targets.acc, targets.figure)
+        row.update(target_acc=targets.acc, time_to_target_acc=hit["time"],
+                   steps_to_target_acc=hit["step"], bytes_to_target_acc=hit["bytes"])
+    if targets.loss is not None:
+        hit = time_to_loss(run, targets.loss, targets.loss_window)
+        row.update(target_loss=targets.loss, time_to_target_loss=hit["time"],
+                   steps_to_target_loss=hit["step"], bytes_to_target_loss=hit["bytes"])
     return row
 
 
@@ -436,13 +702,25 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_summary_csv(runs: list[Run], path: str | os.PathLike) -> list[dict]:
-    rows = [summarize_run(r) for r in runs]
+def summary_columns(targets: Targets | None = None) -> tuple[str, ...]:
+    """summary.csv's columns: SUMMARY_COLUMNS, then the target columns of the targets given."""
+    return SUMMARY_COLUMNS + (targets.columns() if targets else ())
+
+
+def write_table_csv(rows: list[dict], columns: Iterable[str], path: str | os.PathLike) -> None:
+    """A CSV with a header; missing and NaN values are empty cells."""
+    columns = list(columns)
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
-        w.writerow(SUMMARY_COLUMNS)
+        w.writerow(columns)
         for row in rows:
-            w.writerow([_fmt(row[c]) for c in SUMMARY_COLUMNS])
+            w.writerow([_fmt(row.get(c)) for c in columns])
+
+
+def write_summary_csv(runs: list[Run], path: str | os.PathLike,
+                      targets: Targets | None = None) -> list[dict]:
+    rows = [summarize_run(r, targets) for r in runs]
+    write_table_csv(rows, summary_columns(targets), path)
     return rows
 
 
@@ -501,11 +779,15 @@ def config_key(config: dict) -> str:
 
 @dataclass
 class RunGroup:
-    """Runs of one configuration (differing only in seed)."""
+    """Runs drawn as one line: by default runs of one configuration (differing only in seed),
+    with ``by`` the runs that share the values of the ``by`` config keys."""
     key: str
-    config: dict            # the configuration (config minus NON_CONFIG_KEYS)
+    config: dict            # the configuration (config minus NON_CONFIG_KEYS), or the by keys
     runs: list[Run]
-    label: str = ""
+    label: str = ""         # legend entry (wrapped, with the number of runs)
+    name: str = ""          # one line: the group column of groups.csv
+    values: dict = field(default_factory=dict)   # key columns of groups.csv -> value
+    by: tuple[str, ...] | None = None
 
     @property
     def seeds(self) -> list:
@@ -516,28 +798,122 @@ def _short(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def group_runs(runs: list[Run]) -> list[RunGroup]:
-    """Group runs by configuration (first-appearance order) and label each group by its
-    algorithm plus the options that differ between the groups."""
+def _check_by(runs: list[Run], by: Iterable[str]) -> tuple[str, ...]:
+    by = tuple(by)
+    if not by:
+        raise AggregateError("--by needs at least one config key")
+    known = sorted({k for r in runs for k in r.config})
+    missing = [k for k in by if not any(k in r.config for r in runs)]
+    if missing:
+        raise AggregateError(f"--by {','.join(missing)}: not a key of any run's config.yaml "
+                             f"(keys: {', '.join(known)})")
+    return by
+
+
+def _name(values: dict) -> str:
+    return " ".join(_short(v) if k == "algorithm" else f"{k}={_short(v)}"
+                    for k, v in values.items())
+
+
+def group_runs(runs: list[Run], by: Iterable[str] | None = None) -> list[RunGroup]:
+    """Group runs (first-appearance order).
+
+    Without ``by``: by configuration (``config_key``: config minus the seed and NON_CONFIG_KEYS);
+    a group is named by its algorithm plus the options that differ between the groups.
+    With ``by`` (config keys, e.g. ``("topology", "world_size")``): by the values of those keys
+    only, whatever else differs; a group is named by those values ("algorithm" by its value
+    alone, the others as key=value). Raises AggregateError for a key no run's config has."""
+    by = _check_by(runs, by) if by is not None else None
     groups: dict[str, RunGroup] = {}
     for run in runs:
-        key = config_key(run.config)
-        if key not in groups:
+        if by is None:
+            key = config_key(run.config)
             cfg = {k: v for k, v in run.config.items() if k not in NON_CONFIG_KEYS}
-            groups[key] = RunGroup(key=key, config=cfg, runs=[])
+        else:
+            cfg = {k: run.config.get(k) for k in by}
+            key = _canonical([cfg[k] for k in by])
+        if key not in groups:
+            groups[key] = RunGroup(key=key, config=cfg, runs=[], by=by)
         groups[key].runs.append(run)
     out = list(groups.values())
-    keys = sorted({k for g in out for k in g.config} - {"algorithm"} - DERIVED_KEYS)
-    differing = [k for k in keys
-                 if len({json.dumps(g.config.get(k), sort_keys=True, default=str)
-                         for g in out}) > 1]
+    if by is None:
+        keys = sorted({k for g in out for k in g.config} - {"algorithm"} - DERIVED_KEYS)
+        differing = [k for k in keys if len({_canonical(g.config.get(k)) for g in out}) > 1]
     for g in out:
-        alg = str(g.config.get("algorithm") or g.runs[0].algorithm)
-        opts = [f"{k}={_short(g.config.get(k))}" for k in differing]
-        label = textwrap.fill(" ".join([alg] + opts), width=60, subsequent_indent="  ")
+        if by is None:
+            alg = str(g.config.get("algorithm") or g.runs[0].algorithm)
+            g.values = {"algorithm": alg, **{k: g.config.get(k) for k in differing}}
+        else:
+            g.values = dict(g.config)
+        g.name = _name(g.values)
+        g.label = textwrap.fill(g.name, width=60, subsequent_indent="  ")
         if len(g.runs) > 1:
-            label += f" ({len(g.runs)} seeds)"
-        g.label = label
+            g.label += f" ({len(g.runs)} {'seeds' if by is None else 'runs'})"
+    return out
+
+
+#: Per-run summary columns that groups.csv summarises over each group's runs (mean, std, min,
+#: max), before the target columns of the targets given.
+GROUP_METRICS = ("final_test_acc_leader", "final_test_acc_mean", "training_time",
+                 "total_bytes_sent", "steps", "final_consensus_distance",
+                 "mean_consensus_distance")
+STATS = ("mean", "std", "min", "max")
+
+
+def group_metrics(targets: Targets | None = None) -> tuple[str, ...]:
+    """The summary columns groups.csv summarises: GROUP_METRICS, then time, steps and bytes
+    to each target given."""
+    extra = tuple(c for c in (targets.columns() if targets else ())
+                  if not c.startswith("target_"))
+    return GROUP_METRICS + extra
+
+
+def group_columns(groups: list[RunGroup], targets: Targets | None = None) -> list[str]:
+    """groups.csv's columns: group (its name), the key columns (the --by keys, or algorithm
+    plus the options that differ), n_runs, runs, then <metric>_<stat> for each metric of
+    group_metrics and each stat of STATS, and n_reached_acc / n_reached_loss with targets."""
+    keys: list[str] = []
+    for g in groups:
+        keys += [k for k in g.values if k not in keys]
+    cols = ["group", *keys, "n_runs", "runs"]
+    cols += [f"{m}_{st}" for m in group_metrics(targets) for st in STATS]
+    if targets and targets.acc is not None:
+        cols.append("n_reached_acc")
+    if targets and targets.loss is not None:
+        cols.append("n_reached_loss")
+    return cols
+
+
+def _stats(values: list) -> dict[str, float]:
+    """mean, std (sample standard deviation, n - 1; NaN for one value), min, max over the
+    finite values; NaN each when there is none."""
+    a = np.asarray([v for v in values if v is not None], dtype=float)
+    a = a[np.isfinite(a)]
+    if not len(a):
+        return {st: math.nan for st in STATS}
+    return {"mean": float(a.mean()), "std": float(a.std(ddof=1)) if len(a) > 1 else math.nan,
+            "min": float(a.min()), "max": float(a.max())}
+
+
+def group_table(groups: list[RunGroup], summary: list[dict],
+                targets: Targets | None = None) -> list[dict]:
+    """groups.csv: one row per group (columns: group_columns) from the runs' summary rows
+    (``summary`` in the order of the runs, as summarize_run returns them). A time to target
+    is summarised over the runs that reached the target; n_reached_* says how many did."""
+    by_run = {row["run"]: row for row in summary}
+    out = []
+    for g in groups:
+        rows = [by_run[r.name] for r in g.runs]
+        row: dict[str, Any] = {"group": g.name, **g.values, "n_runs": len(rows),
+                               "runs": " ".join(r.name for r in g.runs)}
+        for m in group_metrics(targets):
+            for st, v in _stats([r.get(m) for r in rows]).items():
+                row[f"{m}_{st}"] = v
+        if targets and targets.acc is not None:
+            row["n_reached_acc"] = sum(r.get("steps_to_target_acc") is not None for r in rows)
+        if targets and targets.loss is not None:
+            row["n_reached_loss"] = sum(r.get("steps_to_target_loss") is not None for r in rows)
+        out.append(row)
     return out
 
 
@@ -598,13 +974,16 @@ _YLABEL = {"test_accuracy": "test accuracy (mean over ranks)",
 
 
 def plot_all(runs: list[Run], out_dir: str | os.PathLike,
-             groups: list[RunGroup] | None = None) -> list[Path]:
+             groups: list[RunGroup] | None = None, targets: Targets | None = None) -> list[Path]:
+    """The PLOTS: one line per group (mean over its runs) with a min-max band, and the target
+    accuracy / loss as a dashed horizontal line when given."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
 
     groups = groups if groups is not None else group_runs(runs)
+    by = groups[0].by if groups else None
     out_dir = Path(out_dir)
     written = []
     for fname, (x, y) in PLOTS.items():
@@ -622,12 +1001,17 @@ def plot_all(runs: list[Run], out_dir: str | os.PathLike,
                     marker="o" if len(gx) <= 30 else None, ms=3)
             if len(g.runs) > 1:
                 ax.fill_between(gx, lo, hi, color=color, alpha=0.2, lw=0)
+        target = (targets.acc if y == "test_accuracy" else targets.loss) if targets else None
+        if target is not None:
+            ax.axhline(target, color="0.3", ls="--", lw=1,
+                       label=f"target {'accuracy' if y == 'test_accuracy' else 'loss'} "
+                             f"{target:g}")
         ax.set_xlabel(_XLABEL[x])
         ax.set_ylabel(_YLABEL[y][:-1] + ", smoothed)" if smoothed else _YLABEL[y])
         if x == "bytes_sent":
             ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
         ax.set_title(f"{_YLABEL[y].split(' (')[0]} vs {_XLABEL[x].split(',')[0].split(' (')[0]}"
-                     + ("  (band: min-max over seeds)"
+                     + (f"  (band: min-max over {'seeds' if by is None else 'runs'})"
                         if any(len(g.runs) > 1 for g in groups) else ""), fontsize=10)
         ax.grid(True, alpha=0.3)
         if groups:
@@ -642,23 +1026,86 @@ def plot_all(runs: list[Run], out_dir: str | os.PathLike,
 
 # --------------------------------------------------------------------------- CLI
 
-def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike,
+def _predictions_rows(predictions: str | os.PathLike | Sequence[dict]) -> list[dict]:
+    if isinstance(predictions, (str, os.PathLike)):
+        return read_predictions(predictions)
+    return [dict(r) for r in predictions]
+
+
+def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike | None = None,
+              *, by: Sequence[str] | None = None, target_acc: float | None = None,
+              target_loss: float | None = None, target_figure: str = "mean",
+              loss_window: int = 1,
+              predictions: str | os.PathLike | Sequence[dict] | None = None,
+              plot_measured: Sequence[str] | None = None,
               warn: Callable[[str], None] = _warn) -> dict:
-    """Read the runs and write summary.csv, curves.csv and the plots into out_dir."""
+    """Read the runs, compute the tables and, unless ``out_dir`` is None, write them with the
+    plots into ``out_dir``: summary.csv, groups.csv, curves.csv, the PLOTS, and with
+    ``predictions`` correlations.csv and one ``pred_<predictor>_vs_<figure>.png`` each.
+
+    by: config keys to group on (group_runs). target_acc / target_figure, target_loss /
+    loss_window: see Targets. predictions: a CSV path or rows (dicts) whose first columns are
+    the ``by`` keys (lsgd_hpc.predictions); needs ``by``; the predictors are added to the rows
+    of groups.csv. plot_measured: measured figures (group_metrics names) to plot each
+    predictor against (default: predictions.default_plot_measured; a ``predicted_<figure>``
+    predictor is always plotted against <figure>).
+
+    Returns {"runs", "summary" (rows), "summary_columns", "groups" (RunGroup), "group_rows",
+    "group_columns", "predictors", "correlations" (rows), "plots" (paths), "curve_rows"}.
+    Raises AggregateError on bad input (nothing readable, an unknown key or figure)."""
+    targets = Targets(acc=target_acc, loss=target_loss, figure=target_figure,
+                      loss_window=loss_window)
+    if predictions is not None and not by:
+        raise AggregateError("predictions are joined on the grouping keys: give --by too")
     runs = read_runs(run_dirs, warn=warn)
+    groups = group_runs(runs, by)
+    summary = [summarize_run(r, targets) for r in runs]
+    group_rows = group_table(groups, summary, targets)
+    columns = group_columns(groups, targets)
+    predictors: list[str] = []
+    correlations: list[dict] = []
+    figures = group_metrics(targets)
+    if predictions is not None:
+        try:
+            predictors, group_rows = join_predictions(group_rows, _predictions_rows(predictions),
+                                                      list(by), warn)
+        except PredictionsError as exc:
+            raise AggregateError(str(exc)) from None
+        columns += predictors
+        correlations = correlation_table(group_rows, predictors, figures)
+    unknown = [f for f in (plot_measured or ()) if f not in figures]
+    if unknown:
+        raise AggregateError(f"cannot plot against {', '.join(unknown)}: measured figures are "
+                             f"{', '.join(figures)}")
+    result = {"runs": runs, "summary": summary, "summary_columns": summary_columns(targets),
+              "groups": groups, "group_rows": group_rows, "group_columns": columns,
+              "predictors": predictors, "correlations": correlations, "plots": [],
+              "curve_rows": 0}
+    if out_dir is None:
+        return result
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise AggregateError(f"--out {out} exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        summary = write_summary_csv(runs, out / "summary.csv")
-        n_curves = write_curves_csv(runs, out / "curves.csv")
-        groups = group_runs(runs)
-        plots = plot_all(runs, out, groups)
+        write_table_csv(summary, summary_columns(targets), out / "summary.csv")
+        write_table_csv(group_rows, columns, out / "groups.csv")
+        result["curve_rows"] = write_curves_csv(runs, out / "curves.csv")
+        result["plots"] = plot_all(runs, out, groups, targets)
+        if predictions is not None:
+            write_table_csv(correlations, CORRELATION_COLUMNS, out / "correlations.csv")
+            for p in predictors:
+                against = list(plot_measured or default_plot_measured(group_rows))
+                own = p[len("predicted_"):] if p.startswith("predicted_") else None
+                if own in figures and own not in against:
+                    against.insert(0, own)
+                for f in against:
+                    path = plot_predicted_vs_measured(group_rows, p, f, out)
+                    if path is not None:
+                        result["plots"].append(path)
     except OSError as exc:
         raise AggregateError(f"cannot write to {out}: {exc.strerror or exc}") from None
-    return {"runs": runs, "summary": summary, "curve_rows": n_curves,
-            "groups": groups, "plots": plots}
+    return result
 
 
 class _Parser(argparse.ArgumentParser):
@@ -674,28 +1121,65 @@ def _first_paragraph_rules() -> str:
     return doc[start:end].strip() if start >= 0 and end > start else ""
 
 
+def _keys(text: str) -> list[str]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    if not keys:
+        raise argparse.ArgumentTypeError("expected KEY[,KEY...]")
+    return keys
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m lsgd_hpc.aggregate",
-                description="Aggregate lsgd_hpc runs into summary.csv, curves.csv and plots.",
+                description="Aggregate lsgd_hpc runs into summary.csv, groups.csv, curves.csv "
+                            "and plots; with --predictions, rank-correlate predictions with "
+                            "the measurements (correlations.csv) and plot one against the other.",
                 epilog=_first_paragraph_rules() + "\n\nPlots show the per-evaluation mean over "
-                "ranks; runs differing only in seed are one line (mean) with a min-max band.",
+                "ranks; runs differing only in seed (or, with --by, sharing the --by values) "
+                "are one line (mean) with a min-max band.",
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                    help="run directory (holds metrics/rank*.h5), or a directory of runs")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--by", type=_keys, metavar="KEY[,KEY...]",
+                   help="group runs by these config keys (e.g. algorithm,world_size) instead of "
+                        "by configuration minus seed")
+    p.add_argument("--target-acc", type=float, metavar="X",
+                   help="time, steps and bytes to the first evaluation with test accuracy >= X "
+                        "(a fraction)")
+    p.add_argument("--target-figure", choices=ACCURACY_FIGURES, default="mean",
+                   help="which test accuracy --target-acc is about: mean over ranks (default), "
+                        "the leader figure, or the best worker")
+    p.add_argument("--target-loss", type=float, metavar="Y",
+                   help="time, steps and bytes to the first logged step with training loss "
+                        "(mean over ranks) <= Y")
+    p.add_argument("--loss-window", type=int, default=1, metavar="N",
+                   help="--target-loss on the training loss averaged over the last N logged "
+                        "steps (default 1: the step's own)")
+    p.add_argument("--predictions", metavar="FILE.csv",
+                   help="predictions to compare with the measurements: the --by key columns, "
+                        "then one column per predictor; writes correlations.csv and "
+                        "pred_<predictor>_vs_<figure>.png")
+    p.add_argument("--plot-measured", type=_keys, metavar="FIGURE[,FIGURE...]",
+                   help="measured figures to plot each predictor against (e.g. "
+                        "time_to_target_loss,mean_consensus_distance; default the time to the "
+                        "target loss, else accuracy, else the training time)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        res = aggregate(args.run_dirs, args.out)
+        res = aggregate(args.run_dirs, args.out, by=args.by, target_acc=args.target_acc,
+                        target_loss=args.target_loss, target_figure=args.target_figure,
+                        loss_window=args.loss_window, predictions=args.predictions,
+                        plot_measured=args.plot_measured)
     except AggregateError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{PROG}: {len(res['runs'])} run(s) in {len(res['groups'])} configuration(s) -> "
-          f"{Path(args.out) / 'summary.csv'}, curves.csv ({res['curve_rows']} rows), "
-          f"{len(res['plots'])} plots")
+    extra = f", correlations.csv ({len(res['correlations'])} rows)" if args.predictions else ""
+    print(f"{PROG}: {len(res['runs'])} run(s) in {len(res['groups'])} group(s) -> "
+          f"{Path(args.out) / 'summary.csv'}, groups.csv, curves.csv ({res['curve_rows']} rows)"
+          f"{extra}, {len(res['plots'])} plots")
     return 0
 
 
