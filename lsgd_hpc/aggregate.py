@@ -2,19 +2,31 @@
 
 Reads every ``RUN_DIR/metrics/rank%05d.h5`` (read-only, h5py) and writes
 
-* ``DIR/summary.csv``  one row per run (columns: ``SUMMARY_COLUMNS``);
+* ``DIR/summary.csv``  one row per run (columns: ``summary_columns``);
+* ``DIR/groups.csv``   one row per group of runs (columns: ``group_columns``): n_runs and the
+  mean, std, min and max over its runs of the figures in ``group_metrics``;
 * ``DIR/curves.csv``   tidy rows ``run, rank, step, wall_time, metric, value``;
 * ``DIR/*.png``        test accuracy against training time (the default time axis), wall
-  time, bytes sent and step, and the training loss against step.
+  time, bytes sent and step, and the training loss against step;
+* with predictions (``--predictions``): ``DIR/correlations.csv`` and one
+  ``DIR/pred_<predictor>_vs_<figure>.png`` each (lsgd_hpc.predictions).
 
 Training time is the trainer's ``/train/training_time`` and ``/eval/training_time``: wall time
 less evaluations, consensus probes, checkpoints and metric flushes (docs/metrics.md), so
 that methods which evaluate or probe more are not charged for it. Files written before that
 column existed have no training time; their runs are left out of that plot only.
 
-A rank file that cannot be read (truncated, not HDF5) is reported on stderr in one line
-and skipped. A RUN_DIR without ``metrics/`` whose sub-directories are runs (a sweep's
-parent directory) stands for those runs.
+Files that are skipped, each with one line on stderr naming the file and why (the run is
+aggregated from the others; exit status 2 and a one-line error only when no run has a file
+left): a rank file that cannot be read (truncated, not HDF5); one whose ``schema_version`` is
+not in ``KNOWN_SCHEMA_VERSIONS`` or missing; one of another run -- the files of a run share the
+``start_time`` attribute and the ``config`` attribute, and the identity most files share is the
+run's (on a tie, the one agreeing with config.yaml on the most keys, then the one holding the
+lowest rank); two or more files claiming one ``rank`` attribute -- the one whose file name is
+that rank's (``rank%05d.h5``) is kept, and when none or several are, all of them are skipped.
+A RUN_DIR that does not exist or has nothing readable left is skipped likewise. A RUN_DIR
+without ``metrics/`` whose sub-directories are runs (a sweep's parent directory) stands for
+those runs.
 
 Per-evaluation figures (one evaluation = one ``/eval`` step):
 
@@ -35,13 +47,33 @@ reached; all evaluations if there is none). ``wall_time`` and ``training_time`` 
 maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` the sum over ranks of the last
 ``comm_bytes_sent``, ``steps`` the last logged training step (maximum over ranks).
 
-Plots: one line per configuration. Runs whose config.yaml differ only in ``seed`` (and the
-bookkeeping keys in ``NON_CONFIG_KEYS``) form one configuration and are drawn as the mean
-over seeds with a shaded min-max band. The y value of a run is the per-evaluation mean over
-ranks (test accuracy) or the per-step mean over ranks (training loss); its wall time is the
-latest rank's (training time likewise), its bytes sent the total over all ranks; with 300 or more steps the training
-loss is smoothed by a centred moving average over 1% of the steps. The legend names a configuration by
-its algorithm plus the options that differ between the configurations shown.
+``final_consensus_distance`` is the consensus distance at the run's last probe and
+``mean_consensus_distance`` the mean over its probes (empty without probes).
+
+Time to target (``--target-acc X``, ``--target-loss Y``; rules in ``Targets``): the training
+time, the step and the bytes sent by all ranks together at the first evaluation whose test
+accuracy (by default the mean over ranks; ``--target-figure leader|best``) is >= X, and at the
+first logged step whose training loss (mean over ranks, optionally averaged over the last
+``--loss-window`` steps) is <= Y. Empty when never reached.
+
+Groups: by default the runs whose config.yaml differ only in ``seed`` (and the bookkeeping
+keys in ``NON_CONFIG_KEYS``) form one group, named by its algorithm plus the options that
+differ between the groups; with ``--by KEY[,KEY...]`` the runs that share the values of those
+config keys, named by those values. In groups.csv the standard deviation is the sample one
+(n - 1; empty for one run), and a time, step or byte count to a target is summarised over the
+runs that reached it (``n_reached_acc``, ``n_reached_loss`` say how many did).
+
+Plots: one line per group, the mean over its runs with a shaded min-max band. The y value of
+a run is the per-evaluation mean over ranks (test accuracy) or the per-step mean over ranks
+(training loss); its wall time is the latest rank's (training time likewise), its bytes sent
+the total over all ranks; with 300 or more steps the training loss is smoothed by a centred
+moving average over 1% of the steps. A target is drawn as a dashed horizontal line.
+
+Predicted against measured (``--predictions FILE.csv``, needs ``--by``): the file's first
+columns are the --by keys, the others predictors (lsgd_hpc.predictions); each row is joined onto
+the group with the same key values and its predictors are added to groups.csv. correlations.csv
+holds, for each predictor and each group figure (the mean over the group's runs) that differs
+between groups, Spearman's rho and Kendall's tau-b over the groups (``rank_correlation``).
 
 In curves.csv, ``consensus_distance`` rows take their wall time from the rank's /train rows
 (linear interpolation in step; empty outside the logged range); EASGD runs also get
