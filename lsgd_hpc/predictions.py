@@ -242,6 +242,7 @@ def plot_predicted_vs_measured(rows: Sequence[dict], predictor: str, figure: str
     ax.set_ylabel(_label(f"{figure}, measured", m_unit))
     ax.set_title(f"measured {figure} against {predictor}\nSpearman rho = {rho:+.2f}, "
                  f"Kendall tau-b = {tau:+.2f} over {int(ok.sum())} groups", fontsize=10)
+    ax.margins(x=0.15, y=0.1)            # room for the point labels
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
