@@ -178,12 +178,14 @@ def test_cli_options(root, tmp_path):
     cmd = [sys.executable, "-m", "lsgd_hpc.aggregate", *map(str, dirs(root)), "--out", str(out),
            "--by", "algorithm", "--target-acc", "0.5", "--target-loss", "0.42",
            "--predictions", str(tmp_path / "p.csv"), "--plot-measured",
-           "time_to_target_acc,time_to_target_loss"]
+           "time_to_target_acc,mean_consensus_distance"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert len(p.stderr.strip().splitlines()) == 2            # the two warnings
+    # each predictor against the figures asked for; predicted_<figure> against <figure> too
     assert sorted(x.name for x in out.glob("pred_*.png")) == [
-        "pred_gap_vs_time_to_target_acc.png", "pred_gap_vs_time_to_target_loss.png",
+        "pred_gap_vs_mean_consensus_distance.png", "pred_gap_vs_time_to_target_acc.png",
+        "pred_predicted_time_to_target_loss_vs_mean_consensus_distance.png",
         "pred_predicted_time_to_target_loss_vs_time_to_target_acc.png",
         "pred_predicted_time_to_target_loss_vs_time_to_target_loss.png"]
     summary = read_csv(out / "summary.csv")
