@@ -38,7 +38,7 @@ def _num(x: float) -> str:
 def format_summary(run: Run) -> str:
     lines = []
     files = sorted({d["path"] for d in run.ranks.values()} | {p for p, _ in run.skipped})
-    skipped = f", {len(run.skipped)} unreadable and skipped" if run.skipped else ""
+    skipped = f", {len(run.skipped)} skipped" if run.skipped else ""
     lines.append(f"metrics: {run.path / 'metrics'}/rank*.h5 ({len(files)} files{skipped})")
     lines.append(f"run {run.name}: algorithm {run.algorithm}, {run.world_size} ranks on "
                  f"{run.n_nodes} node(s)")

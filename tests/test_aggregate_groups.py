@@ -10,25 +10,15 @@ import pytest
 
 from lsgd_hpc import aggregate as agg
 from lsgd_hpc import predictions as pred
-from test_aggregate import (ALLREDUCE_ACC, EASGD_ACC, EASGD_CENTRE, LOCAL_ELECTIONS,
-                            LSGD_ELECTIONS, LSGD_S1_ACC, LSGD_S2_ACC, REPO, write_run)
-
-
-@pytest.fixture(scope="module")
-def root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    write_run(root, "lsgd_s1", "lsgd", 1, LSGD_S1_ACC, LSGD_ELECTIONS, LOCAL_ELECTIONS)
-    write_run(root, "lsgd_s2", "lsgd", 2, LSGD_S2_ACC, LSGD_ELECTIONS, LOCAL_ELECTIONS)
-    write_run(root, "easgd_s1", "easgd", 1, EASGD_ACC, centre=EASGD_CENTRE)
-    write_run(root, "allreduce_s1", "allreduce", 1, ALLREDUCE_ACC, ranks_per_node=3)
-    return root
+from test_aggregate import REPO
+from test_aggregate import runs_root  # noqa: F401 (the fake runs: a module fixture)
 
 
 RUNS = ["lsgd_s1", "lsgd_s2", "easgd_s1", "allreduce_s1"]
 
 
-def dirs(root):
-    return [root / n for n in RUNS]
+def dirs(runs_root):
+    return [runs_root / n for n in RUNS]
 
 
 def read_csv(path):
@@ -40,24 +30,24 @@ def quiet(msg):
     raise AssertionError(f"unexpected warning: {msg}")
 
 
-def test_by_chooses_the_groups(root):
-    res = agg.aggregate(dirs(root), by=["world_size"], warn=quiet)
+def test_by_chooses_the_groups(runs_root):
+    res = agg.aggregate(dirs(runs_root), by=["world_size"], warn=quiet)
     assert [g.name for g in res["groups"]] == ["world_size=4", "world_size=2", "world_size=3"]
     assert res["groups"][0].label == "world_size=4 (2 runs)"
     # runs of different algorithms share a group when only the by keys count
-    res = agg.aggregate(dirs(root), by=["ranks_per_node"], warn=quiet)
+    res = agg.aggregate(dirs(runs_root), by=["ranks_per_node"], warn=quiet)
     assert [[r.name for r in g.runs] for g in res["groups"]] == [
         ["lsgd_s1", "lsgd_s2", "easgd_s1"], ["allreduce_s1"]]
-    res = agg.aggregate(dirs(root), by=["algorithm", "world_size"], warn=quiet)
+    res = agg.aggregate(dirs(runs_root), by=["algorithm", "world_size"], warn=quiet)
     assert [g.name for g in res["groups"]] == ["lsgd world_size=4", "easgd world_size=2",
                                                "allreduce world_size=3"]
     assert res["group_columns"][:5] == ["group", "algorithm", "world_size", "n_runs", "runs"]
     with pytest.raises(agg.AggregateError, match="--by topolgy: not a key"):
-        agg.aggregate(dirs(root), by=["topolgy"], warn=quiet)
+        agg.aggregate(dirs(runs_root), by=["topolgy"], warn=quiet)
 
 
-def test_groups_csv_statistics(root, tmp_path):
-    agg.aggregate(dirs(root), tmp_path, by=["algorithm"], warn=quiet)
+def test_groups_csv_statistics(runs_root, tmp_path):
+    agg.aggregate(dirs(runs_root), tmp_path, by=["algorithm"], warn=quiet)
     rows = {r["group"]: r for r in read_csv(tmp_path / "groups.csv")}
     assert list(rows) == ["lsgd", "easgd", "allreduce"]
     lsgd = rows["lsgd"]
@@ -77,9 +67,9 @@ def test_groups_csv_statistics(root, tmp_path):
     assert rows["allreduce"]["final_consensus_distance_mean"] == ""   # no probes
 
 
-def test_time_to_target(root):
+def test_time_to_target(runs_root):
     def rows(**kw):
-        return {r["run"]: r for r in agg.aggregate(dirs(root), warn=quiet, **kw)["summary"]}
+        return {r["run"]: r for r in agg.aggregate(dirs(runs_root), warn=quiet, **kw)["summary"]}
 
     # mean accuracy: seed 1 0.45 at step 10, 0.7375 at 20; the leader (rank 1) 0.6 at 10
     s = rows(target_acc=0.5)["lsgd_s1"]
@@ -100,17 +90,17 @@ def test_time_to_target(root):
         (6, 6 * 300)
     assert rows(target_loss=0.42, loss_window=3)["lsgd_s1"]["steps_to_target_loss"] == 9
     with pytest.raises(agg.AggregateError, match="fraction"):
-        agg.aggregate(dirs(root), target_acc=90, warn=quiet)
+        agg.aggregate(dirs(runs_root), target_acc=90, warn=quiet)
 
 
 PREDICTIONS = ("algorithm,gap,predicted_time_to_target_loss,note\n"
                "LSGD,1,4,a\neasgd,3,3,b\nallreduce,2,3,c\ngossip,9,9,d\n")
 
 
-def test_predictions_join_and_correlate(root, tmp_path):
+def test_predictions_join_and_correlate(runs_root, tmp_path):
     (tmp_path / "p.csv").write_text(PREDICTIONS)
     warnings = []
-    res = agg.aggregate(dirs(root), tmp_path / "out", by=["algorithm"], target_loss=0.42,
+    res = agg.aggregate(dirs(runs_root), tmp_path / "out", by=["algorithm"], target_loss=0.42,
                         predictions=tmp_path / "p.csv", warn=warnings.append)
     assert sorted(warnings) == ["predictions column 'note' left out: not a number ('a')",
                                 "predictions row algorithm=gossip matches no group; ignored"]
@@ -139,9 +129,9 @@ def test_predictions_join_and_correlate(root, tmp_path):
         assert (tmp_path / "out" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_predictions_as_rows_numbers_and_missing_groups(root):
+def test_predictions_as_rows_numbers_and_missing_groups(runs_root):
     warnings = []
-    res = agg.aggregate(dirs(root), by=["world_size"], target_loss=0.42, warn=warnings.append,
+    res = agg.aggregate(dirs(runs_root), by=["world_size"], target_loss=0.42, warn=warnings.append,
                         predictions=[{"world_size": "4.0", "enn": 2.5},
                                      {"world_size": 2, "enn": 1.5}])
     assert warnings == ["group 'world_size=3' has no row in the predictions"]
@@ -162,20 +152,20 @@ def test_units_decide_the_identity_line():
     assert pred.measured_unit("bytes_to_target_acc") == "B"
 
 
-def test_predictions_errors(root, tmp_path):
+def test_predictions_errors(runs_root, tmp_path):
     (tmp_path / "p.csv").write_text("topology,gap\nring,1\n")
     with pytest.raises(agg.AggregateError, match="give --by"):
-        agg.aggregate(dirs(root), predictions=tmp_path / "p.csv", warn=quiet)
+        agg.aggregate(dirs(runs_root), predictions=tmp_path / "p.csv", warn=quiet)
     with pytest.raises(agg.AggregateError, match="lack the grouping column.*algorithm"):
-        agg.aggregate(dirs(root), by=["algorithm"], predictions=tmp_path / "p.csv", warn=quiet)
+        agg.aggregate(dirs(runs_root), by=["algorithm"], predictions=tmp_path / "p.csv", warn=quiet)
     with pytest.raises(agg.AggregateError, match="cannot plot against bogus"):
-        agg.aggregate(dirs(root), by=["algorithm"], plot_measured=["bogus"], warn=quiet)
+        agg.aggregate(dirs(runs_root), by=["algorithm"], plot_measured=["bogus"], warn=quiet)
 
 
-def test_cli_options(root, tmp_path):
+def test_cli_options(runs_root, tmp_path):
     (tmp_path / "p.csv").write_text(PREDICTIONS)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "lsgd_hpc.aggregate", *map(str, dirs(root)), "--out", str(out),
+    cmd = [sys.executable, "-m", "lsgd_hpc.aggregate", *map(str, dirs(runs_root)), "--out", str(out),
            "--by", "algorithm", "--target-acc", "0.5", "--target-loss", "0.42",
            "--predictions", str(tmp_path / "p.csv"), "--plot-measured",
            "time_to_target_acc,mean_consensus_distance"]
