@@ -52,10 +52,11 @@ def expected_from_hdf5(run_dir, target_acc, target_loss, world=2):
     lead = r[0]["leader"]
     glob = lead["scope"] == 0
     el_steps, el_rank = lead["step"][glob], lead["leader_rank"][glob]
-    if len(el_steps):   # last global election at or before the final evaluation
-        leader = int(el_rank[np.searchsorted(el_steps, ev_steps[-1], side="right") - 1])
-    else:
-        leader = 0
+    # the leader at each evaluation: the last global election at or before it (rank 0 before
+    # the first one)
+    at = np.searchsorted(el_steps, ev_steps, side="right") - 1
+    leaders = np.where(at >= 0, el_rank[np.maximum(at, 0)] if len(el_steps) else 0, 0)
+    leader = int(leaders[-1])
     tr_steps = r[0]["train"]["step"]
     loss = np.mean([d["train"]["loss"] for d in r], 0)
     first_acc = int(np.argmax(mean_acc >= target_acc))
@@ -68,6 +69,7 @@ def expected_from_hdf5(run_dir, target_acc, target_loss, world=2):
     return {
         "final_test_acc_mean": float(mean_acc[-1]),
         "final_test_acc_leader": float(acc[leader, -1]), "leader": leader,
+        "acc_leader": acc[leaders, np.arange(len(ev_steps))],
         "total_bytes_sent": sum(int(d["train"]["comm_bytes_sent"][-1]) for d in r),
         "steps": max(int(d["train"]["step"][-1]) for d in r),
         "training_time": max(float(d["train"]["training_time"][-1]) for d in r),
@@ -104,8 +106,11 @@ def test_summary_csv_matches_the_hdf5(runs, tmp_path):
                   "bytes_to_target_loss"):
             assert int(row[c]) == exp[c], (alg, c)
         assert float(row["target_acc"]) == target_acc
-    # LSGD's leader figure is the elected rank's model; the run did hold elections
+    # LSGD's leader figure is the elected rank's model at every evaluation
+    lsgd = expected_from_hdf5(runs["lsgd"], target_acc, target_loss)
     assert len(h5(runs["lsgd"], 0)["leader"]["step"]) > 0
+    assert agg.eval_table(agg.read_run(runs["lsgd"]))["acc_leader"].tolist() == \
+        lsgd["acc_leader"].tolist()
     assert 0 < int(rows["lsgd"]["steps_to_target_loss"]) < STEPS
 
 
