@@ -182,9 +182,10 @@ def correlation_table(rows: Sequence[dict], predictors: Sequence[str],
         for f in measured:
             y = _column(rows, f"{f}_mean")
             both = np.isfinite(x) & np.isfinite(y)
+            # rounded: scipy's 0.9999999999999999 for a perfect ordering reads as 1.0
             out.append({"predictor": p, "measured": f, "n_groups": int(both.sum()),
-                        "spearman": rank_correlation(x, y, "spearman"),
-                        "kendall": rank_correlation(x, y, "kendall")})
+                        "spearman": round(rank_correlation(x, y, "spearman"), 12),
+                        "kendall": round(rank_correlation(x, y, "kendall"), 12)})
     return out
 
 
@@ -228,13 +229,19 @@ def plot_predicted_vs_measured(rows: Sequence[dict], predictor: str, figure: str
     for xi, yi, name in zip(x[ok], y[ok], (n for n, k in zip(names, ok) if k)):
         ax.annotate(name, (xi, yi), textcoords="offset points", xytext=(5, 4), fontsize=8)
     p_unit, m_unit = predictor_unit(predictor), measured_unit(figure)
-    if p_unit is not None and p_unit == m_unit:
+    same_unit = p_unit is not None and p_unit == m_unit
+    if same_unit:
         both = np.concatenate([x[ok], y[ok]])
         span = np.array([both.min(), both.max()])
         ax.plot(span, span, ls="--", color="0.4", lw=1, label="y = x (prediction exact)")
-    if _log_worthy(x[ok]):
+        # one scale for both axes, so that y = x is the diagonal it looks like
+        log_x = log_y = _log_worthy(both)
+    else:
+        log_x = _log_worthy(x[ok])
+        log_y = _log_worthy(np.concatenate([y[ok], lo[ok & np.isfinite(lo)]]))
+    if log_x:
         ax.set_xscale("log")
-    if _log_worthy(np.concatenate([y[ok], lo[ok & np.isfinite(lo)]])):
+    if log_y:
         ax.set_yscale("log")
     rho = rank_correlation(x, y, "spearman")
     tau = rank_correlation(x, y, "kendall")
