@@ -73,8 +73,9 @@ BENCHES = [
           kwargs={"network": "1gbit", "key": "peers_network", "rounds": 2}),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
-    # its own mpirun jobs: 4 ranks (quick) or 4 and 8 ranks, each unslowed then slowed
-    Bench("stragglers", "stragglers", timeout=600, driver=True),
+    # its own mpirun jobs at 4 ranks, unslowed then slowed (8 ranks: benchmarks/stragglers.py
+    # --np 4 8, about 5 more minutes here; make results has the straggler experiment)
+    Bench("stragglers", "stragglers", timeout=600, driver=True, kwargs={"nps": (4,)}),
 ]
 #: Wall-clock targets of the whole run (seconds); optional benchmarks are dropped past them.
 BUDGET_S = {"full": 1100.0, "quick": 500.0}
@@ -164,7 +165,8 @@ def targets(results: dict) -> dict:
     out = {}
     for b in BENCHES:
         res = results.get(b.key)
-        if res and res.get("target"):
+        # a target is a comparison (">= 0.95"); some sections' "target" is an accuracy
+        if res and isinstance(res.get("target"), str):
             out[b.key] = {"ratio": res.get("ratio"), "target": res["target"],
                           "met": target_met(res.get("ratio"), res["target"])}
     return out

@@ -362,6 +362,7 @@ def run(quick: bool = False, timeout: float = 600, log=print, gpu: Optional[Dict
                    for i, p in enumerate(pts)],
         "probes": {k: s.get("probe") for k, s in settings.items()},
         "prediction": pred, "errors": errors, "rows": rows,
+        "ratio": fitted["max_abs_error"] if fitted else None, "target": f"<= {TARGET_ERROR}",
         "notes": [
             f"Measured: {', '.join(settings)}; {tta.MODEL} on digits, batch {tta.BATCH}, "
             f"{STEPS} steps per method, per-step costs over steps {tta.SKIP_STEPS}.."
