@@ -80,12 +80,18 @@ def _plain_loop(model, opt, sampler, skip: int, steps: int, barrier) -> float:
         if step == skip + 1:
             barrier()
             t0 = time.perf_counter()
-        loss = loss_fn(model(xb), yb)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        float(loss.detach())               # the loss a training script logs
+        plain_step(model, opt, loss_fn, xb, yb)
     return time.perf_counter() - t0
+
+
+def plain_step(model, opt, loss_fn, xb, yb) -> float:
+    """One step of a plain PyTorch training script (DDP's allreduces run inside backward);
+    returns the loss, read as a training script logs it."""
+    loss = loss_fn(model(xb), yb)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
 
 
 def _model():
@@ -100,30 +106,37 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=LR, momentum=0.9, weight_decay=1e-4)
 
 
-def job_ddp(comm, skip: int, steps: int) -> float:
+@contextlib.contextmanager
+def gloo_group(comm):
+    """torch.distributed's gloo process group over the ranks of the mpi4py communicator
+    ``comm``, destroyed on exit. The rendezvous is on rank 0's node: its host name (emulated
+    nodes name each other in /etc/hosts; gloo then uses GLOO_SOCKET_IFNAME, eth0 there) or the
+    loopback address when every rank shares one network (GLOO_SOCKET_IFNAME=lo)."""
     import socket
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     rank, size = comm.Get_rank(), comm.Get_size()
     addr = None
     if rank == 0:
-        # The rendezvous on rank 0's node: its host name (emulated nodes name each other in
-        # /etc/hosts) or the loopback address when every rank shares one network.
-        addr = "127.0.0.1" if os.environ.get("GLOO_SOCKET_IFNAME") == "lo" else socket.gethostname()
+        host = "127.0.0.1" if os.environ.get("GLOO_SOCKET_IFNAME") == "lo" else socket.gethostname()
         with socket.socket() as s:
             s.bind(("", 0))
-            port = s.getsockname()[1]
-        addr = (addr, port)
-    addr, port = comm.bcast(addr, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+            addr = (host, s.getsockname()[1])
+    host, port = comm.bcast(addr, root=0)
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=size)
     try:
-        model = DDP(_model())
-        return _plain_loop(model, _sgd(model.parameters()), _data(rank, size), skip, steps,
-                           comm.Barrier)
+        yield
     finally:
         dist.destroy_process_group()
+
+
+def job_ddp(comm, skip: int, steps: int) -> float:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    with gloo_group(comm):
+        model = DDP(_model())
+        return _plain_loop(model, _sgd(model.parameters()), _data(comm.Get_rank(), comm.Get_size()),
+                           skip, steps, comm.Barrier)
 
 
 def job_horovod(comm, skip: int, steps: int) -> float:

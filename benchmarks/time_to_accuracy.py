@@ -12,6 +12,13 @@ always taken down afterwards. Per link rate, one mpirun job runs every (seed, me
 one after another (seed-major, so that a slow spell of the machine hits every method alike),
 after a network probe (lsgd_hpc.netprobe) of the same nodes.
 
+Methods: LSGD and lsgd_hpc's baselines (METHODS), and PyTorch DistributedDataParallel (gloo,
+gradient buckets overlapped with backward; its process group as benchmarks/peers.py makes it),
+which trains the allreduce run's configuration: the same data shards, initial model, batch,
+learning rate, momentum, weight decay, steps and evaluation steps (ddp_train). LSGD's periods
+match the baselines' (tau_L 4 inside a node, tau_G 8 across nodes; local SGD T = 8, EASGD
+tau 4), with the trainer's default pull strengths (0.1, 0.1): nothing tuned on the test set.
+
 Workload: digits, mlp_wide (1.13 M parameters, 4.5 MB per model exchange), batch 32 per rank.
 An MLP's compute per step is 6 x parameters x batch FLOP and its allreduce moves ~1.5 x 4
 bytes per parameter over each node's link, so compute : allreduce = batch x bandwidth / FLOP
@@ -42,7 +49,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -65,6 +72,8 @@ EVAL_EVERY = 5
 BATCH = 32
 SKIP_STEPS = 5            # start-up steps left out of the per-step costs
 MODEL = "mlp_wide"
+#: PyTorch DDP's label; it trains the allreduce run's configuration (ddp_train)
+DDP_LABEL = "ddp"
 #: (label, --algorithm, its options): LSGD and the baselines at the same period where they have one
 METHODS = [
     ("lsgd", "lsgd", ["--tau-local", "4", "--tau-global", "8"]),
@@ -132,22 +141,24 @@ def _sh(*args, timeout=120) -> subprocess.CompletedProcess:
 
 
 @contextmanager
-def emulated_cluster(rate: str, log=print):
-    """Bring the cluster up with ``rate`` per node link; yield its mpirun options; always down."""
-    _sh("down", "--name", CLUSTER_NAME)          # a leftover of an interrupted run
+def emulated_cluster(rate: str, log=print, name: str = CLUSTER_NAME,
+                     subnet: str = CLUSTER_SUBNET):
+    """Bring the cluster ``name`` up on ``subnet`` with ``rate`` per node link; yield its
+    mpirun options; always take it down."""
+    _sh("down", "--name", name)          # a leftover of an interrupted run
     try:
         t0 = time.perf_counter()
-        up = _sh("up", "--name", CLUSTER_NAME, "--subnet", CLUSTER_SUBNET, "--nodes", str(NODES),
+        up = _sh("up", "--name", name, "--subnet", subnet, "--nodes", str(NODES),
                  "--rate", rate, "--no-slurm", timeout=300)
         if up.returncode != 0:
             raise RuntimeError(f"cluster.sh up failed: {(up.stderr or up.stdout).strip()[-300:]}")
         log(f"  time_to_accuracy: cluster up at {rate} in {time.perf_counter() - t0:.1f} s")
-        args = _sh("mpirun-args", "--name", CLUSTER_NAME, "--ranks-per-node", str(RANKS_PER_NODE))
+        args = _sh("mpirun-args", "--name", name, "--ranks-per-node", str(RANKS_PER_NODE))
         if args.returncode != 0:
             raise RuntimeError(f"cluster.sh mpirun-args failed: {args.stderr.strip()[-300:]}")
         yield args.stdout.split()
     finally:
-        down = _sh("down", "--name", CLUSTER_NAME)
+        down = _sh("down", "--name", name)
         if down.returncode != 0:
             log(f"  time_to_accuracy: cluster.sh down: {down.stderr.strip()[-300:]}")
 
@@ -169,11 +180,90 @@ def job(spec_path: str) -> int:
         write_result(spec["probe_out"], {"probe": probe, "node_of": groups.node_of})
     groups.free()
     from lsgd_hpc import train
-    for argv in spec["argvs"]:
-        code = train.main(argv)
+    for item in spec["argvs"]:
+        # a trainer command line, or {"ddp": the allreduce run's command line}
+        argv = item["ddp"] if isinstance(item, dict) else item
+        code = ddp_train(argv, MPI.COMM_WORLD) if isinstance(item, dict) else train.main(argv)
         if code != 0:
-            print(f"time_to_accuracy: {' '.join(argv)} exited {code}", file=sys.stderr, flush=True)
+            print(f"time_to_accuracy: {'ddp ' if isinstance(item, dict) else ''}"
+                  f"{' '.join(argv)} exited {code}", file=sys.stderr, flush=True)
             return code
+    return 0
+
+
+def ddp_train(argv: List[str], comm) -> int:
+    """PyTorch DDP (gloo, gradient buckets overlapped with backward) on the run that the
+    trainer's command line ``argv`` describes: its data set, model, initial model (the seed),
+    data shards (lsgd_hpc.data.ShardedBatches), batch, SGD learning rate, momentum, weight
+    decay and steps, evaluated on the whole test set at the trainer's steps. Writes the
+    trainer's metrics file (lsgd_hpc.metrics) so that read_run reads it as any other run:
+    /train/training_time is the wall time since DDP was built less the evaluations;
+    comm_seconds and compute_seconds are NaN (DDP's allreduces run inside backward, not
+    separable); comm_bytes_sent counts one allreduce of the gradients per step, as lsgd_hpc's
+    allreduce counts it."""
+    import socket
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lsgd_hpc import data, models
+    from lsgd_hpc.config import parse_config
+    from lsgd_hpc.metrics import SCHEMA_VERSION, MetricsWriter, rank_file
+    from peers import gloo_group, plain_step
+    cfg = parse_config(argv, env={})
+    rank, size = comm.Get_rank(), comm.Get_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size)
+    sampler = data.ShardedBatches(ds, rank, size, cfg.batch_size, cfg.seed)
+    spe = sampler.steps_per_epoch
+    total = min(math.ceil(cfg.epochs * spe), cfg.max_steps or math.inf)
+    torch.manual_seed(cfg.seed)                 # the trainer's x_0 (DDP broadcasts rank 0's)
+    net = models.build_model(cfg.model, ds.num_classes, ds.input_shape)
+    grad_bytes = 4 * sum(p.numel() for p in net.parameters())
+    writer = MetricsWriter(rank_file(cfg.run_dir, rank), {
+        "schema_version": SCHEMA_VERSION, "rank": rank, "world_size": size,
+        "hostname": socket.gethostname(), "algorithm": "ddp",
+        "torch_version": torch.__version__}, flush_every=10 ** 9, flush_seconds=math.inf)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def evaluate() -> (float, float):
+        model.eval()
+        correct, loss_sum = 0, 0.0
+        with torch.no_grad():
+            for xb, yb in ds.test_batches(cfg.eval_batch_size):
+                out = model.module(xb)           # this rank's replica, no collective
+                loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
+                correct += int((out.argmax(1) == yb).sum())
+        model.train()
+        return loss_sum / ds.n_test, correct / ds.n_test
+
+    with gloo_group(comm):
+        model = DDP(net)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                              weight_decay=cfg.weight_decay, nesterov=bool(cfg.nesterov))
+        t_start, eval_s, step = time.perf_counter(), 0.0, 0
+        nan = math.nan
+        while step < total:
+            for xb, yb in sampler.batches(*divmod(step, spe)):
+                loss = plain_step(model, opt, loss_fn, xb, yb)
+                step += 1
+                wall = time.perf_counter() - t_start
+                writer.log("train", step=step, epoch=step / spe, wall_time=wall, loss=loss,
+                           accuracy=nan, lr=cfg.lr, comm_bytes_sent=grad_bytes * step,
+                           comm_bytes_recv=grad_bytes * step, comm_seconds=nan,
+                           compute_seconds=nan, overhead_seconds=0.0, probe_seconds=0.0,
+                           eval_seconds=eval_s, checkpoint_seconds=0.0, metrics_seconds=0.0,
+                           training_time=wall - eval_s)
+                if step % cfg.eval_every == 0 or step == total:
+                    t_eval = time.perf_counter()
+                    test_loss, test_acc = evaluate()
+                    writer.log("eval", step=step, epoch=step / spe, wall_time=wall,
+                               training_time=wall - eval_s, test_loss=test_loss,
+                               test_accuracy=test_acc)
+                    eval_s += time.perf_counter() - t_eval
+                if step == total:
+                    break
+    writer.flush()
     return 0
 
 
@@ -240,17 +330,32 @@ def _fmt_t(s: float) -> str:
     return "not reached" if math.isinf(s) else f"{s:.2f} s"
 
 
-def run(quick: bool = False, timeout: float = 600, log=print) -> Dict:
+def _dir_name(label: str) -> str:
+    return label.replace(" ", "_").replace("=", "")
+
+
+def run(quick: bool = False, timeout: float = 600, log=print,
+        methods: Optional[List] = None, ddp: bool = True, name: str = CLUSTER_NAME,
+        subnet: str = CLUSTER_SUBNET, keep: Optional[Path] = None,
+        seeds: Optional[Sequence[int]] = None) -> Dict:
+    """Per link rate, one mpirun job of every (seed, method) run, seed-major. ``methods``:
+    (label, --algorithm, options) (default METHODS), plus DDP (label DDP_LABEL) on the
+    allreduce run's options when ``ddp``; cluster ``name`` on ``subnet``; runs kept under
+    ``keep`` (else removed); ``seeds`` default: SEEDS, the first one in quick mode."""
     why_not = cluster_available()
-    seeds = SEEDS[:1] if quick else SEEDS
+    methods = list(METHODS if methods is None else methods)
+    seeds = list(seeds if seeds is not None else SEEDS[:1] if quick else SEEDS)
+    labels = [m[0] for m in methods] + ([DDP_LABEL] if ddp else [])
     base = {"name": "time_to_accuracy", "doc": __doc__.splitlines()[0], "target": TARGET,
-            "seeds": list(seeds), "rates": list(RATES), "model": MODEL, "batch": BATCH}
+            "seeds": seeds, "rates": list(RATES), "model": MODEL, "batch": BATCH,
+            "methods": labels}
     if why_not:
         return {**base, "status": f"skipped: {why_not}",
                 "rows": [row("time_to_accuracy", "", f"skipped: {why_not}", None, "")]}
     off = consensus_off()
-    tmp = Path(tempfile.mkdtemp(prefix="lsgd_bench_tta_"))
-    env = mpi_env({"LSGD_HPC_RANKS_PER_NODE": ""})
+    tmp = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="lsgd_bench_tta_"))
+    # gloo (DDP) on the emulated nodes' own interface
+    env = mpi_env({"LSGD_HPC_RANKS_PER_NODE": "", "GLOO_SOCKET_IFNAME": "eth0"})
     env.pop("LSGD_HPC_RANKS_PER_NODE", None)
     per_rate: Dict[str, Dict] = {}
     errors: Dict[str, str] = {}
@@ -258,19 +363,25 @@ def run(quick: bool = False, timeout: float = 600, log=print) -> Dict:
         for rate in RATES:
             dirs, argvs = {}, []
             for seed in seeds:
-                for label, alg, opts in METHODS:
-                    d = tmp / rate / f"{label.replace(' ', '_').replace('=', '')}-s{seed}"
+                for label, alg, opts in methods:
+                    d = tmp / rate / f"{_dir_name(label)}-s{seed}"
                     dirs[(label, seed)] = d
                     argvs.append([*common_options(), *off, "--algorithm", alg, *opts,
                                   "--seed", str(seed), "--run-dir", str(d)])
+                if ddp:      # the allreduce run's command line, trained by DDP
+                    d = tmp / rate / f"{DDP_LABEL}-s{seed}"
+                    dirs[(DDP_LABEL, seed)] = d
+                    argvs.append({"ddp": [*common_options(), *off, "--algorithm", "allreduce",
+                                          "--seed", str(seed), "--run-dir", str(d)]})
             spec = tmp / f"{rate}.json"
             probe_out = tmp / f"{rate}-probe.json"
+            spec.parent.mkdir(parents=True, exist_ok=True)
             spec.write_text(json.dumps({"argvs": argvs, "probe_out": str(probe_out)}))
             try:
-                with emulated_cluster(rate, log) as margs:
+                with emulated_cluster(rate, log, name, subnet) as margs:
                     cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                           "-x", "PATH", "-np", str(NP), sys.executable, str(Path(__file__)),
-                           "--job", str(spec)]
+                           "-x", "PATH", "-x", "GLOO_SOCKET_IFNAME", "-np", str(NP),
+                           sys.executable, str(Path(__file__)), "--job", str(spec)]
                     t0 = time.perf_counter()
                     p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
                     log(f"  time_to_accuracy: {rate}: {len(argvs)} runs in "
@@ -290,7 +401,8 @@ def run(quick: bool = False, timeout: float = 600, log=print) -> Dict:
             probe = json.loads(probe_out.read_text()) if probe_out.exists() else None
             per_rate[rate] = {"runs": runs, "probe": probe}
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     return summarise(base, per_rate, errors, off)
 
 
@@ -323,7 +435,8 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
         rows.append(row(
             f"time_to_accuracy {rate}",
             f"training time to {TARGET:.0%} test accuracy (median of {len(base['seeds'])} seeds), "
-            f"LSGD vs best baseline ({best}; allreduce stands in for DDP)",
+            f"LSGD vs best baseline ({best}; baselines: "
+            f"{', '.join(k for k in tt if k != 'lsgd')})",
             f"{per_method}; compute:allreduce {ratio:.2g}:1"
             + (f" (like {closest['case']}, {closest['ratio']:.2g}:1)" if closest else ""),
             vs, "LSGD time / best baseline's", lsgd_s=lsgd_t, best_baseline=best,
@@ -343,7 +456,11 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
                 "Accuracy: mean over ranks of each worker's test accuracy (EASGD: the centre's); "
                 "time: /train/training_time (or wall_time where the trainer has no training "
                 "time), slowest rank; not reached within the steps counts as infinite.",
-                "DDP is not in this table: lsgd_hpc's allreduce SGD stands in for it.",
+                f"{DDP_LABEL}: torch DistributedDataParallel (gloo, its default 25 MB buckets "
+                "overlapped with backward) trains the allreduce run's configuration (data "
+                "shards, initial model, batch, SGD lr, momentum, weight decay, steps, "
+                "evaluation steps) in the same mpirun job, seed-major with the others; its "
+                "time is the wall time since DDP was built less evaluations, slowest rank.",
             ]}
 
 
