@@ -80,7 +80,7 @@ LATENCY_SCALES = (1.0, 0.5, 0.25, 0.1, 0.03, 0.01)
 
 
 def _model_call(label: str, w: cm.Workload, c: cm.Cluster, coll: cm.Collectives,
-                overlap: float = 0.0) -> cm.MethodCost:
+                overlap: float = 0.0, bucket_bytes: float = BUCKET_BYTES) -> cm.MethodCost:
     """The cost model of one measured method (METHODS' options, in the model's terms)."""
     alg = next(a for l, a, _ in METHODS if l == label)
     opts = next(o for l, _, o in METHODS if l == label)
@@ -90,7 +90,7 @@ def _model_call(label: str, w: cm.Workload, c: cm.Cluster, coll: cm.Collectives,
                           tau_global=int(kw.get("--tau-global", 1)),
                           tau=int(kw.get("--easgd-tau", 1)), T=int(kw.get("--local-steps", 1)),
                           topology=kw.get("--topology", "ring"), overlap=overlap,
-                          bucket_bytes=BUCKET_BYTES)
+                          bucket_bytes=bucket_bytes)
 
 
 def memory_bandwidth(nbytes: int) -> float:
@@ -204,13 +204,16 @@ def points_of(settings: Dict[str, Dict]) -> List[Dict]:
 
 
 def predict_point(pt: Dict, overhead_s: float, coll: cm.Collectives, mem_Bps: float,
-                  overlap: float = 0.0, latency_scale: float = 1.0) -> float:
+                  overlap: float = 0.0, latency_scale: float = 1.0,
+                  bucket_bytes: float = BUCKET_BYTES) -> float:
+    """Predicted communication seconds per step of the measured point ``pt`` (allreduce SGD
+    in gradient buckets of ``bucket_bytes``)."""
     intra = cm.Link(pt["intra"].alpha_s * latency_scale, pt["intra"].beta_s)
     inter = cm.Link(pt["inter"].alpha_s * latency_scale, pt["inter"].beta_s)
     c = cm.Cluster(tta.NODES, tta.RANKS_PER_NODE, intra, inter, mem_Bps=mem_Bps,
                    call_overhead_s=overhead_s, checks=True)
     w = cm.Workload(pt["n_params"], pt["n_buffers"], pt["measured_compute_s"])
-    return _model_call(pt["method"], w, c, coll, overlap).comm_s
+    return _model_call(pt["method"], w, c, coll, overlap, bucket_bytes).comm_s
 
 
 def fit(pts: List[Dict], mem_Bps: float) -> Dict:

@@ -28,8 +28,10 @@ compute seconds over its communication seconds) is reported beside the GPU cases
 (computed with lsgd_hpc.costmodel: ResNet-50 on A100s over 100 Gbit/s is about 8 : 1; VGG-16
 over 25 Gbit/s Ethernet about 1 : 1).
 
-Time to accuracy: at each evaluation (every EVAL_EVERY steps) the test accuracy is the mean over
-ranks of each worker's own model (EASGD: its centre, the method's model); the time is the
+Time to accuracy: at each evaluation (every EVAL_EVERY steps) the test accuracy is that of the
+method's model: LSGD's leader (the rank elected by the last global election, as the LSGD paper
+and lsgd_hpc.aggregate report it), EASGD's centre, and for the others the mean over ranks of
+each worker's own model (LSGD's mean over ranks is reported too); the time is the
 training time at that step (/train/training_time: wall time less evaluation, probes and
 checkpoints; the slowest rank's), and a run's time to accuracy is that of its first evaluation
 at or above TARGET. Consensus probes are off (--consensus-every 0). A run that does not reach
@@ -270,7 +272,8 @@ def ddp_train(argv: List[str], comm) -> int:
 # -- reading runs -------------------------------------------------------------------------------
 def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
     """Accuracy against training time, time to ``target`` (default TARGET), and per-step costs
-    of one run."""
+    of one run. The accuracy is the method's model's: LSGD's leader, EASGD's centre, else the
+    mean over ranks of each worker's own model (which is also kept, for every method)."""
     import h5py
     target = TARGET if target is None else target
     import numpy as np
@@ -280,15 +283,18 @@ def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
     accs, times_at, per_rank = [], [], []
     time_col = "wall_time"
     hosts = set()
+    elections = centre = False
     for f in files:
         with h5py.File(f, "r", locking=False) as h:
             hosts.add(str(h.attrs.get("hostname", "")))
+            elections |= "leader" in h and bool((h["leader"]["scope"][:] == 0).any())
             t, e = h["train"], h["eval"]
             if "training_time" in t:
                 time_col = "training_time"
             step = t["step"][:]
             clock = dict(zip(step.tolist(), t[time_col][:].tolist()))
             es = e["step"][:]
+            centre |= "center_test_accuracy" in e
             acc = e["center_test_accuracy"][:] if "center_test_accuracy" in e else \
                 e["test_accuracy"][:]
             accs.append(dict(zip(es.tolist(), acc.tolist())))
@@ -308,17 +314,31 @@ def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
                 "time_per_step": per_step(time_col),
                 "bytes_sent_per_step": float(t["comm_bytes_sent"][-1]) / last})
     steps = sorted(set.intersection(*(set(a) for a in accs)))
+    leader = _leader_accuracy(run_dir) if elections else {}
     curve = []
     for s in steps:
         if all(s in c for c in times_at):
-            curve.append({"step": s, "accuracy": float(np.mean([a[s] for a in accs])),
+            mean_acc = float(np.mean([a[s] for a in accs]))
+            curve.append({"step": s, "accuracy": leader.get(s, mean_acc),
+                          "accuracy_mean_over_ranks": mean_acc,
                           "time": max(c[s] for c in times_at)})
     hit = next((p for p in curve if p["accuracy"] >= target), None)
+    hit_mean = next((p for p in curve if p["accuracy_mean_over_ranks"] >= target), None)
     mean = {k: float(np.mean([r[k] for r in per_rank])) for k in per_rank[0] if k != "steps"}
     return {"curve": curve, "time_to_target": hit["time"] if hit else math.inf,
             "step_to_target": hit["step"] if hit else None,
+            "time_to_target_mean_over_ranks": hit_mean["time"] if hit_mean else math.inf,
             "final_accuracy": curve[-1]["accuracy"] if curve else math.nan,
+            "model": "leader" if leader else "centre" if centre else "mean over ranks",
             "time_column": time_col, "hosts": sorted(hosts), **mean}
+
+
+def _leader_accuracy(run_dir: Path) -> Dict[int, float]:
+    """LSGD's model: per evaluation step, the test accuracy of the rank elected by the last
+    global election (lsgd_hpc.aggregate's leader figure, as the LSGD paper reports it)."""
+    from lsgd_hpc import aggregate
+    table = aggregate.eval_table(aggregate.read_run(run_dir, warn=lambda msg: None))
+    return {int(s): float(a) for s, a in zip(table["step"], table["acc_leader"]) if a == a}
 
 
 def _median_time(xs: List[float]) -> float:
@@ -337,18 +357,20 @@ def _dir_name(label: str) -> str:
 def run(quick: bool = False, timeout: float = 600, log=print,
         methods: Optional[List] = None, ddp: bool = True, name: str = CLUSTER_NAME,
         subnet: str = CLUSTER_SUBNET, keep: Optional[Path] = None,
-        seeds: Optional[Sequence[int]] = None) -> Dict:
+        seeds: Optional[Sequence[int]] = None, steps: int = MAX_STEPS,
+        target: float = TARGET) -> Dict:
     """Per link rate, one mpirun job of every (seed, method) run, seed-major. ``methods``:
     (label, --algorithm, options) (default METHODS), plus DDP (label DDP_LABEL) on the
     allreduce run's options when ``ddp``; cluster ``name`` on ``subnet``; runs kept under
-    ``keep`` (else removed); ``seeds`` default: SEEDS, the first one in quick mode."""
+    ``keep`` (else removed); ``seeds`` default: SEEDS, the first one in quick mode; ``steps``
+    per run and the ``target`` test accuracy."""
     why_not = cluster_available()
     methods = list(METHODS if methods is None else methods)
     seeds = list(seeds if seeds is not None else SEEDS[:1] if quick else SEEDS)
     labels = [m[0] for m in methods] + ([DDP_LABEL] if ddp else [])
-    base = {"name": "time_to_accuracy", "doc": __doc__.splitlines()[0], "target": TARGET,
+    base = {"name": "time_to_accuracy", "doc": __doc__.splitlines()[0], "target": target,
             "seeds": seeds, "rates": list(RATES), "model": MODEL, "batch": BATCH,
-            "methods": labels}
+            "methods": labels, "steps": steps}
     if why_not:
         return {**base, "status": f"skipped: {why_not}",
                 "rows": [row("time_to_accuracy", "", f"skipped: {why_not}", None, "")]}
@@ -366,12 +388,12 @@ def run(quick: bool = False, timeout: float = 600, log=print,
                 for label, alg, opts in methods:
                     d = tmp / rate / f"{_dir_name(label)}-s{seed}"
                     dirs[(label, seed)] = d
-                    argvs.append([*common_options(), *off, "--algorithm", alg, *opts,
+                    argvs.append([*common_options(steps), *off, "--algorithm", alg, *opts,
                                   "--seed", str(seed), "--run-dir", str(d)])
                 if ddp:      # the allreduce run's command line, trained by DDP
                     d = tmp / rate / f"{DDP_LABEL}-s{seed}"
                     dirs[(DDP_LABEL, seed)] = d
-                    argvs.append({"ddp": [*common_options(), *off, "--algorithm", "allreduce",
+                    argvs.append({"ddp": [*common_options(steps), *off, "--algorithm", "allreduce",
                                           "--seed", str(seed), "--run-dir", str(d)]})
             spec = tmp / f"{rate}.json"
             probe_out = tmp / f"{rate}-probe.json"
@@ -395,7 +417,7 @@ def run(quick: bool = False, timeout: float = 600, log=print,
             runs = {}
             for (label, seed), d in dirs.items():
                 try:
-                    runs.setdefault(label, {})[seed] = read_run(d)
+                    runs.setdefault(label, {})[seed] = read_run(d, target)
                 except Exception as exc:       # a missing file: report, go on
                     errors[f"{rate} {label} seed {seed}"] = f"{type(exc).__name__}: {exc}"
             probe = json.loads(probe_out.read_text()) if probe_out.exists() else None
@@ -434,7 +456,8 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
         per_method = "; ".join(f"{k} {_fmt_t(v)}" for k, v in tt.items())
         rows.append(row(
             f"time_to_accuracy {rate}",
-            f"training time to {TARGET:.0%} test accuracy (median of {len(base['seeds'])} seeds), "
+            f"training time to {base['target']:.0%} test accuracy (median of "
+            f"{len(base['seeds'])} seeds), "
             f"LSGD vs best baseline ({best}; baselines: "
             f"{', '.join(k for k in tt if k != 'lsgd')})",
             f"{per_method}; compute:allreduce {ratio:.2g}:1"
@@ -450,8 +473,8 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
             "notes": [
                 f"2 nodes x 2 ranks as network namespaces (scripts/cluster.sh --no-slurm), tc tbf "
                 f"per node link at {', '.join(RATES)}; {MODEL} on digits, batch {BATCH}, "
-                f"{MAX_STEPS} steps, evaluation every {EVAL_EVERY}; options "
-                f"{' '.join(common_options())} "
+                f"{base['steps']} steps, evaluation every {EVAL_EVERY}; options "
+                f"{' '.join(common_options(base['steps']))} "
                 f"{' '.join(off)}.",
                 "Accuracy: mean over ranks of each worker's test accuracy (EASGD: the centre's); "
                 "time: /train/training_time (or wall_time where the trainer has no training "

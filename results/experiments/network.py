@@ -1,0 +1,399 @@
+"""Experiment 4, network: time to accuracy of every method on emulated 1 and 10 Gbit/s links, beside
+the scale model's prediction.
+
+    python results/experiments/network.py --out results/network [--quick] [--seeds 0 1 2 3 4]
+
+As root. The measurement is benchmarks/time_to_accuracy.py's (imported, not copied): 2 emulated
+nodes x 2 ranks (scripts/cluster.sh: network namespaces, each node's link limited by tc tbf to
+1 Gbit/s, then to 10 Gbit/s; here under a cluster name and subnet of its own, always taken
+down), mlp_wide on digits, batch 32 per rank, one mpirun job per rate running every (seed,
+method) training seed-major after a link probe (lsgd_hpc.netprobe). Methods: sync LSGD (tau_L
+4, tau_G 8), async LSGD (the same periods), allreduce SGD (overlapped buckets), EASGD (tau 4),
+local SGD (T 8), gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's configuration.
+Time to accuracy = the training time (wall time less evaluations and probes, slowest rank) of
+the first evaluation at or above the target test accuracy, median over seeds.
+
+Prediction (lsgd_hpc.costmodel through benchmarks/scale_model.py's fit). A method's predicted
+step time at a rate is
+
+    t_step = t_local + t_comm(method; the links probed in that job; fitted parameters)
+
+with t_local the allreduce run's measured time per step less its communication at that rate
+(compute, data, bookkeeping: one figure per rate, what ``python -m lsgd_hpc.plan --step-ms``
+takes) and t_comm the alpha-beta model of the method's communication. The model's free
+parameters (allreduce algorithm, overlap of the bucketed allreduce, latency scale, cost per
+call) are fitted by scale_model.fit to the step times of the OTHER rate's runs (leave one rate
+out), so each rate's figures are predicted, not fitted (with one rate only they are fitted on
+that rate, and the table says so). The cost model has no model of async LSGD nor of DDP: async
+LSGD is predicted as sync LSGD (same rounds, no overlap), DDP as allreduce SGD in DDP's gradient
+buckets (2 for this model, against lsgd_hpc's 1 MiB buckets: 5). Predicted time
+to accuracy = measured steps to the target x predicted step time (median over seeds).
+
+Outputs in --out: time_to_accuracy.csv (per rate and method: measured and predicted step time
+and time to accuracy, their errors), curves.csv (accuracy against training time, every run),
+fit.csv (the fitted parameters per rate), time_to_accuracy.png, accuracy_vs_time.png,
+step_time_predicted.png. Raw runs (HDF5): runs/results/network/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+for _p in (REPO, REPO / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+# by its package path: the top-level name _common is benchmarks/_common.py, which
+# time_to_accuracy and scale_model import
+from results.experiments._common import (new_figure, raw_dir, save_figure,  # noqa: E402
+                                         write_csv, write_json)
+
+import scale_model  # noqa: E402
+import time_to_accuracy as tta  # noqa: E402
+
+NAME = "network"
+TITLE = "Network: time to accuracy at 1 and 10 Gbit/s, measured and predicted"
+#: the emulated cluster's name and subnet: our own, other clusters may be up
+CLUSTER_NAME, CLUSTER_SUBNET = "lsgdnet", "10.79.7"
+ASYNC = ("lsgd async", "lsgd-async", ["--tau-local", "4", "--tau-global", "8"])
+#: every method: time_to_accuracy's (LSGD and the baselines), async LSGD, then DDP
+METHODS = tta.METHODS[:1] + [ASYNC] + tta.METHODS[1:]
+#: the cost model's stand-in for a method it has no model of
+STAND_IN = {ASYNC[0]: "lsgd", tta.DDP_LABEL: "allreduce"}
+#: torch DDP's gradient buckets: the first one closes past 1 MiB, the others past 25 MiB
+DDP_FIRST_BUCKET, DDP_BUCKET = 2 ** 20, 25 * 2 ** 20
+SEEDS_FULL, SEEDS_QUICK = (0, 1, 2), (0,)
+#: quick mode: fewer steps and a lower target, so that every method gets there
+QUICK = dict(steps=30, target=0.85)
+RATE_GBPS = {"1gbit": 1.0, "10gbit": 10.0}
+
+
+def _median(xs: List[float]) -> float:
+    xs = [x for x in xs if x == x]
+    return float(statistics.median(xs)) if xs else math.nan
+
+
+# -- prediction ---------------------------------------------------------------------------------
+def _settings(results: Dict) -> Dict[str, Dict]:
+    """scale_model.points_of's input: per rate, the probe and each modelled method's per-step
+    costs (median over seeds)."""
+    out = {}
+    for rate, res in results.items():
+        probe = (res.get("probe") or {}).get("probe")
+        runs = {}
+        for label, by_seed in res["seeds"].items():
+            if label in STAND_IN:
+                continue
+            runs[label] = {k: _median([r[k] for r in by_seed.values()])
+                           for k in ("time_per_step", "compute_s_per_step", "comm_s_per_step")}
+        out[rate] = {"probe": probe, "runs": runs}
+    return out
+
+
+def ddp_bucket_bytes(n_params: int) -> float:
+    """Bytes per bucket that give the cost model DDP's number of gradient buckets,
+    k = 1 + ceil((n - 1 MiB) / 25 MiB) for n bytes of gradients, as k equal buckets."""
+    n = 4 * n_params
+    return n / (1 + math.ceil(max(0, n - DDP_FIRST_BUCKET) / DDP_BUCKET))
+
+
+def predict(results: Dict, mem_Bps: float) -> Dict[str, Dict]:
+    """Per rate: the fit used (on the other rate's points) and each method's predicted step
+    time."""
+    settings = _settings(results)
+    points = {rate: scale_model.points_of({rate: s}) for rate, s in settings.items()}
+    out = {}
+    for rate, pts in points.items():
+        if not pts:
+            continue
+        others = [p for r, ps in points.items() if r != rate for p in ps]
+        fitted = scale_model.fit(others or pts, mem_Bps)
+        ar = next((p for p in pts if p["method"] == "allreduce"), None)
+        if ar is None:
+            continue
+        t_local = ar["measured_compute_s"]
+        coll = scale_model.cm.Collectives(fitted["allreduce"])
+        step = {}
+        for label in results[rate]["seeds"]:
+            pt = {**ar, "method": STAND_IN.get(label, label), "measured_compute_s": t_local}
+            step[label] = t_local + scale_model.predict_point(
+                pt, fitted["call_overhead_s"], coll, mem_Bps, fitted["overlap"],
+                fitted["latency_scale"],
+                ddp_bucket_bytes(ar["n_params"]) if label == tta.DDP_LABEL
+                else scale_model.BUCKET_BYTES)
+        out[rate] = {"fit": {k: fitted[k] for k in ("allreduce", "overlap", "latency_scale",
+                                                     "call_overhead_s", "max_abs_error")},
+                     "fitted_on": sorted(r for r in points if r != rate) or [rate],
+                     "t_local_s": t_local, "step_s": step,
+                     "inter": vars(ar["inter"]), "intra": vars(ar["intra"])}
+    return out
+
+
+# -- tables ---------------------------------------------------------------------------------------
+def table_rows(results: Dict, pred: Dict) -> List[Dict]:
+    rows = []
+    for rate, res in results.items():
+        p = pred.get(rate, {})
+        for label, by_seed in res["seeds"].items():
+            runs = list(by_seed.values())
+            steps = [r["step_to_target"] for r in runs]
+            t_meas = tta._median_time([r["time_to_target"] for r in runs])
+            step_meas = _median([r["time_per_step"] for r in runs])
+            step_pred = p.get("step_s", {}).get(label, math.nan)
+            # predicted time to accuracy: each seed's measured steps x the predicted step time
+            t_pred = tta._median_time([s * step_pred if s else math.inf for s in steps])
+            rows.append({
+                "rate": rate, "method": label, "seeds": len(runs),
+                "reached": sum(s is not None for s in steps),
+                "steps_to_target": _median([s for s in steps if s]),
+                "time_to_target_s": t_meas,
+                "time_to_target_min_s": min(r["time_to_target"] for r in runs),
+                "time_to_target_max_s": max(r["time_to_target"] for r in runs),
+                "step_time_s": step_meas, "predicted_step_time_s": step_pred,
+                "step_time_error": (step_pred - step_meas) / step_meas if step_meas else math.nan,
+                "predicted_time_to_target_s": t_pred,
+                "time_to_target_error": ((t_pred - t_meas) / t_meas if math.isfinite(t_meas)
+                                         and math.isfinite(t_pred) else math.nan),
+                "final_accuracy": _median([r["final_accuracy"] for r in runs]),
+                "comm_s_per_step": _median([r["comm_s_per_step"] for r in runs]),
+                "bytes_sent_per_step": _median([r["bytes_sent_per_step"] for r in runs]),
+                "model": STAND_IN.get(label, label),
+                "fitted_on": "+".join(p.get("fitted_on", [])),
+            })
+    return rows
+
+
+def curve_rows(results: Dict) -> List[Dict]:
+    return [{"rate": rate, "method": label, "seed": seed, "step": c["step"],
+             "training_time_s": c["time"], "test_accuracy": c["accuracy"]}
+            for rate, res in results.items() for label, curves in res["curves"].items()
+            for seed, curve in curves.items() for c in curve]
+
+
+# -- figures --------------------------------------------------------------------------------------
+def _rate_title(rate: str) -> str:
+    return f"{RATE_GBPS.get(rate, rate):g} Gbit/s per node link"
+
+
+def plot_time_to_accuracy(rows: List[Dict], rates: List[str], target: float, n_seeds: int,
+                          path: Path) -> None:
+    fig, axes = new_figure(len(rates), width=6.2, height=4.6)
+    for ax, rate in zip(axes, rates):
+        rs = [r for r in rows if r["rate"] == rate]
+        labels = [r["method"] for r in rs]
+        x = list(range(len(rs)))
+        top = max([v for r in rs for v in (r["time_to_target_s"], r["time_to_target_max_s"],
+                                            r["predicted_time_to_target_s"])
+                   if math.isfinite(v)] or [1.0]) * 1.4      # room for the legend
+        for i, r in enumerate(rs):
+            if math.isfinite(r["time_to_target_s"]):
+                lo = r["time_to_target_s"] - r["time_to_target_min_s"]
+                hi = (min(r["time_to_target_max_s"], top) - r["time_to_target_s"])
+                ax.bar(i, r["time_to_target_s"], color="C0", alpha=0.75,
+                       yerr=[[lo], [hi]] if n_seeds > 1 else None, capsize=3,
+                       label="measured (median, seed range)" if i == 0 else None)
+            else:
+                ax.text(i, 0.02 * top, "not\nreached", ha="center", va="bottom", fontsize=8)
+        pred = [r["predicted_time_to_target_s"] for r in rs]
+        ax.plot([i for i, v in enumerate(pred) if math.isfinite(v)],
+                [v for v in pred if math.isfinite(v)], "D", color="C3", ms=7,
+                label="predicted (measured steps x model step time)")
+        ax.set_xticks(x, labels, rotation=30, ha="right")
+        ax.set_ylim(0, top)
+        ax.set_ylabel(f"training time to {target:.0%} test accuracy (s)")
+        ax.set_title(f"{_rate_title(rate)} (median of {n_seeds} seed{'s' * (n_seeds > 1)})")
+        ax.legend(loc="upper left")
+    save_figure(fig, path)
+
+
+def plot_curves(results: Dict, rates: List[str], target: float, path: Path) -> None:
+    fig, axes = new_figure(len(rates), width=6.2, height=4.6)
+    for ax, rate in zip(axes, rates):
+        curves = results[rate]["curves"]
+        for i, (label, by_seed) in enumerate(curves.items()):
+            model = next(iter(results[rate]["seeds"][label].values())).get("model", "")
+            shown = f"{label} ({model})" if model in ("leader", "centre") else label
+            for j, (seed, curve) in enumerate(sorted(by_seed.items())):
+                ax.plot([c["time"] for c in curve], [100 * c["accuracy"] for c in curve],
+                        color=f"C{i}", alpha=0.9 if j == 0 else 0.35, lw=1.4 if j == 0 else 0.9,
+                        label=shown if j == 0 else None)
+        ax.axhline(100 * target, color="k", ls="--", lw=0.8, label=f"target {target:.0%}")
+        ax.set_xlabel("training time, slowest rank (s)")
+        ax.set_ylabel("test accuracy of the method's model (%)")
+        ax.set_ylim(max(0, 100 * target - 40), 100)
+        ax.set_title(f"{_rate_title(rate)}: accuracy vs training time\n(others: mean over "
+                     "ranks; faint: further seeds)")
+        ax.legend(loc="lower right", ncol=2)
+    save_figure(fig, path)
+
+
+def plot_step_times(rows: List[Dict], rates: List[str], path: Path) -> None:
+    fig, axes = new_figure(1, width=8.4, height=4.8)
+    ax = axes[0]
+    markers = {rate: m for rate, m in zip(rates, "os^v")}
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    seen = []
+    for r in rows:
+        if not (math.isfinite(r["step_time_s"]) and math.isfinite(r["predicted_step_time_s"])):
+            continue
+        i = methods.index(r["method"])
+        ax.plot(1e3 * r["step_time_s"], 1e3 * r["predicted_step_time_s"], markers[r["rate"]],
+                color=f"C{i}", ms=8, alpha=0.85)
+        seen += [1e3 * r["step_time_s"], 1e3 * r["predicted_step_time_s"]]
+    lo, lim = (0.8 * min(seen), 1.1 * max(seen)) if seen else (0.0, 1.0)
+    ax.plot([lo, lim], [lo, lim], "k-", lw=0.8)
+    ax.fill_between([lo, lim], [0.75 * lo, 0.75 * lim], [1.25 * lo, 1.25 * lim], color="0.85",
+                    alpha=0.6)
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], ls="", marker="o", color=f"C{i}", label=m)
+               for i, m in enumerate(methods)]
+    handles += [Line2D([], [], ls="", marker=markers[rt], color="0.3", label=_rate_title(rt))
+                for rt in rates]
+    handles += [Line2D([], [], color="0.85", lw=8, label="within 25 %")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    ax.set_xlim(lo, lim)
+    ax.set_ylim(lo, lim)
+    ax.set_xlabel("measured step time (ms)")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.set_title("Step time: scale model (fitted on the other rate) vs measured")
+    save_figure(fig, path)
+
+
+# -- findings -------------------------------------------------------------------------------------
+def _fmt_t(s: float) -> str:
+    return "not reached" if not math.isfinite(s) else f"{s:.2f} s"
+
+
+def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int) -> List[str]:
+    out = []
+    for rate in rates:
+        rs = {r["method"]: r for r in rows if r["rate"] == rate}
+        if not rs:
+            continue
+        order = sorted(rs.values(), key=lambda r: r["time_to_target_s"])
+        fastest = order[0]
+        out.append(f"{_rate_title(rate)}: fastest to {target:.0%} is {fastest['method']} "
+                   f"({_fmt_t(fastest['time_to_target_s'])}, median of {n_seeds}); order: "
+                   + ", ".join(f"{r['method']} {_fmt_t(r['time_to_target_s'])}" for r in order)
+                   + ".")
+        lsgd = rs.get("lsgd")
+        base = [r for m, r in rs.items() if m not in ("lsgd", ASYNC[0])]
+        best = min(base, key=lambda r: r["time_to_target_s"]) if base else None
+        if lsgd and best and math.isfinite(best["time_to_target_s"]):
+            ratio = lsgd["time_to_target_s"] / best["time_to_target_s"]
+            verdict = ("LSGD is faster" if ratio < 1 else
+                       "LSGD is NOT faster than the best baseline")
+            out.append(f"{_rate_title(rate)}: LSGD / best baseline ({best['method']}) = "
+                       f"{ratio:.2f}: {verdict}; LSGD sent "
+                       f"{lsgd['bytes_sent_per_step'] / max(best['bytes_sent_per_step'], 1):.2f}x"
+                       f" the bytes per step of {best['method']}.")
+        if "ddp" in rs and "allreduce" in rs:
+            d, a = rs["ddp"], rs["allreduce"]
+            out.append(f"{_rate_title(rate)}: lsgd_hpc allreduce / DDP step time "
+                       f"{a['step_time_s'] / d['step_time_s']:.2f} ({1e3 * a['step_time_s']:.0f}"
+                       f" vs {1e3 * d['step_time_s']:.0f} ms), time to accuracy "
+                       f"{_fmt_t(a['time_to_target_s'])} vs {_fmt_t(d['time_to_target_s'])}.")
+        errs = [(abs(r["step_time_error"]), r["method"]) for r in rs.values()
+                if math.isfinite(r["step_time_error"])]
+        terrs = [abs(r["time_to_target_error"]) for r in rs.values()
+                 if math.isfinite(r["time_to_target_error"])]
+        if errs:
+            worst = max(errs)
+            within = sum(e <= 0.25 for e, _ in errs)
+            fitted_on = next(iter(rs.values()))["fitted_on"]
+            how = ("fitted on the same rate (in-sample)" if fitted_on == rate else
+                   f"fitted on {fitted_on} only (out of sample)")
+            out.append(f"{_rate_title(rate)}: scale model ({how}): step time error median "
+                       f"{100 * _median([e for e, _ in errs]):.0f} %, worst "
+                       f"{100 * worst[0]:.0f} % ({worst[1]}); {within} of {len(errs)} methods "
+                       f"within 25 %; time-to-accuracy error median "
+                       f"{100 * _median(terrs):.0f} %.")
+    if len(rates) == 2:
+        a, b = rates
+        ra = {r["method"]: r for r in rows if r["rate"] == a}
+        rb = {r["method"]: r for r in rows if r["rate"] == b}
+        slow = [(ra[m]["time_to_target_s"] / rb[m]["time_to_target_s"], m) for m in ra
+                if m in rb and math.isfinite(ra[m]["time_to_target_s"])
+                and math.isfinite(rb[m]["time_to_target_s"])]
+        if slow:
+            slow.sort()
+            out.append(f"Going from {_rate_title(b)} to {_rate_title(a)} multiplies the time to "
+                       f"accuracy by {slow[0][0]:.2f} ({slow[0][1]}, least hit) to "
+                       f"{slow[-1][0]:.2f} ({slow[-1][1]}, most hit).")
+    return out
+
+
+# -- the experiment -------------------------------------------------------------------------------
+def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
+        timeout: float = 600) -> Dict:
+    t0 = time.perf_counter()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    seeds = list(seeds or (SEEDS_QUICK if quick else SEEDS_FULL))
+    raw = raw_dir(NAME)
+    shutil.rmtree(raw, ignore_errors=True)
+    steps, target = (QUICK["steps"], QUICK["target"]) if quick else (tta.MAX_STEPS, tta.TARGET)
+    res = tta.run(quick, timeout, log, methods=METHODS, ddp=True, name=CLUSTER_NAME,
+                  subnet=CLUSTER_SUBNET, keep=raw, seeds=seeds, steps=steps, target=target)
+    base = {"name": NAME, "title": TITLE, "quick": quick, "figures": [], "tables": [],
+            "findings": [], "status": res["status"]}
+    if res["status"].startswith("skipped") or not res.get("results"):
+        base["findings"] = [f"not run: {res['status']}; {res.get('errors', '')}"]
+        base["seconds"] = time.perf_counter() - t0
+        return base
+    results = res["results"]
+    rates = [r for r in tta.RATES if r in results]
+    from lsgd_hpc.plan import model_facts
+    mem = scale_model.memory_bandwidth(
+        scale_model.cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
+    pred = predict(results, mem)
+    rows = table_rows(results, pred)
+    tables = [write_csv(out / "time_to_accuracy.csv", rows).name,
+              write_csv(out / "curves.csv", curve_rows(results)).name,
+              write_csv(out / "fit.csv", [{"rate": r, "fitted_on": "+".join(p["fitted_on"]),
+                                           "t_local_ms": 1e3 * p["t_local_s"],
+                                           "inter_gbps": 8e-9 / p["inter"]["beta_s"]
+                                           if p["inter"]["beta_s"] else math.inf,
+                                           "inter_latency_us": 1e6 * p["inter"]["alpha_s"],
+                                           **p["fit"]} for r, p in pred.items()]).name]
+    figures = []
+    plot_time_to_accuracy(rows, rates, target, len(seeds), out / "time_to_accuracy.png")
+    plot_curves(results, rates, target, out / "accuracy_vs_time.png")
+    plot_step_times(rows, rates, out / "step_time_predicted.png")
+    figures = ["time_to_accuracy.png", "accuracy_vs_time.png", "step_time_predicted.png"]
+    found = findings(rows, rates, target, len(seeds))
+    for k, v in res.get("errors", {}).items():
+        found.append(f"error in {k}: {v}")
+    seconds = time.perf_counter() - t0
+    write_json(out / "network.json", {"rows": rows, "prediction": pred, "errors":
+                                       res.get("errors", {}), "notes": res.get("notes"),
+                                       "gpu_cases": res.get("gpu_cases"), "seconds": seconds})
+    return {**base, "figures": figures, "tables": tables, "findings": found,
+            "seconds": seconds}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(REPO / "results" / NAME))
+    p.add_argument("--quick", action="store_true",
+                   help=f"one seed, {QUICK['steps']} steps, target {QUICK['target']:.0%}")
+    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; quick: 0)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per link rate's job")
+    args = p.parse_args(argv)
+    res = run(args.out, args.quick, seeds=args.seeds, timeout=args.timeout)
+    for f in res["findings"]:
+        print("-", f)
+    print(f"{res['seconds']:.0f} s; tables {res['tables']}; figures {res['figures']}")
+    return 0 if res["status"].startswith("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
