@@ -454,6 +454,9 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
                                   for label, by_seed in runs.items()},
                        "probe": data["probe"]}
         per_method = "; ".join(f"{k} {_fmt_t(v)}" for k, v in tt.items())
+        if "lsgd" in runs:     # its leader's model above; every worker's, for comparison
+            per_method += "; lsgd by the mean over ranks " + _fmt_t(_median_time(
+                [r["time_to_target_mean_over_ranks"] for r in runs["lsgd"].values()]))
         rows.append(row(
             f"time_to_accuracy {rate}",
             f"training time to {base['target']:.0%} test accuracy (median of "

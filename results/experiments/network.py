@@ -155,6 +155,10 @@ def table_rows(results: Dict, pred: Dict) -> List[Dict]:
                 "reached": sum(s is not None for s in steps),
                 "steps_to_target": _median([s for s in steps if s]),
                 "time_to_target_s": t_meas,
+                # what the method's model is (LSGD: the leader), and the mean over ranks
+                "accuracy_of": runs[0].get("model", ""),
+                "time_to_target_mean_over_ranks_s": tta._median_time(
+                    [r.get("time_to_target_mean_over_ranks", math.inf) for r in runs]),
                 "time_to_target_min_s": min(r["time_to_target"] for r in runs),
                 "time_to_target_max_s": max(r["time_to_target"] for r in runs),
                 "step_time_s": step_meas, "predicted_step_time_s": step_pred,
@@ -272,7 +276,8 @@ def _fmt_t(s: float) -> str:
     return "not reached" if not math.isfinite(s) else f"{s:.2f} s"
 
 
-def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int) -> List[str]:
+def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int,
+             pred: Dict) -> List[str]:
     out = []
     for rate in rates:
         rs = {r["method"]: r for r in rows if r["rate"] == rate}
@@ -291,6 +296,9 @@ def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int) ->
             ratio = lsgd["time_to_target_s"] / best["time_to_target_s"]
             verdict = ("LSGD is faster" if ratio < 1 else
                        "LSGD is NOT faster than the best baseline")
+            if math.isfinite(lsgd["time_to_target_mean_over_ranks_s"]):
+                verdict += (f" (by the mean over its ranks instead of its leader LSGD takes "
+                            f"{_fmt_t(lsgd['time_to_target_mean_over_ranks_s'])})")
             out.append(f"{_rate_title(rate)}: LSGD / best baseline ({best['method']}) = "
                        f"{ratio:.2f}: {verdict}; LSGD sent "
                        f"{lsgd['bytes_sent_per_step'] / max(best['bytes_sent_per_step'], 1):.2f}x"
@@ -301,6 +309,11 @@ def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int) ->
                        f"{a['step_time_s'] / d['step_time_s']:.2f} ({1e3 * a['step_time_s']:.0f}"
                        f" vs {1e3 * d['step_time_s']:.0f} ms), time to accuracy "
                        f"{_fmt_t(a['time_to_target_s'])} vs {_fmt_t(d['time_to_target_s'])}.")
+        link = pred.get(rate, {}).get("inter")
+        if link and link["beta_s"] > 0:
+            out.append(f"{_rate_title(rate)}: the probe in the same job measured the link "
+                       f"between nodes at {8e-9 / link['beta_s']:.2f} Gbit/s and "
+                       f"{1e6 * link['alpha_s']:.0f} us latency (the model's inputs).")
         errs = [(abs(r["step_time_error"]), r["method"]) for r in rs.values()
                 if math.isfinite(r["step_time_error"])]
         terrs = [abs(r["time_to_target_error"]) for r in rs.values()
@@ -369,7 +382,7 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
     plot_curves(results, rates, target, out / "accuracy_vs_time.png")
     plot_step_times(rows, rates, out / "step_time_predicted.png")
     figures = ["time_to_accuracy.png", "accuracy_vs_time.png", "step_time_predicted.png"]
-    found = findings(rows, rates, target, len(seeds))
+    found = findings(rows, rates, target, len(seeds), pred)
     for k, v in res.get("errors", {}).items():
         found.append(f"error in {k}: {v}")
     seconds = time.perf_counter() - t0
