@@ -112,9 +112,17 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", metavar="NAME", choices=names,
                    help=f"run only these ({', '.join(names)}); README keeps the others' last "
                         "results from OUT/summary.json")
+    p.add_argument("--readme-only", action="store_true",
+                   help="rewrite OUT/README.md from OUT/summary.json and results/readings/ "
+                        "(after editing a reading), running nothing")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.readme_only:
+        doc = json.loads((out / "summary.json").read_text())
+        (out / "README.md").write_text(readme(doc))
+        print(f"wrote {out}/README.md")
+        return 0
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     todo = [n for n in names if not args.only or n in args.only]
     previous = {}
