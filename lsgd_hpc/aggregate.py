@@ -24,7 +24,9 @@ not in ``KNOWN_SCHEMA_VERSIONS`` or missing; one of another run -- the files of 
 run's (on a tie, the one agreeing with config.yaml on the most keys, then the one holding the
 lowest rank); two or more files claiming one ``rank`` attribute -- the one whose file name is
 that rank's (``rank%05d.h5``) is kept, and when none or several are, all of them are skipped.
-A RUN_DIR that does not exist or has nothing readable left is skipped likewise. A RUN_DIR
+A RUN_DIR that does not exist or has nothing readable left is skipped likewise. A run's
+configuration is the ``config`` attribute of its kept files (config.yaml, written once by the
+first start, only when they have none; a warning says where config.yaml differs). A RUN_DIR
 without ``metrics/`` whose sub-directories are runs (a sweep's parent directory) stands for
 those runs.
 
@@ -400,7 +402,15 @@ def read_run(run_dir: str | os.PathLike, name: str | None = None,
     ranks = _one_file_per_rank(_one_run(datas, dir_config, run_dir, skip), skip)
     if not ranks:
         raise AggregateError(f"no readable metrics files in {run_dir}")
-    config = dir_config or dict(ranks[min(ranks)]["config"])
+    # The configuration the kept files were written with; config.yaml is written once, by the
+    # first start, so a later run into the same directory can leave it stale.
+    config = dict(ranks[min(ranks)]["config"]) or dir_config
+    stale = sorted(k for k in set(config) | set(dir_config)
+                   if k not in NON_CONFIG_KEYS and dir_config
+                   and _canonical(config.get(k)) != _canonical(dir_config.get(k)))
+    if stale:
+        warn(f"{cfg_path} differs from the config in the metrics files in "
+             f"{', '.join(stale[:6])}{' ...' if len(stale) > 6 else ''}; using the files'")
     return Run(path=run_dir, name=name or run_dir.resolve().name, config=config,
                ranks=ranks, skipped=skipped)
 

@@ -307,6 +307,18 @@ def test_truncated_file_warned_and_skipped(runs_root, tmp_path, capsys):
         agg.read_run(run_dir, warn=lambda m: None)
 
 
+def test_config_comes_from_the_files_not_a_stale_config_yaml(runs_root, tmp_path):
+    run_dir = tmp_path / "rerun"
+    shutil.copytree(runs_root / "easgd_s1", run_dir)
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({**cfg, "lr": 0.5, "seed": 9}))
+    warnings = []
+    run = agg.read_run(run_dir, warn=warnings.append)
+    assert run.config["lr"] == 0.1 and run.seed == 1
+    assert warnings == [f"{run_dir / 'config.yaml'} differs from the config in the metrics "
+                        f"files in lr; using the files'"]        # the seed is no configuration
+
+
 def test_parent_directory_expands_to_runs(runs_root):
     runs = agg.read_runs([runs_root], warn=lambda m: None)
     assert sorted(r.name for r in runs) == sorted(RUN_NAMES)
