@@ -25,7 +25,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE / "experiments"))
-sys.path.insert(0, str(REPO / "benchmarks"))
 
 #: (name, what a quiet 2-core machine needs in full mode, in minutes), in the order they run.
 EXPERIMENTS = [
@@ -58,8 +57,21 @@ emulated with `--ranks-per-node` except in the network experiment, which runs on
 
 
 def machine() -> dict:
-    from run_all import machine_info          # benchmarks/run_all.py
-    info = machine_info(8)
+    """What the experiments ran on: benchmarks/run_all.py's machine_info, loaded apart so that
+    its own helper modules (benchmarks/_common.py) do not shadow the experiments'."""
+    import importlib.util
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location("_bench_run_all",
+                                                      REPO / "benchmarks" / "run_all.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod              # dataclasses look their module up
+        spec.loader.exec_module(mod)
+        info = mod.machine_info(16)
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:
+            del sys.modules[name]
     info.pop("max_ranks", None)
     return info
 
