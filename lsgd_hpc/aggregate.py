@@ -18,17 +18,18 @@ column existed have no training time; their runs are left out of that plot only.
 
 Files that are skipped (lsgd_hpc.rundir reads the run directories), each with one line on
 stderr naming the file and why (the run is aggregated from the others; exit status 2 and a
-one-line error only when no run has a file left): a rank file that cannot be read (truncated, not HDF5); one whose ``schema_version`` is
-not in ``KNOWN_SCHEMA_VERSIONS`` or missing; one of another run -- the files of a run share the
-``start_time`` attribute and the ``config`` attribute, and the identity most files share is the
-run's (on a tie, the one agreeing with config.yaml on the most keys, then the one holding the
-lowest rank); two or more files claiming one ``rank`` attribute -- the one whose file name is
-that rank's (``rank%05d.h5``) is kept, and when none or several are, all of them are skipped.
-A RUN_DIR that does not exist or has nothing readable left is skipped likewise. A run's
-configuration is the ``config`` attribute of its kept files (config.yaml, written once by the
-first start, only when they have none; a warning says where config.yaml differs). A RUN_DIR
-without ``metrics/`` whose sub-directories are runs (a sweep's parent directory) stands for
-those runs.
+one-line error only when no run has a file left): a rank file that cannot be read (truncated,
+not HDF5); one whose ``schema_version`` is not in ``KNOWN_SCHEMA_VERSIONS`` or missing; one of
+another run -- the files of a run share the ``config`` attribute (``resume`` aside) and come
+from one chain of starts (``start_time``; a resumed start continues the run, a fresh one begins
+another), and the run most files share is the directory's (on a tie, the one agreeing with
+config.yaml on the most keys, then the one holding the lowest rank); two or more files claiming
+one ``rank`` attribute -- the one whose file name is that rank's (``rank%05d.h5``) is kept, and
+when none or several are, all of them are skipped. A RUN_DIR that does not exist or has
+nothing readable left is skipped likewise. A run's configuration is the ``config`` attribute
+of its kept files (config.yaml, written once by the first start, only when they have none; a
+warning says where config.yaml differs). A RUN_DIR without ``metrics/`` whose
+sub-directories are runs (a sweep's parent directory) stands for those runs.
 
 Per-evaluation figures (one evaluation = one ``/eval`` step):
 
@@ -46,8 +47,9 @@ Per-evaluation figures (one evaluation = one ``/eval`` step):
 ``final_*`` is the last evaluation that every readable rank reached; ``best_*`` is the
 maximum over evaluations of the per-evaluation figure (evaluations that every readable rank
 reached; all evaluations if there is none). ``wall_time`` and ``training_time`` are the
-maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` the sum over ranks of the last
-``comm_bytes_sent``, ``steps`` the last logged training step (maximum over ranks).
+maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` the sum
+over ranks of the last ``comm_bytes_sent``, ``steps`` the last logged training step (maximum
+over ranks).
 
 ``final_consensus_distance`` is the consensus distance at the run's last probe and
 ``mean_consensus_distance`` the mean over its probes (empty without probes).
@@ -100,7 +102,7 @@ import numpy as np
 
 from lsgd_hpc.rundir import (GROUPS, KNOWN_SCHEMA_VERSIONS, NON_CONFIG_KEYS, AggregateError, Run,
                              canonical, col, expand_run_dirs, read_rank_file, read_run,
-                             run_identity)
+                             run_identities)
 from lsgd_hpc.rundir import read_runs as _read_runs
 from lsgd_hpc.predictions import (CORRELATION_COLUMNS, PredictionsError, correlation_table,
                                   default_plot_measured, join_predictions,
@@ -110,9 +112,9 @@ from lsgd_hpc.stats import rank_correlation
 
 __all__ = ["AggregateError", "Run", "RunGroup", "Targets", "GROUPS", "KNOWN_SCHEMA_VERSIONS",
            "NON_CONFIG_KEYS", "read_rank_file", "read_run", "read_runs", "expand_run_dirs",
-           "run_identity", "col", "eval_table", "train_table", "time_to_accuracy", "time_to_loss",
-           "consensus_figures", "summarize_run", "group_runs", "group_table", "group_metrics",
-           "rank_correlation", "aggregate", "main"]
+           "run_identities", "col", "eval_table", "train_table", "time_to_accuracy",
+           "time_to_loss", "consensus_figures", "summarize_run", "group_runs", "group_table",
+           "group_metrics", "rank_correlation", "aggregate", "main"]
 
 PROG = "lsgd_hpc.aggregate"
 

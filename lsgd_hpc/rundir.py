@@ -3,8 +3,8 @@ they belong to.
 
 Rank files are skipped, each with one warning naming the file and why, when they are unreadable
 (truncated, not HDF5), carry a ``schema_version`` not in KNOWN_SCHEMA_VERSIONS (or none), belong
-to another run than most of the directory's files (``run_identity``: start time and
-configuration), or claim the rank of another file (the one named for the rank is kept).
+to another run than most of the directory's files (``run_identities``: configuration and
+chain of starts), or claim the rank of another file (the one named for the rank is kept).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from lsgd_hpc.metrics import SCHEMA_VERSION, rank_file
 
 __all__ = ["GROUPS", "KNOWN_SCHEMA_VERSIONS", "NON_CONFIG_KEYS", "AggregateError", "Run",
-           "read_rank_file", "col", "run_identity", "read_run", "expand_run_dirs", "read_runs",
+           "read_rank_file", "col", "run_identities", "read_run", "expand_run_dirs", "read_runs",
            "canonical"]
 
 GROUPS = ("train", "eval", "leader", "consensus")
@@ -172,23 +172,50 @@ def _schema_problem(data: dict) -> str | None:
     return None
 
 
-def run_identity(data: dict) -> tuple[str, str]:
-    """What makes a rank file part of one run: the start time every rank shares and the
-    resolved configuration (which includes the seed, the world size and the run directory)."""
-    return (str(data["attrs"].get("start_time", "")), canonical(data["config"]))
+#: config keys that change when a run is resumed, so that they do not tell two runs apart
+RESUME_KEYS = frozenset({"resume"})
+
+
+def run_identities(datas: list[dict]) -> list[tuple[str, int]]:
+    """The run each rank file belongs to, as (configuration, start): files of one run carry the
+    same resolved ``config`` attribute (which includes the seed, the world size and the run
+    directory; ``resume`` aside) and come from one chain of starts. Every start stamps its
+    files with its own ``start_time``, the same on every rank; a resumed start (``resume`` true
+    in its config) continues the run before it, a fresh one begins another run. So a rank that
+    has not flushed since a resume (its file still has the previous start's stamp) stays with
+    its run, and a file left over from an earlier fresh start of the same command does not."""
+    def config_of(d: dict) -> str:
+        return canonical({k: v for k, v in d["config"].items() if k not in RESUME_KEYS})
+
+    starts: dict[str, dict[str, bool]] = {}     # config -> start_time -> resumed
+    for d in datas:
+        st = str(d["attrs"].get("start_time", ""))
+        resumed = bool(d["config"].get("resume"))
+        starts.setdefault(config_of(d), {})[st] = starts.get(config_of(d), {}).get(st, False) \
+            or resumed
+    chain: dict[tuple[str, str], int] = {}
+    for cfg, by_start in starts.items():
+        n = 0
+        for i, st in enumerate(sorted(by_start)):   # ISO 8601 UTC stamps sort by time
+            n += i > 0 and not by_start[st]
+            chain[(cfg, st)] = n
+    return [(config_of(d), chain[(config_of(d), str(d["attrs"].get("start_time", "")))])
+            for d in datas]
 
 
 def _identity_difference(ref: dict, other: dict) -> str:
-    """'start_time A, not B; config differs in seed, run_dir' (what tells two runs apart)."""
+    """What tells ``other``'s run from ``ref``'s: 'config differs in seed, run_dir' and/or
+    'start_time B, not A' (with an identical configuration: a fresh start, not a resume)."""
     parts = []
-    a, b = ref["attrs"].get("start_time"), other["attrs"].get("start_time")
-    if str(a) != str(b):
-        parts.append(f"start_time {b}, not {a}")
-    keys = sorted(set(ref["config"]) | set(other["config"]))
+    keys = sorted((set(ref["config"]) | set(other["config"])) - RESUME_KEYS)
     diff = [k for k in keys
             if canonical(ref["config"].get(k)) != canonical(other["config"].get(k))]
     if diff:
         parts.append("config differs in " + ", ".join(diff[:6]) + (" ..." if len(diff) > 6 else ""))
+    a, b = ref["attrs"].get("start_time"), other["attrs"].get("start_time")
+    if str(a) != str(b):
+        parts.append(f"start_time {b}, not {a}"
+                     + ("" if diff else ": a fresh start of the same configuration, not a resume"))
     return "; ".join(parts) or "identity differs"
 
 
@@ -196,11 +223,12 @@ def _one_run(datas: list[dict], dir_config: dict, run_dir: Path,
              skip: Callable[[str, str], None]) -> list[dict]:
     """Keep the files of the run the directory holds; skip the files of any other run.
 
-    The run is the identity (``run_identity``) most files share; on a tie, the one whose
+    The run is the identity (``run_identities``) most files share; on a tie, the one whose
     config agrees with ``config.yaml`` on the most keys, then the one of the lowest rank."""
-    by_id: dict[tuple[str, str], list[dict]] = {}
-    for d in datas:
-        by_id.setdefault(run_identity(d), []).append(d)
+    idents = run_identities(datas)
+    by_id: dict[tuple[str, int], list[dict]] = {}
+    for d, ident in zip(datas, idents):
+        by_id.setdefault(ident, []).append(d)
     if len(by_id) <= 1:
         return datas
 
@@ -217,7 +245,7 @@ def _one_run(datas: list[dict], dir_config: dict, run_dir: Path,
         for d in ds:
             skip(d["path"], f"a file of another run than the other {len(keep)} file(s) in "
                             f"{run_dir / 'metrics'} ({_identity_difference(keep[0], d)})")
-    return [d for d in datas if run_identity(d) == chosen]
+    return list(keep)
 
 
 def _one_file_per_rank(datas: list[dict], skip: Callable[[str, str], None]) -> dict[int, dict]:

@@ -1,4 +1,4 @@
-"""Rank correlation of two samples (Spearman's rho, Kendall's tau-b), as the aggregator reports it."""
+"""Rank correlation of two samples (Spearman's rho, Kendall's tau-b) for the aggregator."""
 
 from __future__ import annotations
 

@@ -165,7 +165,8 @@ def test_predictions_errors(runs_root, tmp_path):
 def test_cli_options(runs_root, tmp_path):
     (tmp_path / "p.csv").write_text(PREDICTIONS)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "lsgd_hpc.aggregate", *map(str, dirs(runs_root)), "--out", str(out),
+    cmd = [sys.executable, "-m", "lsgd_hpc.aggregate", *map(str, dirs(runs_root)),
+           "--out", str(out),
            "--by", "algorithm", "--target-acc", "0.5", "--target-loss", "0.42",
            "--predictions", str(tmp_path / "p.csv"), "--plot-measured",
            "time_to_target_acc,mean_consensus_distance"]

@@ -3,6 +3,7 @@ the HDF5 read directly with h5py, and damaged copies of the runs (a truncated fi
 another run, another schema_version, two files claiming one rank)."""
 
 import csv
+import json
 import shutil
 import sys
 
@@ -168,6 +169,34 @@ def test_file_of_another_run_is_skipped(runs, tmp_path, capsys, replaced):
     assert row["algorithm"] == "lsgd"
     assert int(row["total_bytes_sent"]) == \
         int(h5(runs["lsgd"], kept)["train"]["comm_bytes_sent"][-1])
+
+
+def restamp(path, resume):
+    """Make a rank file look written by a later start of its run (a resume) or by a later
+    fresh start of the same command into the same directory."""
+    with h5py.File(path, "r+") as f:
+        f.attrs["start_time"] = "2099" + str(f.attrs["start_time"])[4:]
+        f.attrs["config"] = json.dumps({**json.loads(f.attrs["config"]), "resume": resume})
+
+
+def test_a_resume_is_the_same_run(runs, tmp_path, capsys):
+    """After a resume each rank restamps its file at its next flush: until every rank has,
+    the files carry two start times and are still one run."""
+    run = damaged(runs, tmp_path)
+    restamp(run / "metrics" / "rank00001.h5", resume=True)
+    rc, err, row = aggregate_cli(run, tmp_path / "out", capsys)
+    assert rc == 0 and err == []
+    assert int(row["total_bytes_sent"]) == \
+        sum(int(h5(runs["lsgd"], k)["train"]["comm_bytes_sent"][-1]) for k in (0, 1))
+
+
+def test_a_fresh_start_is_another_run(runs, tmp_path, capsys):
+    run = damaged(runs, tmp_path)
+    restamp(run / "metrics" / "rank00001.h5", resume=False)
+    rc, err, row = aggregate_cli(run, tmp_path / "out", capsys)
+    assert rc == 0 and len(err) == 1, err          # a tie: the run holding rank 0 is kept
+    assert "rank00001.h5" in err[0] and "a fresh start of the same configuration" in err[0]
+    assert int(row["total_bytes_sent"]) == int(h5(runs["lsgd"], 0)["train"]["comm_bytes_sent"][-1])
 
 
 def test_other_schema_version_is_skipped(runs, tmp_path, capsys):
