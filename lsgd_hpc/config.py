@@ -74,6 +74,7 @@ class Config:
     checkpoint_every: int = 0             # steps; 0 = only on preemption and at the end
     max_steps: Optional[int] = None       # stop early (benchmarks, tests)
     synthetic_size: int = 4096
+    label_noise: float = 0.0              # fraction of training labels replaced by wrong ones
     eval_batch_size: int = 1000
     straggler: Optional[str] = None       # RANK:SECONDS_PER_STEP (experiments, tests)
     collective_timeout: float = 300.0     # seconds; 0 = no watchdog
@@ -136,6 +137,9 @@ _HELP = {
     "flush_every": "steps between metric flushes", "flush_seconds": "seconds between flushes",
     "checkpoint_every": "steps between checkpoints (0: on preemption and at the end)",
     "max_steps": "stop after this many steps", "synthetic_size": "synthetic training samples",
+    "label_noise": "fraction P of training labels (a random subset, fixed by --seed, the same on "
+                   "every rank) replaced by a uniformly drawn wrong class; the test set keeps "
+                   "its labels (0: none)",
     "eval_batch_size": "batch size of evaluation",
 }
 DEVICES = ("cpu", "cuda")
@@ -159,6 +163,7 @@ _GROUP_OF = {
     "topology": "baselines", "bucket_mb": "baselines",
     "dataset": "data and model", "data_dir": "data and model", "model": "data and model",
     "synthetic_size": "data and model", "eval_batch_size": "data and model",
+    "label_noise": "data and model",
     "bn_recompute": "data and model",
     "backend": "cluster and backend", "device": "cluster and backend",
     "ranks_per_node": "cluster and backend", "stop_check_every": "cluster and backend",
@@ -379,6 +384,8 @@ def validate(cfg: Config, env: dict) -> None:
                     "ranks_per_node", "easgd_tau"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
                     "collective_timeout", "consensus_every", "bn_recompute"], strict=False)
+    if not (math.isfinite(cfg.label_noise) and 0 <= cfg.label_noise < 1):
+        raise ConfigError("--label-noise", f"must be in [0, 1), got {cfg.label_noise}")
     if cfg.lsgd_bn not in LSGD_BN:
         raise ConfigError("--lsgd-bn", f"must be one of {', '.join(LSGD_BN)}")
     if cfg.nesterov and cfg.momentum <= 0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import operator
 import os
 import pickle
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
-           "load_dataset", "random_crop_flip", "verify_cifar10_md5", "write_cifar10_python",
+           "load_dataset", "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
            "main"]
 
 DATASETS = ("digits", "cifar10", "synthetic")
@@ -34,6 +35,7 @@ FETCH_HINT = "python -m lsgd_hpc.data fetch cifar10 --root {root}"
 _PERM_TAG = 0x5045524D
 _AUG_TAG = 0x41554721
 _SYNTH_TAG = 0x53594E54
+_NOISE_TAG = 0x4E4F4953
 
 
 class DataError(ValueError):
@@ -332,21 +334,51 @@ def write_cifar10_python(root: str, per_batch: int = 20, n_test: int = 20, seed:
 # ------------------------------------------------------------------------------------ entry
 
 def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
-                 synthetic_size: int = 4096) -> Dataset:
+                 synthetic_size: int = 4096, label_noise: float = 0.0) -> Dataset:
     """Load a whole data set into memory.
 
     digits: scikit-learn's 1,797 8x8 digits, a fixed stratified 80/20 split (1437/360).
     cifar10: from ``data_dir``/cifar-10-batches-py through torchvision (never downloads).
     synthetic: ``synthetic_size`` training and ``synthetic_size // 4`` test images, 3x32x32,
     10 classes, generated from ``seed`` (all ranks must pass the same seed).
+    ``label_noise`` > 0: see ``with_label_noise`` (training labels only, from ``seed``).
     """
     if name == "digits":
-        return _load_digits()
-    if name == "cifar10":
-        return _load_cifar10(data_dir)
-    if name == "synthetic":
-        return _load_synthetic(seed, synthetic_size)
-    raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
+        ds = _load_digits()
+    elif name == "cifar10":
+        ds = _load_cifar10(data_dir)
+    elif name == "synthetic":
+        ds = _load_synthetic(seed, synthetic_size)
+    else:
+        raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
+    return with_label_noise(ds, label_noise, seed) if label_noise else ds
+
+
+def with_label_noise(ds: Dataset, p: float, seed: int) -> Dataset:
+    """``ds`` with symmetric label noise of rate ``p`` on its training set; the test set is kept.
+
+    Exactly ``round(p * n_train)`` training samples, a uniformly random subset, get a label
+    drawn uniformly from the other ``k - 1`` classes, so a fraction ``p`` of the training
+    labels is wrong and a wrong label carries no information about the true class. Both draws
+    come from a generator seeded by ``seed`` alone: every rank of a run (same ``--seed``)
+    trains on the same noisy labels, and each seed of an experiment on its own. For p below
+    (k - 1) / k the true class stays the most frequent label of its images, so the Bayes
+    classifier is unchanged and test accuracy measures how well training resists the noise.
+    """
+    p = float(p)
+    if not 0.0 <= p < 1.0:
+        raise DataError(f"label noise must be in [0, 1), got {p}")
+    n, k = ds.n_train, ds.num_classes
+    flip = int(round(p * n))
+    if flip == 0:
+        return ds
+    g = _generator(_NOISE_TAG, seed)
+    idx = torch.randperm(n, generator=g)[:flip]
+    # adding 1..k-1 modulo k moves a label to a uniformly chosen other class
+    shift = torch.randint(1, k, (flip,), generator=g)
+    y = ds.y_train.clone()
+    y[idx] = (y[idx] + shift) % k
+    return dataclasses.replace(ds, y_train=y)
 
 
 # ----------------------------------------------------------------------------- augmentation

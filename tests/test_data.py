@@ -323,3 +323,32 @@ def test_cli_check_md5_and_usage_errors(cifar_root, capsys):
         D.main(["fetch", "digits", "--root", "x"])                 # fetch is for cifar10 only
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------ label noise
+
+def test_label_noise_flips_exactly_p_of_the_training_labels_to_other_classes(digits):
+    noisy = load_dataset("digits", seed=4, label_noise=0.4)
+    wrong = noisy.y_train != digits.y_train
+    assert int(wrong.sum()) == round(0.4 * digits.n_train)
+    # a wrong label is one of the other classes, and every class receives some
+    assert torch.bincount(noisy.y_train[wrong], minlength=10).min() > 0
+    assert torch.equal(noisy.x_train, digits.x_train)
+    assert torch.equal(noisy.y_test, digits.y_test) and torch.equal(noisy.x_test, digits.x_test)
+
+
+def test_label_noise_depends_on_the_seed_only(digits):
+    a = load_dataset("digits", seed=4, label_noise=0.3)
+    b = load_dataset("digits", seed=4, label_noise=0.3)   # another rank of the same run
+    c = load_dataset("digits", seed=5, label_noise=0.3)   # another seed
+    assert torch.equal(a.y_train, b.y_train)
+    assert not torch.equal(a.y_train, c.y_train)
+    assert torch.equal(load_dataset("digits", seed=4, label_noise=0.0).y_train, digits.y_train)
+
+
+@pytest.mark.parametrize("bad", ["1", "-0.1", "nan"])
+def test_label_noise_outside_0_1_is_a_usage_error(bad):
+    from lsgd_hpc.config import ConfigError, parse_config
+    with pytest.raises(ConfigError, match="--label-noise"):
+        parse_config(["--label-noise", bad], env={})
+    assert parse_config(["--label-noise", "0.25"], env={}).label_noise == 0.25
