@@ -6,26 +6,20 @@ For each rank count, one MPI job trains every method without a straggler; the me
 seconds per step of sync LSGD there is the unit t. A second job trains every method with
 the last rank sleeping (k-1) t per step (--straggler), for k = 2 and 4: that rank's steps take
 about k times as long. The figure of merit is the retention: the fast ranks' steps/s with
-the straggler over their steps/s without it, per method, from the same run.
+the straggler over their steps/s without it, per method, from the same run. The sweep itself
+is benchmarks/straggler_sweep.py (results/experiments/stragglers.py runs it too).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from _common import row, write_result
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests"))
-from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+from straggler_sweep import SKIP_STEPS, retention, sweep
 
 METHODS = [
     ("sync LSGD", ["--algorithm", "lsgd"]),
@@ -36,83 +30,13 @@ METHODS = [
 SLOWDOWNS = (2, 4)
 STEPS = 40
 TARGET = 0.90
-SKIP_STEPS = 5                  # start-up steps left out of steps/s
 COMMON = ["--dataset", "digits", "--max-steps", str(STEPS), "--epochs", "100",
           "--eval-every", "10", "--ranks-per-node", "2", "--seed", "1"]
 
 
-def _slug(label: str) -> str:
-    return label.lower().replace(" ", "-").replace("=", "")
-
-
-def read_run(run_dir: Path, np_: int, slow_rank) -> dict:
-    import h5py
-    per_rank = []
-    for r in range(np_):
-        with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r", locking=False) as h:
-            step, wall = h["train"]["step"][:], h["train"]["wall_time"][:]
-            k = int((step >= SKIP_STEPS).argmax())
-            ev = {c: h["eval"][c][:] for c in ("wall_time", "test_accuracy")}
-            hit = [float(w) for w, a in zip(ev["wall_time"], ev["test_accuracy"]) if a >= TARGET]
-            per_rank.append({
-                "steps": int(step[-1]),
-                "steps_per_s": (int(step[-1]) - int(step[k])) / max(float(wall[-1] - wall[k]),
-                                                                    1e-9),
-                "wall_time": float(wall[-1]),
-                "final_accuracy": float(ev["test_accuracy"][-1]),
-                "time_to_target": hit[0] if hit else None,
-            })
-    fast = [p for r, p in enumerate(per_rank) if r != slow_rank]
-    # time to target: when every fast rank's own model had reached it (None: one never did)
-    ttt = [p["time_to_target"] for p in fast]
-    return {
-        "fast_steps_per_s": statistics.median(p["steps_per_s"] for p in fast),
-        "slow_steps_per_s": per_rank[slow_rank]["steps_per_s"] if slow_rank is not None else None,
-        "final_accuracy": statistics.mean(p["final_accuracy"] for p in per_rank),
-        "time_to_target": max(ttt) if all(t is not None for t in ttt) else None,
-        "wall_time": max(p["wall_time"] for p in per_rank),
-        "total_steps": sum(p["steps"] for p in per_rank),
-        "per_rank": per_rank,
-    }
-
-
-def _job(np_: int, argvs: list, tmp: Path, timeout: float, name: str) -> str:
-    spec = tmp / f"{name}.json"
-    spec.write_text(json.dumps(argvs))
-    p = run_group(mpirun_cmd(np_, [sys.executable, str(HERE / "_train_many.py"), str(spec)]),
-                  env=mpi_env(), cwd=REPO, timeout=timeout)
-    if p.returncode != 0:
-        why = "timed out" if p.returncode is None else f"exit {p.returncode}"
-        return f"{why}: {(p.stderr or p.stdout)[-400:].strip()}"
-    return ""
-
-
 def run_np(np_: int, tmp: Path, timeout: float, log) -> dict:
-    slow = np_ - 1
-    base_dirs = {l: tmp / f"np{np_}-none-{_slug(l)}" for l, _ in METHODS}
-    t0 = time.perf_counter()
-    err = _job(np_, [[*COMMON, *o, "--run-dir", str(base_dirs[l])] for l, o in METHODS],
-               tmp, timeout, f"np{np_}-none")
-    log(f"  stragglers: {np_} ranks, no straggler: {time.perf_counter() - t0:.0f} s")
-    if err:
-        return {"error": err}
-    runs = {(l, 1): read_run(base_dirs[l], np_, None) for l, _ in METHODS}
-    t_step = 1.0 / runs[("sync LSGD", 1)]["fast_steps_per_s"]
-    argvs, dirs = [], {}
-    for k in SLOWDOWNS:
-        for label, opts in METHODS:
-            dirs[(label, k)] = d = tmp / f"np{np_}-x{k}-{_slug(label)}"
-            argvs.append([*COMMON, *opts, "--run-dir", str(d),
-                          "--straggler", f"{slow}:{(k - 1) * t_step:.4f}"])
-    t0 = time.perf_counter()
-    err = _job(np_, argvs, tmp, timeout * 2, f"np{np_}-slow")
-    log(f"  stragglers: {np_} ranks, straggler 2x and 4x: {time.perf_counter() - t0:.0f} s")
-    if err:
-        return {"error": err, "seconds_per_step": t_step}
-    for key, d in dirs.items():
-        runs[key] = read_run(d, np_, slow)
-    return {"seconds_per_step": t_step, "slow_rank": slow,
-            "runs": {f"{l} x{k}": v for (l, k), v in runs.items()}}
+    return sweep(np_, METHODS, SLOWDOWNS, COMMON, TARGET, tmp, timeout,
+                 log=lambda m: log(f"  {m}"))
 
 
 def _fmt_t(t) -> str:
@@ -128,8 +52,8 @@ def table(results: dict) -> str:
             continue
         for k in (1, *SLOWDOWNS):
             for label, _ in METHODS:
-                r, base = res["runs"][f"{label} x{k}"], res["runs"][f"{label} x1"]
-                kept = r["fast_steps_per_s"] / base["fast_steps_per_s"]
+                r = res["runs"][f"{label} x{k}"]
+                kept = retention(res["runs"], label, k)
                 lines.append(f"| {np_} | {'none' if k == 1 else f'{k}x'} | {label} | "
                              f"{r['fast_steps_per_s']:.1f} | "
                              f"{'-' if k == 1 else f'{100 * kept:.0f}%'} | "
@@ -154,8 +78,7 @@ def run(quick: bool = False, timeout: float = 600, log=print, nps=None) -> dict:
             continue
         runs = res["runs"]
         for k in SLOWDOWNS:
-            kept = {l: runs[f"{l} x{k}"]["fast_steps_per_s"] / runs[f"{l} x1"]["fast_steps_per_s"]
-                    for l, _ in METHODS}
+            kept = {l: retention(runs, l, k) for l, _ in METHODS}
             a, s = runs[f"async LSGD x{k}"], runs[f"sync LSGD x{k}"]
             rows.append(row(
                 f"stragglers: {np_} ranks, one {k}x slower",

@@ -1,0 +1,359 @@
+"""Methods (the LSGD paper's comparison): LSGD against allreduce SGD, EASGD and local SGD.
+
+    python results/experiments/methods.py --out results/methods [--quick]
+        [--seeds N] [--steps S] [--ranks 4 8] [--tasks digits noisy] [--label-noise P]
+
+Methods, each at every rank count of ``--ranks`` with ``--ranks-per-node 2`` (4 ranks = 2 nodes,
+8 ranks = 4 nodes; the same ``--seed`` values for every method):
+
+* LSGD, single leader: ``--algorithm lsgd`` with all ranks as one node, so the only leader is
+  the global one (pulls every ``tau_local`` = 4 steps);
+* LSGD, multi-leader: ``--algorithm lsgd``, node leaders every 4 steps, global every 8;
+* async LSGD: ``--algorithm lsgd-async`` (multi-leader, no worker waits for another's step);
+* allreduce SGD (gradient averaging every step), EASGD (tau 4, alpha 0.9/p), local SGD (T=8).
+
+Tasks. ``digits``: the embedded digits as they are; every method reaches about 95 % on it, so it
+shows cost, not quality. ``noisy``: digits with ``--label-noise P`` (default 0.4: 40 % of the
+training labels replaced by a uniformly drawn wrong class, fixed per seed, the test set clean).
+It was chosen as the task where the leader can matter: with noisy labels each worker's
+minibatch gradients disagree strongly, so workers drift apart between pulls and the averaged
+model (allreduce's, EASGD's centre, local SGD's mean) and the elected leader differ; the leader
+is chosen by its recent training loss on noisy labels, which is exactly the signal that could
+help (a worker that fits the clean structure) or mislead (a worker that memorizes noise). The
+experiment measures which happens.
+
+Figures per task and rank count: test accuracy of the model each method reports (LSGD: the
+elected global leader; EASGD: the centre; allreduce and local SGD: rank 0) against training
+time, training step and bytes sent by all ranks together; line = mean over seeds, band = min-max.
+Tables: ``methods_runs.csv`` (one row per run) and ``methods_summary.csv`` (per task, rank count
+and method: final accuracy of the reported model and the mean over workers, mean and standard
+deviation over seeds; training time; bytes sent; time, steps and bytes to the target accuracy,
+over the seeds that reached it). Training time is the trainer's (evaluations excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import new_figure, raw_dir, save_figure, train_many, write_csv  # noqa: E402
+
+from lsgd_hpc import aggregate  # noqa: E402
+
+NAME = "methods"
+TITLE = "Methods: LSGD against allreduce SGD, EASGD and local SGD"
+
+#: (label, options); ``{world}`` is replaced by the rank count (single leader = one node)
+METHODS = [
+    ("LSGD 1 leader", ["--algorithm", "lsgd", "--ranks-per-node", "{world}"]),
+    ("LSGD multi-leader", ["--algorithm", "lsgd", "--ranks-per-node", "2"]),
+    ("async LSGD", ["--algorithm", "lsgd-async", "--ranks-per-node", "2"]),
+    ("allreduce SGD", ["--algorithm", "allreduce", "--ranks-per-node", "2"]),
+    ("EASGD", ["--algorithm", "easgd", "--ranks-per-node", "2"]),
+    ("local SGD T=8", ["--algorithm", "local-sgd", "--local-steps", "8",
+                       "--ranks-per-node", "2"]),
+]
+LSGD_METHODS = ("LSGD 1 leader", "LSGD multi-leader", "async LSGD")
+BASELINES = ("allreduce SGD", "EASGD", "local SGD T=8")
+
+#: task -> (extra trainer options given --label-noise P, target test accuracy, description)
+TASKS = {
+    "digits": (lambda p: [], 0.90, "digits"),
+    "noisy": (lambda p: ["--label-noise", str(p)], 0.85, "digits, {pct:.0%} label noise"),
+}
+
+FULL = dict(seeds=3, steps=200, ranks=(4, 8), eval_every=20)
+QUICK = dict(seeds=2, steps=60, ranks=(4,), eval_every=20)
+
+RUN_COLUMNS = ["task", "ranks", "nodes", "method", "seed", "final_acc_leader", "final_acc_mean",
+               "training_time_s", "wall_time_s", "bytes_sent", "steps", "target_acc",
+               "time_to_target_s", "steps_to_target", "bytes_to_target"]
+SUMMARY_COLUMNS = ["task", "ranks", "nodes", "method", "seeds",
+                   "final_acc_leader_mean", "final_acc_leader_std",
+                   "final_acc_mean_mean", "final_acc_mean_std",
+                   "training_time_s_mean", "training_time_s_std", "bytes_sent_mean",
+                   "target_acc", "reached_target", "time_to_target_s_mean",
+                   "steps_to_target_mean", "bytes_to_target_mean"]
+
+
+def _slug(label: str) -> str:
+    return label.lower().replace(" ", "-").replace("=", "")
+
+
+def method_argv(opts, world: int):
+    return [o.replace("{world}", str(world)) for o in opts]
+
+
+def to_target(tab: dict, target: float):
+    """(training time, step, bytes) at the first evaluation, reached by every rank, where the
+    reported model's test accuracy was >= target; Nones when it never was."""
+    for i in range(len(tab["step"])):
+        if tab["complete"][i] and tab["acc_leader"][i] >= target:
+            return float(tab["training_time"][i]), int(tab["step"][i]), float(tab["bytes_sent"][i])
+    return None, None, None
+
+
+def read_runs(dirs: dict, target: float) -> list:
+    """Rows of methods_runs.csv, and each run's eval table, from the runs' HDF5 files."""
+    rows = []
+    for (task, world, label, seed), d in dirs.items():
+        run = aggregate.read_run(d)
+        s = aggregate.summarize_run(run)
+        tab = aggregate.eval_table(run)
+        t, st, b = to_target(tab, target[task])
+        rows.append({"task": task, "ranks": world, "nodes": s["n_nodes"], "method": label,
+                     "seed": seed, "final_acc_leader": s["final_test_acc_leader"],
+                     "final_acc_mean": s["final_test_acc_mean"],
+                     "training_time_s": s["training_time"], "wall_time_s": s["wall_time"],
+                     "bytes_sent": s["total_bytes_sent"], "steps": s["steps"],
+                     "target_acc": target[task], "time_to_target_s": t, "steps_to_target": st,
+                     "bytes_to_target": b, "_tab": tab})
+    return rows
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    return statistics.fmean(xs) if xs else None
+
+
+def _std(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.stdev(xs) if len(xs) > 1 else 0.0
+
+
+def summarize(rows: list) -> list:
+    out = []
+    keys = list(dict.fromkeys((r["task"], r["ranks"], r["method"]) for r in rows))
+    for task, world, label in keys:
+        rs = [r for r in rows if (r["task"], r["ranks"], r["method"]) == (task, world, label)]
+        hit = [r for r in rs if r["time_to_target_s"] is not None]
+        out.append({
+            "task": task, "ranks": world, "nodes": rs[0]["nodes"], "method": label,
+            "seeds": len(rs),
+            "final_acc_leader_mean": _mean(r["final_acc_leader"] for r in rs),
+            "final_acc_leader_std": _std([r["final_acc_leader"] for r in rs]),
+            "final_acc_mean_mean": _mean(r["final_acc_mean"] for r in rs),
+            "final_acc_mean_std": _std([r["final_acc_mean"] for r in rs]),
+            "training_time_s_mean": _mean(r["training_time_s"] for r in rs),
+            "training_time_s_std": _std([r["training_time_s"] for r in rs]),
+            "bytes_sent_mean": _mean(float(r["bytes_sent"]) for r in rs),
+            "target_acc": rs[0]["target_acc"], "reached_target": f"{len(hit)}/{len(rs)}",
+            "time_to_target_s_mean": _mean(r["time_to_target_s"] for r in hit),
+            "steps_to_target_mean": _mean(r["steps_to_target"] for r in hit),
+            "bytes_to_target_mean": _mean(r["bytes_to_target"] for r in hit),
+        })
+    return out
+
+
+# ------------------------------------------------------------------------------------ plots
+
+_AXES = [("training_time", "training time (s)", False),
+         ("step", "training step (per rank)", False),
+         ("bytes_sent", "bytes sent, all ranks (log scale)", True)]
+
+
+def plot(rows: list, task: str, world: int, desc: str, out: Path) -> str:
+    """One figure of three panels (training time, step, bytes) for a task and rank count."""
+    from matplotlib.ticker import EngFormatter
+
+    fig, axes = new_figure(ncols=3, width=5.0, height=4.4)
+    for i, (label, _) in enumerate(METHODS):
+        rs = [r for r in rows if (r["task"], r["ranks"], r["method"]) == (task, world, label)]
+        if not rs:
+            continue
+        style = dict(color=f"C{i}", lw=1.8, ls="-" if label in LSGD_METHODS else "--")
+        for ax, (x, _, log) in zip(axes, _AXES):
+            curves = []
+            for r in rs:
+                tab = r["_tab"]
+                ok = tab["complete"] & (tab[x] > 0 if log else tab[x] >= 0)
+                curves.append((tab[x][ok].astype(float), tab["acc_leader"][ok]))
+            gx, mean, lo, hi = aggregate.band(curves)
+            if not len(gx):
+                continue
+            ax.plot(gx, mean, label=label, **style)
+            ax.fill_between(gx, lo, hi, color=style["color"], alpha=0.15, lw=0)
+    for ax, (x, xlabel, log) in zip(axes, _AXES):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("test accuracy of the reported model")
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
+    lo = min((min(r["_tab"]["acc_leader"]) for r in rows
+              if (r["task"], r["ranks"]) == (task, world)), default=0.0)
+    for ax in axes:
+        ax.set_ylim(max(0.0, min(lo, 0.5)), 1.0)
+    axes[0].legend(loc="lower right")
+    fig.suptitle(f"{desc}, {world} ranks ({world // 2} nodes x 2): test accuracy of the reported "
+                 f"model (LSGD leader, EASGD centre, else rank 0); mean over seeds, band min-max",
+                 fontsize=11)
+    name = f"methods_{task}_{world}ranks.png"
+    save_figure(fig, out / name)
+    return name
+
+
+# --------------------------------------------------------------------------------- findings
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _bytes(x) -> str:
+    if x is None:
+        return "n/a"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= size:
+            return f"{x / size:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def findings(summary: list, descs: dict) -> list:
+    """Sentences computed from the summary. "Equal" accuracy: the means differ by less than
+    the larger of the two standard deviations over seeds (at least 0.5 points)."""
+    out = []
+    by = {(s["task"], s["ranks"], s["method"]): s for s in summary}
+    for task, world in dict.fromkeys((s["task"], s["ranks"]) for s in summary):
+        base = [by[(task, world, m)] for m in BASELINES if (task, world, m) in by]
+        if not base:
+            continue
+        best = max(base, key=lambda s: s["final_acc_leader_mean"])
+        ar = by.get((task, world, "allreduce SGD"))
+        for m in LSGD_METHODS:
+            s = by.get((task, world, m))
+            if s is None:
+                continue
+            parts = []
+            for ref in [best] + ([ar] if ar is not None and ar is not best else []):
+                tol = max(s["final_acc_leader_std"], ref["final_acc_leader_std"], 0.005)
+                diff = s["final_acc_leader_mean"] - ref["final_acc_leader_mean"]
+                acc = ("better" if diff > tol else "equal" if diff >= -tol else "worse")
+                ratio = s["bytes_sent_mean"] / ref["bytes_sent_mean"] if ref["bytes_sent_mean"] \
+                    else math.inf
+                verdict = "yes" if acc != "worse" and ratio < 1 else "no"
+                parts.append(f"vs {ref['method']} ({_pct(ref['final_acc_leader_mean'])}, "
+                             f"{_bytes(ref['bytes_sent_mean'])}): accuracy {acc} "
+                             f"({100 * diff:+.1f} points), bytes x{ratio:.2f} -> {verdict}")
+            out.append(f"{descs[task]}, {world} ranks: {m} reached "
+                       f"{_pct(s['final_acc_leader_mean'])} +- "
+                       f"{100 * s['final_acc_leader_std']:.1f} with "
+                       f"{_bytes(s['bytes_sent_mean'])}; equal or better accuracy with fewer "
+                       f"bytes? " + "; ".join(parts) + ".")
+        hit = [s for s in summary if (s["task"], s["ranks"]) == (task, world)
+               and s["reached_target"].split("/")[0] == s["reached_target"].split("/")[1]]
+        target = _pct(summary[0]["target_acc"] if not hit else hit[0]["target_acc"])
+        if hit:
+            cheapest = min(hit, key=lambda s: s["bytes_to_target_mean"])
+            fastest = min(hit, key=lambda s: s["time_to_target_s_mean"])
+            out.append(f"{descs[task]}, {world} ranks: of the methods whose reported model "
+                       f"reached {target} in every seed, {cheapest['method']} needed the fewest "
+                       f"bytes ({_bytes(cheapest['bytes_to_target_mean'])}) and "
+                       f"{fastest['method']} the least training time "
+                       f"({fastest['time_to_target_s_mean']:.2f} s); "
+                       f"never or not in every seed: "
+                       + (", ".join(f"{s['method']} ({s['reached_target']})" for s in summary
+                                    if (s["task"], s["ranks"]) == (task, world) and s not in hit)
+                          or "none") + ".")
+        else:
+            out.append(f"{descs[task]}, {world} ranks: no method's reported model reached "
+                       f"{target} in every seed.")
+    return out
+
+
+# ------------------------------------------------------------------------------------- run
+
+def run(out, quick: bool = False, log=print, seeds=None, steps=None, ranks=None, tasks=None,
+        methods=None, label_noise: float = 0.4, eval_every=None,
+        timeout_per_run: float = 60.0, raw=None) -> dict:
+    """Train every (rank count, task, method, seed), read the runs, write tables and figures.
+    ``methods``: labels of METHODS to run (default all); other arguments default to the
+    full or quick budget; raw runs go under ``raw`` (default runs/results/methods/)."""
+    t_start = time.perf_counter()
+    budget = QUICK if quick else FULL
+    seeds = seeds or budget["seeds"]
+    steps = steps or budget["steps"]
+    ranks = tuple(ranks or budget["ranks"])
+    tasks = tuple(tasks or TASKS)
+    eval_every = eval_every or budget["eval_every"]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = Path(raw or raw_dir(NAME))
+    descs = {t: TASKS[t][2].format(pct=label_noise) for t in tasks}
+    target = {t: TASKS[t][1] for t in tasks}
+    dirs = {}
+    for world in ranks:
+        argvs = []
+        for task in tasks:
+            for label, opts in METHODS:
+                if methods and label not in methods:
+                    continue
+                for seed in range(1, seeds + 1):
+                    d = raw / f"np{world}" / task / f"{_slug(label)}-seed{seed}"
+                    shutil.rmtree(d, ignore_errors=True)
+                    dirs[(task, world, label, seed)] = d
+                    argvs.append(["--dataset", "digits", *TASKS[task][0](label_noise),
+                                  *method_argv(opts, world), "--seed", seed,
+                                  "--epochs", 1000, "--max-steps", steps,
+                                  "--eval-every", eval_every, "--consensus-every", 0,
+                                  "--run-dir", d])
+        t0 = time.perf_counter()
+        train_many(world, argvs, timeout=timeout_per_run * len(argvs), log=log)
+        log(f"methods: {len(argvs)} trainings on {world} ranks in "
+            f"{time.perf_counter() - t0:.0f} s")
+    rows = read_runs(dirs, target)
+    summary = summarize(rows)
+    write_csv(out / "methods_runs.csv", rows, RUN_COLUMNS)
+    write_csv(out / "methods_summary.csv", summary, SUMMARY_COLUMNS)
+    figures = [plot(rows, task, world, descs[task], out) for task in tasks for world in ranks]
+    return {"name": NAME, "title": TITLE, "figures": figures,
+            "tables": ["methods_summary.csv", "methods_runs.csv"],
+            "findings": [f"Setup: {seeds} seeds, {steps} steps per rank, batch 32 per rank, "
+                         f"digits CNN; targets: " + ", ".join(
+                             f"{descs[t]} {_pct(target[t])}" for t in tasks)
+                         + "; accuracy = the reported model (LSGD leader, EASGD centre, "
+                           "else rank 0) at the last evaluation."]
+                        + findings(summary, descs),
+            "seconds": time.perf_counter() - t_start}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 2)[2])
+    p.add_argument("--out", required=True, help="folder for the CSV tables and PNG figures")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small budget: {QUICK['seeds']} seeds, {QUICK['steps']} steps, "
+                        f"ranks {' '.join(map(str, QUICK['ranks']))}")
+    p.add_argument("--seeds", type=int, help=f"seeds per method (default {FULL['seeds']})")
+    p.add_argument("--steps", type=int, help=f"steps per rank (default {FULL['steps']})")
+    p.add_argument("--ranks", type=int, nargs="+",
+                   help=f"rank counts, 2 ranks per node (default {' '.join(map(str, FULL['ranks']))})")
+    p.add_argument("--tasks", nargs="+", choices=list(TASKS), help="default: all")
+    p.add_argument("--methods", nargs="+", metavar="LABEL",
+                   help="subset of: " + ", ".join(f"'{m}'" for m, _ in METHODS))
+    p.add_argument("--label-noise", type=float, default=0.4,
+                   help="label noise of the noisy task (default 0.4)")
+    p.add_argument("--eval-every", type=int, help=f"steps between evaluations "
+                                                  f"(default {FULL['eval_every']})")
+    p.add_argument("--raw", metavar="DIR",
+                   help=f"folder for the raw runs (default runs/results/{NAME}/)")
+    args = p.parse_args(argv)
+    if args.methods and set(args.methods) - {m for m, _ in METHODS}:
+        p.error(f"unknown --methods {sorted(set(args.methods) - {m for m, _ in METHODS})}")
+    res = run(args.out, args.quick, seeds=args.seeds, steps=args.steps, ranks=args.ranks,
+              tasks=args.tasks, methods=args.methods, label_noise=args.label_noise,
+              eval_every=args.eval_every, raw=args.raw)
+    for f in res["findings"]:
+        print("-", f)
+    print(f"{NAME}: {res['seconds']:.0f} s; wrote {', '.join(res['tables'] + res['figures'])} "
+          f"to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
