@@ -158,40 +158,57 @@ _AXES = [("training_time", "training time (s)", False),
          ("bytes_sent", "bytes sent, all ranks (log scale)", True)]
 
 
+def seed_band(tabs: list, x: str, log: bool):
+    """Mean over seeds of (x, reported-model accuracy) at each evaluation step that every seed
+    completed, and the min and max accuracy there. Seeds evaluate at the same steps, so the
+    points pair up; on the time and bytes axes x is the seeds' mean at that step."""
+    common = set.intersection(*(set(t["step"][t["complete"]].tolist()) for t in tabs))
+    xs, mean, lo, hi = [], [], [], []
+    for step in sorted(common):
+        at = [(float(t[x][t["step"] == step][0]), float(t["acc_leader"][t["step"] == step][0]))
+              for t in tabs]
+        xv = statistics.fmean(a for a, _ in at)
+        if (log and xv <= 0) or math.isnan(xv):
+            continue
+        ys = [b for _, b in at]
+        xs.append(xv)
+        mean.append(statistics.fmean(ys))
+        lo.append(min(ys))
+        hi.append(max(ys))
+    return xs, mean, lo, hi
+
+
 def plot(rows: list, task: str, world: int, desc: str, out: Path) -> str:
     """One figure of three panels (training time, step, bytes) for a task and rank count."""
     from matplotlib.ticker import EngFormatter
 
-    fig, axes = new_figure(ncols=3, width=5.0, height=4.4)
+    fig, axes = new_figure(ncols=3, width=5.0, height=4.6)
+    plotted = {x: False for x, _, _ in _AXES}
     for i, (label, _) in enumerate(METHODS):
         rs = [r for r in rows if (r["task"], r["ranks"], r["method"]) == (task, world, label)]
         if not rs:
             continue
-        style = dict(color=f"C{i}", lw=1.8, ls="-" if label in LSGD_METHODS else "--")
+        style = dict(color=f"C{i}", lw=1.8, marker="o", ms=3,
+                     ls="-" if label in LSGD_METHODS else "--")
         for ax, (x, _, log) in zip(axes, _AXES):
-            curves = []
-            for r in rs:
-                tab = r["_tab"]
-                ok = tab["complete"] & (tab[x] > 0 if log else tab[x] >= 0)
-                curves.append((tab[x][ok].astype(float), tab["acc_leader"][ok]))
-            gx, mean, lo, hi = aggregate.band(curves)
-            if not len(gx):
-                continue
-            ax.plot(gx, mean, label=label, **style)
-            ax.fill_between(gx, lo, hi, color=style["color"], alpha=0.15, lw=0)
+            xs, mean, lo, hi = seed_band([r["_tab"] for r in rs], x, log)
+            plotted[x] |= bool(xs)
+            ax.plot(xs, mean, label=label, **style)
+            ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, lw=0)
     for ax, (x, xlabel, log) in zip(axes, _AXES):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy of the reported model")
-        if log:
+        if log and plotted[x]:        # (a log axis without data cannot draw its ticks)
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
-    lo = min((min(r["_tab"]["acc_leader"]) for r in rows
-              if (r["task"], r["ranks"]) == (task, world)), default=0.0)
+    accs = [a for r in rows if (r["task"], r["ranks"]) == (task, world)
+            for a in r["_tab"]["acc_leader"]]
     for ax in axes:
-        ax.set_ylim(max(0.0, min(lo, 0.5)), 1.0)
+        ax.set_ylim(max(0.0, min(min(accs, default=0.0), 0.5) - 0.02), 1.0)
     axes[0].legend(loc="lower right")
-    fig.suptitle(f"{desc}, {world} ranks ({world // 2} nodes x 2): test accuracy of the reported "
-                 f"model (LSGD leader, EASGD centre, else rank 0); mean over seeds, band min-max",
+    fig.suptitle(f"{desc}, {world} ranks ({world // 2} nodes x 2): test accuracy of the model "
+                 f"each method reports\n(LSGD: elected leader, EASGD: centre, others: rank 0); "
+                 f"line: mean over {len({r['seed'] for r in rows})} seeds, band: min-max",
                  fontsize=11)
     name = f"methods_{task}_{world}ranks.png"
     save_figure(fig, out / name)
