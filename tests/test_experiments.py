@@ -1,5 +1,5 @@
-"""A results/ experiment runs end to end as its own command: real MPI trainings, the CSV table
-with its columns and one row per (slowdown, method, seed), and the figure."""
+"""A results/ experiment runs end to end as its own command: real MPI trainings (one mpirun),
+its CSV tables with their columns and one row per run and per method, and its figure."""
 
 import csv
 import subprocess
@@ -8,29 +8,40 @@ import sys
 from mpi_util import REPO, mpi_env
 
 
-def test_stragglers_experiment_writes_its_table_and_figure(tmp_path):
+def _csv(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"
-    cmd = [sys.executable, str(REPO / "results" / "experiments" / "stragglers.py"),
-           "--out", str(out), "--raw", str(raw), "--quick", "--steps", "20", "--slowdowns", "3"]
+    cmd = [sys.executable, str(REPO / "results" / "experiments" / "methods.py"),
+           "--out", str(out), "--raw", str(raw), "--quick", "--ranks", "2", "--tasks", "noisy",
+           "--methods", "LSGD multi-leader", "allreduce SGD", "--seeds", "2", "--steps", "20",
+           "--eval-every", "10"]
     p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
-                       timeout=240)
+                       timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    with open(out / "stragglers.csv", newline="") as fh:
-        rows = list(csv.DictReader(fh))
-    assert {"ranks", "slowdown", "method", "seed", "fast_steps_per_s", "slow_steps_per_s",
-            "retention", "time_to_target_s", "final_acc"} <= set(rows[0])
-    assert sorted((r["slowdown"], r["method"], r["seed"]) for r in rows) == [
-        ("1", "async LSGD", "1"), ("1", "sync LSGD", "1"),
-        ("3", "async LSGD", "1"), ("3", "sync LSGD", "1")]
-    for r in rows:
-        assert float(r["fast_steps_per_s"]) > 0 and 0 <= float(r["final_acc"]) <= 1
-        # without a straggler the run is its own reference; with one, the slow rank is slower
-        if r["slowdown"] == "1":
-            assert float(r["retention"]) == 1.0 and r["slow_steps_per_s"] == ""
-        else:
-            assert float(r["slow_steps_per_s"]) < float(r["fast_steps_per_s"])
-    png = (out / "stragglers.png").read_bytes()
+    runs = _csv(out / "methods_runs.csv")
+    assert {"task", "ranks", "method", "seed", "final_acc_leader", "final_acc_mean",
+            "training_time_s", "bytes_sent", "time_to_target_s", "bytes_to_target"} <= set(runs[0])
+    assert sorted((r["method"], r["seed"]) for r in runs) == [
+        ("LSGD multi-leader", "1"), ("LSGD multi-leader", "2"),
+        ("allreduce SGD", "1"), ("allreduce SGD", "2")]
+    for r in runs:
+        assert (r["task"], r["ranks"], r["steps"]) == ("noisy", "2", "20")
+        assert 0 < float(r["final_acc_leader"]) <= 1 and float(r["training_time_s"]) > 0
+        assert int(r["bytes_sent"]) > 0
+    # allreduce averages gradients every step; LSGD pulls every few steps: fewer bytes
+    sent = {r["method"]: int(r["bytes_sent"]) for r in runs}
+    assert sent["LSGD multi-leader"] < sent["allreduce SGD"]
+    summary = _csv(out / "methods_summary.csv")
+    assert [(s["method"], s["seeds"]) for s in summary] == [("LSGD multi-leader", "2"),
+                                                           ("allreduce SGD", "2")]
+    for s in summary:
+        accs = [float(r["final_acc_leader"]) for r in runs if r["method"] == s["method"]]
+        assert abs(float(s["final_acc_leader_mean"]) - sum(accs) / 2) < 1e-4
+    png = (out / "methods_noisy_2ranks.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
-    assert "One rank 3x slower" in p.stdout
-    # every training left its rank files under --raw, none under the repository's runs/
-    assert len(list(raw.glob("seed1/*/metrics/rank00003.h5"))) == 4
+    assert "equal or better accuracy with fewer bytes?" in p.stdout
+    assert len(list(raw.glob("np2/noisy/*/metrics/rank00001.h5"))) == 4
