@@ -90,30 +90,63 @@ def method_argv(opts, world: int):
     return [o.replace("{world}", str(world)) for o in opts]
 
 
-def to_target(tab: dict, target: float):
-    """(training time, step, bytes) at the first evaluation, reached by every rank, where the
-    reported model's test accuracy was >= target; Nones when it never was."""
-    for i in range(len(tab["step"])):
-        if tab["complete"][i] and tab["acc_leader"][i] >= target:
-            return float(tab["training_time"][i]), int(tab["step"][i]), float(tab["bytes_sent"][i])
+def final_point(run, summary: dict) -> dict:
+    """The end of a run, from each rank's last evaluation (the trainer evaluates at a rank's last
+    step). Under async LSGD ranks end at different steps, so the last evaluation that every rank
+    reached (aggregate's ``final_*``) can be one interval earlier; this takes the ends instead.
+    The reported model follows aggregate's rule: the last global election's winner, EASGD's
+    centre, else rank 0."""
+    last = {r: {c: aggregate.col(d, "eval", c)[-1] for c in ("test_accuracy",
+                                                             "center_test_accuracy")
+                if len(aggregate.col(d, "eval", c))}
+            for r, d in run.ranks.items()}
+    rule = aggregate.leader_rule(run)
+    if rule == "centre":
+        leader = last[min(last)]["center_test_accuracy"]
+    else:
+        winners = aggregate.global_elections(run)[1]
+        leader = last[int(winners[-1]) if rule == "elected" else 0]["test_accuracy"]
+    return {"step": summary["steps"], "training_time": summary["training_time"],
+            "bytes_sent": float(summary["total_bytes_sent"]), "acc_leader": float(leader),
+            "acc_mean": statistics.fmean(float(v["test_accuracy"]) for v in last.values())}
+
+
+def curve_points(tab: dict, end: dict) -> dict:
+    """Evaluation step (or "end") -> {step, training_time, bytes_sent, acc_leader}: the
+    evaluations every rank reached, then the run's end (replacing an evaluation at its step)."""
+    pts = {int(tab["step"][i]): {k: float(tab[k][i]) for k in ("step", "training_time",
+                                                               "bytes_sent", "acc_leader")}
+           for i in range(len(tab["step"])) if tab["complete"][i]}
+    pts.pop(int(end["step"]), None)
+    pts["end"] = {k: end[k] for k in ("step", "training_time", "bytes_sent", "acc_leader")}
+    return pts
+
+
+def to_target(points: dict, target: float):
+    """(training time, step, bytes) at the first point whose reported model's test accuracy
+    was >= target; Nones when there is none."""
+    for p in points.values():
+        if p["acc_leader"] >= target:
+            return p["training_time"], int(p["step"]), p["bytes_sent"]
     return None, None, None
 
 
-def read_runs(dirs: dict, target: float) -> list:
-    """Rows of methods_runs.csv, and each run's eval table, from the runs' HDF5 files."""
+def read_runs(dirs: dict, target: dict) -> list:
+    """Rows of methods_runs.csv, each with its run's curve points, from the runs' HDF5 files."""
     rows = []
     for (task, world, label, seed), d in dirs.items():
         run = aggregate.read_run(d)
         s = aggregate.summarize_run(run)
-        tab = aggregate.eval_table(run)
-        t, st, b = to_target(tab, target[task])
+        end = final_point(run, s)
+        points = curve_points(aggregate.eval_table(run), end)
+        t, st, b = to_target(points, target[task])
         rows.append({"task": task, "ranks": world, "nodes": s["n_nodes"], "method": label,
-                     "seed": seed, "final_acc_leader": s["final_test_acc_leader"],
-                     "final_acc_mean": s["final_test_acc_mean"],
+                     "seed": seed, "final_acc_leader": end["acc_leader"],
+                     "final_acc_mean": end["acc_mean"],
                      "training_time_s": s["training_time"], "wall_time_s": s["wall_time"],
                      "bytes_sent": s["total_bytes_sent"], "steps": s["steps"],
                      "target_acc": target[task], "time_to_target_s": t, "steps_to_target": st,
-                     "bytes_to_target": b, "_tab": tab})
+                     "bytes_to_target": b, "_points": points})
     return rows
 
 
@@ -158,19 +191,17 @@ _AXES = [("training_time", "training time (s)", False),
          ("bytes_sent", "bytes sent, all ranks (log scale)", True)]
 
 
-def seed_band(tabs: list, x: str, log: bool):
-    """Mean over seeds of (x, reported-model accuracy) at each evaluation step that every seed
-    completed, and the min and max accuracy there. Seeds evaluate at the same steps, so the
-    points pair up; on the time and bytes axes x is the seeds' mean at that step."""
-    common = set.intersection(*(set(t["step"][t["complete"]].tolist()) for t in tabs))
+def seed_band(points: list, x: str, log: bool):
+    """Mean over seeds of (x, reported-model accuracy) at each point (evaluation step, then the
+    end) that every seed has, and the min and max accuracy there. Seeds evaluate at the same
+    steps, so the points pair up; on the time and bytes axes x is the seeds' mean."""
+    keys = [k for k in points[0] if all(k in p for p in points[1:])]
     xs, mean, lo, hi = [], [], [], []
-    for step in sorted(common):
-        at = [(float(t[x][t["step"] == step][0]), float(t["acc_leader"][t["step"] == step][0]))
-              for t in tabs]
-        xv = statistics.fmean(a for a, _ in at)
+    for k in keys:
+        xv = statistics.fmean(p[k][x] for p in points)
         if (log and xv <= 0) or math.isnan(xv):
             continue
-        ys = [b for _, b in at]
+        ys = [p[k]["acc_leader"] for p in points]
         xs.append(xv)
         mean.append(statistics.fmean(ys))
         lo.append(min(ys))
@@ -191,7 +222,7 @@ def plot(rows: list, task: str, world: int, desc: str, out: Path) -> str:
         style = dict(color=f"C{i}", lw=1.8, marker="o", ms=3,
                      ls="-" if label in LSGD_METHODS else "--")
         for ax, (x, _, log) in zip(axes, _AXES):
-            xs, mean, lo, hi = seed_band([r["_tab"] for r in rs], x, log)
+            xs, mean, lo, hi = seed_band([r["_points"] for r in rs], x, log)
             plotted[x] |= bool(xs)
             ax.plot(xs, mean, label=label, **style)
             ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, lw=0)
@@ -201,11 +232,11 @@ def plot(rows: list, task: str, world: int, desc: str, out: Path) -> str:
         if log and plotted[x]:        # (a log axis without data cannot draw its ticks)
             ax.set_xscale("log")
             ax.xaxis.set_major_formatter(EngFormatter(unit="B"))
-    accs = [a for r in rows if (r["task"], r["ranks"]) == (task, world)
-            for a in r["_tab"]["acc_leader"]]
+    accs = [p["acc_leader"] for r in rows if (r["task"], r["ranks"]) == (task, world)
+            for p in r["_points"].values()]
     for ax in axes:
         ax.set_ylim(max(0.0, min(min(accs, default=0.0), 0.5) - 0.02), 1.0)
-    axes[0].legend(loc="lower right")
+    axes[1].legend(loc="lower right")
     fig.suptitle(f"{desc}, {world} ranks ({world // 2} nodes x 2): test accuracy of the model "
                  f"each method reports\n(LSGD: elected leader, EASGD: centre, others: rank 0); "
                  f"line: mean over {len({r['seed'] for r in rows})} seeds, band: min-max",
