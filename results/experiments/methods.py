@@ -388,7 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, help=f"seeds per method (default {FULL['seeds']})")
     p.add_argument("--steps", type=int, help=f"steps per rank (default {FULL['steps']})")
     p.add_argument("--ranks", type=int, nargs="+",
-                   help=f"rank counts, 2 ranks per node (default {' '.join(map(str, FULL['ranks']))})")
+                   help="rank counts, 2 ranks per node (default "
+                        f"{' '.join(map(str, FULL['ranks']))})")
     p.add_argument("--tasks", nargs="+", choices=list(TASKS),
                    help="tasks at every rank count (default: digits and noisy at 4 ranks, "
                         "noisy at 8)")

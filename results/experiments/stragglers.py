@@ -88,7 +88,7 @@ def plot(rows: list, slowdowns, world: int, target: float, out: Path) -> str:
     ax_r.set_title(f"Throughput kept by the {world - 1} fast ranks")
     ax_t.set_ylabel(f"wall time to {target:.0%} test accuracy (s)")
     ax_t.set_title(f"Time until every fast rank reached {target:.0%}")
-    ax_r.legend(loc="lower left")
+    ax_r.legend(loc="best")
     ax_t.legend(loc="upper left")
     ax_t.set_ylim(bottom=0)
     if never:   # runs that never reached the target have no point: say so on the panel
