@@ -61,9 +61,11 @@ TITLE = "Local steps: communication rounds and time to a target loss against T"
 #: steps of losses behind one estimate of the averaged model's loss (at least one round)
 LOSS_STEPS = 8
 
-#: budgets: (largest T, steps per run, ranks)
-FULL = {"max_t": 256, "steps": 1024, "ranks": 4}
-QUICK = {"max_t": 64, "steps": 384, "ranks": 4}
+#: budgets: largest T, steps per run, ranks, seeds per T
+FULL = {"max_t": 256, "steps": 512, "ranks": 4, "seeds": 3}
+QUICK = {"max_t": 64, "steps": 256, "ranks": 4, "seeds": 1}
+#: the averaged model's training loss to reach (the model interpolates: it goes far below)
+TARGET_LOSS = 0.02
 
 TRAIN_ARGS = ["--algorithm", "local-sgd", "--dataset", "digits", "--model", "mlp",
               "--weight-decay", "0", "--batch-size", "32", "--lr", "0.05", "--epochs", "100000",
@@ -153,17 +155,17 @@ def measure_run(run_dir: Path, target: float) -> dict:
     return res
 
 
-def predict(runs: dict, t_max: int) -> dict:
+def predict(runs: List[tuple], t_max: int) -> dict:
     """The seed's T* from the pooled decay of the fixed-T runs and the median cost ratio."""
     from lsgd_hpc.algorithms.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER,
                                                  DecayStatistics, choose_local_steps,
                                                  decay_statistics, decide)
     total = np.zeros(7)
-    for T, m in runs.items():
+    for T, m in runs:
         if T != "auto" and T >= 2:
             total += np.asarray(decay_statistics(m["segments"]).as_vector())
     stats = DecayStatistics.from_vector(total)
-    ratios = [m["cost_ratio"] for T, m in runs.items() if T != "auto" and math.isfinite(m["cost_ratio"])]
+    ratios = [m["cost_ratio"] for T, m in runs if T != "auto" and math.isfinite(m["cost_ratio"])]
     c = float(np.median(ratios)) if ratios else math.nan
     d = decide(stats, c, t_max)
     rho = math.exp(stats.sxy[0] / stats.sxx[0]) if stats.sxx[0] > 0 else math.nan
@@ -186,7 +188,14 @@ def plot_rounds_and_time(table: List[dict], auto: Optional[dict], pred: dict,
                           (axes[1], "time_to_target", "training time to the target (s)")):
         y = np.array([r[key] for r in fixed], dtype=float)
         ok = np.isfinite(y)
-        ax.plot(Ts[ok], y[ok], "o-", color="tab:blue", label="local SGD, fixed T (measured)")
+        label = "local SGD, fixed T (median over seeds)"
+        if key == "time_to_target" and fixed[0]["seeds"] > 1:
+            lo = np.array([r["time_min"] for r in fixed], dtype=float)
+            hi = np.array([r["time_max"] for r in fixed], dtype=float)
+            ax.errorbar(Ts[ok], y[ok], yerr=[y[ok] - lo[ok], hi[ok] - y[ok]], fmt="o-",
+                        color="tab:blue", capsize=3, label=label + ", bars: min..max")
+        else:
+            ax.plot(Ts[ok], y[ok], "o-", color="tab:blue", label=label)
         for T in Ts[~ok]:
             ax.axvline(T, color="tab:blue", alpha=0.25, lw=6)
         if (~ok).any():
@@ -237,61 +246,108 @@ def plot_curves(curves: dict, target: float, path: Path) -> Path:
 
 # ------------------------------------------------------------------------------- findings
 
-def findings(table, auto, pred, target, max_t, spe) -> List[str]:
+def best_t_per_seed(per_run: List[dict]) -> List[int]:
+    """Per seed, the fixed T with the least training time to the target (None: none reached)."""
+    out = []
+    for seed in sorted({r["seed"] for r in per_run}):
+        ok = [r for r in per_run if r["seed"] == seed and r["T"] != "auto"
+              and math.isfinite(r["time_to_target"])]
+        out.append(min(ok, key=lambda r: r["time_to_target"])["T"] if ok else None)
+    return out
+
+
+def findings(table, auto, pred, target, per_run, spe) -> List[str]:
+    from lsgd_hpc.algorithms.local_steps import LAW_NAMES
+
     out = []
     fixed = [r for r in table if r["T"] != "auto"]
     reached = [r for r in fixed if math.isfinite(r["time_to_target"])]
     missed = [r["T"] for r in fixed if not math.isfinite(r["time_to_target"])]
     if not reached:
         return [f"No T reached the target training loss {target:g} within the budget."]
-    r1 = next((r for r in fixed if r["T"] == 1), None)
+    seeds = fixed[0]["seeds"]
+    med = "median of " + (f"{seeds} seeds" if seeds > 1 else "1 seed")
+    r1 = next((r for r in reached if r["T"] == 1), None)
     best_t = min(reached, key=lambda r: r["time_to_target"])
     best_r = min(reached, key=lambda r: r["rounds_to_target"])
-    if r1 is not None and math.isfinite(r1["rounds_to_target"]):
-        out.append(f"Rounds to the target loss {target:g}: {r1['rounds_to_target']:.0f} at T = 1, "
-                   f"fewest {best_r['rounds_to_target']:.0f} at T = {best_r['T']} "
-                   f"({r1['rounds_to_target'] / best_r['rounds_to_target']:.0f}x fewer); "
-                   + ", ".join(f"T={r['T']}: {r['rounds_to_target']:.0f}" for r in reached) + ".")
+    if r1 is not None:
+        out.append(f"Rounds to the averaged model's training loss {target:g} ({med}): "
+                   f"{r1['rounds_to_target']:.0f} at T = 1, fewest {best_r['rounds_to_target']:.0f}"
+                   f" at T = {best_r['T']} ({r1['rounds_to_target'] / best_r['rounds_to_target']:.0f}x"
+                   " fewer); " + ", ".join(f"T={r['T']}: {r['rounds_to_target']:.0f}"
+                                           for r in reached) + ".")
+    per_seed = best_t_per_seed(per_run)
     out.append(f"Measured best T by training time to the target: T = {best_t['T']} "
-               f"({best_t['time_to_target']:.2f} s"
-               + (f", against {r1['time_to_target']:.2f} s at T = 1" if r1 is not None
-                  and math.isfinite(r1['time_to_target']) else "") + ").")
+               f"({best_t['time_to_target']:.2f} s, {med}"
+               + (f"; {r1['time_to_target']:.2f} s at T = 1" if r1 is not None else "") + ")"
+               + (f"; best T of each seed: {', '.join(str(t) for t in per_seed)}"
+                  if len(per_seed) > 1 else "") + ".")
     if missed:
         out.append(f"T = {', '.join(map(str, missed))} did not reach the target within "
-                   f"{fixed[0]['steps']} steps.")
-    out.append(f"Measured cost ratio c = round / local step = {pred['cost_ratio']:.3g} (median of "
-               f"the fixed-T runs; {min(r['cost_ratio'] for r in fixed):.3g}.."
-               f"{max(r['cost_ratio'] for r in fixed):.3g}).")
+                   f"{int(fixed[0]['steps'])} steps (in at least one seed).")
+    out.append(f"Measured cost ratio c = seconds per averaging round / seconds per local step = "
+               f"{pred['cost_ratio']:.3g} (median over the fixed-T runs; "
+               f"{min(r['cost_ratio'] for r in fixed):.3g} at T = "
+               f"{min(fixed, key=lambda r: r['cost_ratio'])['T']} to "
+               f"{max(r['cost_ratio'] for r in fixed):.3g} at T = "
+               f"{max(fixed, key=lambda r: r['cost_ratio'])['T']}).")
     if pred["T_star"] is None:
-        out.append(f"The decay fit was rejected ({pred['reason']}), so the seed's rule gives no "
-                   f"T* here (rho {pred['rho']:.4g}, beta {pred['beta']:.3g} unaccepted).")
+        out.append(f"The local-decay fit was rejected ({pred['reason']}), so the seed's rule "
+                   f"gives no T* (unaccepted rho {pred['rho']:.4g}, beta {pred['beta']:.3g}).")
     else:
         ratio = best_t["T"] / pred["T_star"]
         agree = ("agrees with it within a factor 2" if 0.5 <= ratio <= 2 else
                  f"does NOT agree with it (a factor {max(ratio, 1 / ratio):.0f} apart)")
-        out.append(f"Pooled local decay: {pred['law']} law ({pred['reason']}; rho {pred['rho']:.4g} "
-                   f"per step, beta {pred['beta']:.3g}); predicted T* = {pred['T_star']} "
-                   f"(geometric {pred['T_star_geometric']}, power {pred['T_star_power']}); the "
-                   f"measured best T = {best_t['T']} {agree}.")
+        out.append(f"Pooled local decay between averages: {pred['law']} law ({pred['reason']}; "
+                   f"rho {pred['rho']:.4g} per step, beta {pred['beta']:.3g}); predicted "
+                   f"T* = {pred['T_star']} (geometric law {pred['T_star_geometric']}, power law "
+                   f"{pred['T_star_power']}); the measured best T = {best_t['T']} {agree}.")
     if auto is not None:
-        from lsgd_hpc.algorithms.local_steps import LAW_NAMES
-        law = LAW_NAMES.get(int(auto["local_law"]), "?") if math.isfinite(auto["local_law"]) else "?"
-        out.append(f"--local-steps auto ended at T = {auto['final_T']:g} (law {law}, rate "
-                   f"{auto['local_rate']:.4g}, its measured c {auto['local_cost_ratio']:.3g}; "
-                   f"auto clips T to one epoch = {spe} steps), reaching the target "
-                   + (f"in {auto['rounds_to_target']:.0f} rounds and {auto['time_to_target']:.2f} s."
-                      if math.isfinite(auto["time_to_target"]) else "not at all within the budget."))
+        laws = [LAW_NAMES.get(int(c), "?") if math.isfinite(c) else "?" for c in auto["law_codes"]]
+        per = "; ".join(f"T = {t:g}, law {law}, rate {rate:.4g}, c {c:.3g}" for t, law, rate, c
+                        in zip(auto["final_Ts"], laws, auto["rates"], auto["ratios"]))
+        out.append(f"--local-steps auto ended at {per} (per seed; auto clips T to one epoch = "
+                   f"{spe} steps); it reached the target "
+                   + (f"in {auto['rounds_to_target']:.0f} rounds and {auto['time_to_target']:.2f} s"
+                      f" ({med})." if math.isfinite(auto["time_to_target"])
+                      else "not within the budget in every seed."))
     return out
 
 
 # ------------------------------------------------------------------------------------- run
 
+def _median(vals) -> float:
+    """Median over seeds; NaN when any seed missed (a missed target is not a lucky subset)."""
+    vals = [float(v) for v in vals]
+    return float(np.median(vals)) if vals and all(math.isfinite(v) for v in vals) else math.nan
+
+
+def summarize(T, ms: List[dict]) -> dict:
+    """One row of local_steps.csv: medians over seeds, and the spread of the time."""
+    row = {"T": T, "seeds": len(ms)}
+    for k in ("rounds_to_target", "steps_to_target", "time_to_target", "final_avg_loss",
+              "rounds", "steps", "round_seconds", "step_seconds", "cost_ratio"):
+        row[k] = _median([m[k] for m in ms])
+    times = [m["time_to_target"] for m in ms if math.isfinite(m["time_to_target"])]
+    row["time_min"] = min(times) if times else math.nan
+    row["time_max"] = max(times) if times else math.nan
+    if T == "auto":
+        row["final_T"] = _median([m["local_steps"] for m in ms])
+        for k in ("local_steps", "local_law", "local_rate", "local_cost_ratio"):
+            row[k] = " ".join(f"{m[k]:.4g}" for m in ms)       # one value per seed
+        row["law_codes"] = [m["local_law"] for m in ms]
+        row["rates"] = [m["local_rate"] for m in ms]
+        row["ratios"] = [m["local_cost_ratio"] for m in ms]
+        row["final_Ts"] = [m["local_steps"] for m in ms]
+    return row
+
+
 def run(out, quick: bool = False, log=print, max_t: Optional[int] = None,
-        steps: Optional[int] = None, ranks: Optional[int] = None, target_loss: float = 0.05,
-        timeout: float = 1200.0, reuse: bool = False) -> dict:
+        steps: Optional[int] = None, ranks: Optional[int] = None, seeds: Optional[int] = None,
+        target_loss: float = TARGET_LOSS, timeout: float = 1200.0, reuse: bool = False) -> dict:
     t_start = time.perf_counter()
     budget = dict(QUICK if quick else FULL)
-    for k, v in (("max_t", max_t), ("steps", steps), ("ranks", ranks)):
+    for k, v in (("max_t", max_t), ("steps", steps), ("ranks", ranks), ("seeds", seeds)):
         if v is not None:
             budget[k] = int(v)
     Ts = t_values(budget["max_t"])
@@ -299,41 +355,40 @@ def run(out, quick: bool = False, log=print, max_t: Optional[int] = None,
     out.mkdir(parents=True, exist_ok=True)
     raw = raw_dir(NAME)
     labels = Ts + ["auto"]
-    dirs = {T: raw / f"T{T}" for T in labels}
+    seed_list = list(range(budget["seeds"]))
+    dirs = {(T, s): raw / f"T{T}-seed{s}" for T in labels for s in seed_list}
     if not reuse:
-        argvs = [TRAIN_ARGS + ["--local-steps", str(T), "--max-steps", str(budget["steps"]),
-                               "--eval-every", str(budget["steps"]), "--run-dir", str(dirs[T])]
-                 for T in labels]
+        argvs = [TRAIN_ARGS + ["--local-steps", str(T), "--seed", str(s),
+                               "--max-steps", str(budget["steps"]),
+                               "--eval-every", str(budget["steps"]), "--run-dir", str(dirs[T, s])]
+                 for s in seed_list for T in labels]
         t0 = time.perf_counter()
         train_many(budget["ranks"], argvs, timeout=timeout, log=log)
         log(f"{NAME}: {len(argvs)} local SGD runs on {budget['ranks']} ranks in "
             f"{time.perf_counter() - t0:.0f} s")
-    runs = {T: measure_run(dirs[T], target_loss) for T in labels}
+    runs = {key: measure_run(d, target_loss) for key, d in dirs.items()}
     from lsgd_hpc.aggregate import read_run
-    spe = int(read_run(dirs[1]).config.get("steps_per_epoch", 0))
-    pred = predict(runs, budget["max_t"])
-    table = []
-    for T in labels:
-        m = runs[T]
-        row = {"T": T, **{k: v for k, v in m.items() if k not in ("segments", "curve")}}
-        if T == "auto":
-            row["final_T"] = m["local_steps"]
-        table.append(row)
+    spe = int(read_run(dirs[1, 0]).config.get("steps_per_epoch", 0))
+    pred = predict([(T, m) for (T, _), m in runs.items()], budget["max_t"])
+    table = [summarize(T, [runs[T, s] for s in seed_list]) for T in labels]
     auto = table[-1]
-    cols = ["T", "rounds_to_target", "steps_to_target", "time_to_target", "final_avg_loss",
-            "rounds", "steps", "round_seconds", "step_seconds", "cost_ratio", "local_steps",
-            "local_law", "local_rate", "local_cost_ratio"]
+    cols = ["T", "seeds", "rounds_to_target", "steps_to_target", "time_to_target", "time_min",
+            "time_max", "final_avg_loss", "rounds", "steps", "round_seconds", "step_seconds",
+            "cost_ratio", "local_steps", "local_law", "local_rate", "local_cost_ratio"]
     write_csv(out / "local_steps.csv", table, cols)
+    per_run = [dict(T=T, seed=s, **{k: v for k, v in m.items() if k not in ("segments", "curve")})
+               for (T, s), m in runs.items()]
+    write_csv(out / "runs.csv", per_run, ["T", "seed"] + cols[2:5] + cols[7:])
     write_csv(out / "prediction.csv", [dict(pred, target_loss=target_loss,
-                                            auto_T=auto["final_T"], auto_law=auto["local_law"],
+                                            auto_T=auto["local_steps"], auto_law=auto["local_law"],
                                             auto_rate=auto["local_rate"],
                                             auto_cost_ratio=auto["local_cost_ratio"])])
     figs = [plot_rounds_and_time(table, auto, pred, target_loss, out / "rounds_and_time_vs_T.png"),
-            plot_curves({T: runs[T]["curve"] for T in labels}, target_loss,
+            plot_curves({T: runs[T, 0]["curve"] for T in labels}, target_loss,
                         out / "averaged_loss_curves.png")]
     res = {"name": NAME, "title": TITLE, "figures": [p.name for p in figs],
-           "tables": ["local_steps.csv", "prediction.csv"],
-           "findings": findings(table, auto, pred, target_loss, budget["max_t"], spe),
+           "tables": ["local_steps.csv", "runs.csv", "prediction.csv"],
+           "findings": findings(table, auto, pred, target_loss, per_run, spe),
            "budget": dict(budget, target_loss=target_loss),
            "seconds": time.perf_counter() - t_start}
     write_json(out / "result.json", res)
@@ -348,13 +403,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-t", type=int, help=f"largest T, a power of two (default {FULL['max_t']})")
     p.add_argument("--steps", type=int, help=f"steps per run (default {FULL['steps']})")
     p.add_argument("--ranks", type=int, help=f"MPI ranks (default {FULL['ranks']})")
-    p.add_argument("--target-loss", type=float, default=0.05,
+    p.add_argument("--seeds", type=int, help=f"seeds per T (default {FULL['seeds']})")
+    p.add_argument("--target-loss", type=float, default=TARGET_LOSS,
                    help="target training loss of the averaged model")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds for the mpirun job")
     p.add_argument("--reuse", action="store_true",
                    help="do not train: analyse the runs already under runs/results/local_steps")
     a = p.parse_args(argv)
-    res = run(a.out, a.quick, max_t=a.max_t, steps=a.steps, ranks=a.ranks,
+    res = run(a.out, a.quick, max_t=a.max_t, steps=a.steps, ranks=a.ranks, seeds=a.seeds,
               target_loss=a.target_loss, timeout=a.timeout, reuse=a.reuse)
     for f in res["findings"]:
         print("-", f)
