@@ -276,6 +276,13 @@ def findings(table, auto, pred, target, per_run, spe) -> List[str]:
                    f" at T = {best_r['T']} ({r1['rounds_to_target'] / best_r['rounds_to_target']:.0f}x"
                    " fewer); " + ", ".join(f"T={r['T']}: {r['rounds_to_target']:.0f}"
                                            for r in reached) + ".")
+    steps = [r["steps_to_target"] for r in reached]
+    out.append(f"Steps to the target ({med}): {min(steps):.0f} to {max(steps):.0f} over T = "
+               f"{reached[0]['T']}..{reached[-1]['T']} (T = 1: "
+               + (f"{r1['steps_to_target']:.0f}" if r1 is not None else "missed")
+               + "): " + ("local steps cost the interpolating model little progress per step, "
+                          "so rounds fall about as 1/T" if max(steps) <= 2 * min(steps) else
+                          "large T needs markedly more steps") + ".")
     per_seed = best_t_per_seed(per_run)
     out.append(f"Measured best T by training time to the target: T = {best_t['T']} "
                f"({best_t['time_to_target']:.2f} s, {med}"
