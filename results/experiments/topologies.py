@@ -38,7 +38,7 @@ hypercube (C2 x C4 = Q3, C4 x C4 = Q4), only with other rank labels, hence other
 the difference between their measurements is a measure of the noise.
 
     python results/experiments/topologies.py --out results/topologies [--quick]
-        [--ranks 8 16] [--seeds 2] [--steps 200] [--target-loss 0.1]
+        [--ranks 8 16] [--seeds 3] [--steps 160] [--target-loss 0.1]
 """
 
 from __future__ import annotations
@@ -72,9 +72,13 @@ MEASURES = {"consensus_distance": "mean consensus distance D",
             "steps_to_target": "steps to the target loss",
             "time_to_target": "training time to the target loss (s)"}
 
+#: the measures the verdict is drawn from. The training time is reported, not judged: with 8
+#: or 16 ranks on a few cores it measures the scheduler at least as much as the graph.
+JUDGED = ("consensus_distance", "steps_to_target")
+
 #: budgets: (rank counts, seeds, steps per run, consensus probe every k steps)
-FULL = {"ranks": (8, 16), "seeds": 2, "steps": 200, "consensus_every": 5}
-QUICK = {"ranks": (8, 16), "seeds": 1, "steps": 80, "consensus_every": 5}
+FULL = {"ranks": (8, 16), "seeds": 3, "steps": 160, "consensus_every": 5}
+QUICK = {"ranks": (8, 16), "seeds": 1, "steps": 80, "consensus_every": 10}
 #: mean training loss over ranks to reach (digits with this MLP: about 0.03 after 100 steps)
 TARGET_LOSS = 0.1
 
@@ -295,14 +299,17 @@ def findings(table, corr, ranks, seeds, target) -> List[str]:
                           f" gap {g['agreement_seed_min']:+.2f}..{g['agreement_seed_max']:+.2f})")
             parts.append(f"{MEASURES[measure]}: ENN {e['agreement']:+.2f} vs gap "
                          f"{g['agreement']:+.2f}{spread}")
-            d = e["agreement"] - g["agreement"]
-            verdicts.append("ENN" if d > 0.05 else "gap" if d < -0.05 else "tie")
-        verdict = ("ENN orders the topologies better than the spectral gap on every measure"
-                   if verdicts and all(v == "ENN" for v in verdicts) else
-                   "the spectral gap orders them better on every measure"
-                   if verdicts and all(v == "gap" for v in verdicts) else
-                   "neither predictor is better on every measure ("
-                   + ", ".join(f"{m}: {v}" for m, v in zip(MEASURES, verdicts)) + ")")
+            if measure in JUDGED:
+                d = e["agreement"] - g["agreement"]
+                verdicts.append("ENN" if d > 0.05 else "gap" if d < -0.05 else "tie")
+        verdict = ("ENN orders the topologies better than the spectral gap on both the "
+                   "consensus distance and the steps to the target"
+                   if len(verdicts) == 2 and all(v == "ENN" for v in verdicts) else
+                   "the spectral gap orders them better on both the consensus distance and the "
+                   "steps to the target"
+                   if len(verdicts) == 2 and all(v == "gap" for v in verdicts) else
+                   "neither predictor is better on both ("
+                   + ", ".join(f"{m}: {v}" for m, v in zip(JUDGED, verdicts)) + ")")
         out.append(f"{where}: agreement of the predictor's ordering with the measured one "
                    f"(-Spearman, +1 = same order; ENN at gamma {GAMMA}) - " + "; ".join(parts)
                    + f". So {verdict}.")
