@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -365,6 +366,8 @@ def run(out, quick: bool = False, log=print, max_t: Optional[int] = None,
     seed_list = list(range(budget["seeds"]))
     dirs = {(T, s): raw / f"T{T}-seed{s}" for T in labels for s in seed_list}
     if not reuse:
+        for d in dirs.values():         # the trainer refuses a folder that holds a run
+            shutil.rmtree(d, ignore_errors=True)
         argvs = [TRAIN_ARGS + ["--local-steps", str(T), "--seed", str(s),
                                "--max-steps", str(budget["steps"]),
                                "--eval-every", str(budget["steps"]), "--run-dir", str(dirs[T, s])]

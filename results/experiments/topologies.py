@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,8 @@ def train_all(raw: Path, ranks: Sequence[int], seeds: int, steps: int, consensus
         argvs = []
         for seed in range(seeds):
             for topo in TOPOLOGIES:
+                # the trainer refuses a folder that already holds a run
+                shutil.rmtree(run_dir_of(raw, n, topo, seed), ignore_errors=True)
                 argvs.append(TRAIN_ARGS + [
                     "--topology", topo, "--seed", str(seed), "--max-steps", str(steps),
                     "--eval-every", str(steps), "--consensus-every", str(consensus_every),
