@@ -58,7 +58,7 @@ emulated with `--ranks-per-node` except in the network experiment, which runs on
 
 def machine() -> dict:
     """What the experiments ran on: benchmarks/run_all.py's machine_info, loaded apart so that
-    its own helper modules (benchmarks/_common.py) do not shadow the experiments'."""
+    its module state (sys.path, benchmarks' modules) does not leak into the experiments'."""
     import importlib.util
     path, modules = list(sys.path), set(sys.modules)
     try:

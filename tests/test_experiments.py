@@ -45,3 +45,15 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "equal or better accuracy with fewer bytes?" in p.stdout
     assert len(list(raw.glob("np2/noisy/*/metrics/rank00001.h5"))) == 4
+
+
+def test_every_experiment_imports_in_one_process():
+    """make results imports every experiment into one process after loading benchmarks/run_all.py
+    (machine_info): module names must not clash (a shared helper named like benchmarks' own
+    _common.py once made two experiments fail at import)."""
+    code = ("import sys, importlib; sys.argv = ['run_all']; sys.path.insert(0, 'results'); "
+            "import run_all; run_all.machine(); "
+            "[importlib.import_module(n) for n, _ in run_all.EXPERIMENTS]; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]

@@ -7,7 +7,7 @@ training set exactly (the training loss falls towards zero), the over-parameteri
 the seed (Distributed Optimization for Over-Parameterized Learning). Local SGD
 (``--algorithm local-sgd``) on 4 ranks with T = 1, 2, 4, ..., T_max local steps between
 averages (one allreduce of the parameters), plus one run with ``--local-steps auto``; all in one
-``mpirun`` (``_common.train_many``), the same seed and step budget for every T.
+``mpirun`` (``_shared.train_many``), the same seed and step budget for every T.
 
 What is measured (docs/metrics.md):
 
@@ -54,7 +54,7 @@ from typing import List, Optional
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import new_figure, raw_dir, save_figure, train_many, write_csv, write_json  # noqa: E402
+from _shared import new_figure, raw_dir, save_figure, train_many, write_csv, write_json  # noqa: E402
 
 NAME = "local_steps"
 TITLE = "Local steps: communication rounds and time to a target loss against T"

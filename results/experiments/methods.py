@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import new_figure, raw_dir, save_figure, train_many, write_csv  # noqa: E402
+from _shared import new_figure, raw_dir, save_figure, train_many, write_csv  # noqa: E402
 
 from lsgd_hpc import aggregate  # noqa: E402
 

@@ -48,13 +48,10 @@ from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _p in (REPO, REPO / "benchmarks"):
+for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-# by its package path: the top-level name _common is benchmarks/_common.py, which
-# time_to_accuracy and scale_model import
-from results.experiments._common import (new_figure, raw_dir, save_figure,  # noqa: E402
-                                         write_csv, write_json)
+from _shared import new_figure, raw_dir, save_figure, write_csv, write_json  # noqa: E402
 
 import scale_model  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402

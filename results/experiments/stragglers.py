@@ -31,9 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import REPO, new_figure, raw_dir, save_figure, write_csv  # noqa: E402
+from _shared import REPO, new_figure, raw_dir, save_figure, write_csv  # noqa: E402
 
-sys.path.append(str(REPO / "benchmarks"))   # last: its _common must not shadow ours
+sys.path.append(str(REPO / "benchmarks"))
 from straggler_sweep import retention, sweep  # noqa: E402
 
 NAME = "stragglers"

@@ -4,7 +4,7 @@ than the spectral gap?
 Gossip SGD (``--algorithm gossip``) runs on each topology of TOPOLOGIES at each rank count (8
 and 16 by default), with a few seeds, on the embedded digits with the small MLP (a tiny model,
 so that 16 ranks fit on 2 cores). Every training of one rank count runs in one ``mpirun``
-(``_common.train_many``).
+(``_shared.train_many``).
 
 Predictors, from the topology analyser (``lsgd_hpc.topology.analyse``, docs/algorithms.md):
 
@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (new_figure, raw_dir, save_figure, train_many, write_csv,  # noqa: E402
+from _shared import (new_figure, raw_dir, save_figure, train_many, write_csv,  # noqa: E402
                      write_json)
 
 NAME = "topologies"
