@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import json
 import os
 import sys
@@ -74,6 +73,19 @@ def machine() -> dict:
             del sys.modules[name]
     info.pop("max_ranks", None)
     return info
+
+
+def load_experiment(name: str):
+    """results/experiments/<name>.py as a module of its own name (results_experiment_<name>):
+    imported by path, so that a module of the same bare name elsewhere on sys.path (benchmarks/
+    has a stragglers.py too, and experiments put benchmarks/ on the path) is never taken."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"results_experiment_{name}",
+                                                  HERE / "experiments" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _section(name: str, res: dict, out: Path) -> list:
@@ -152,7 +164,7 @@ def main(argv=None) -> int:
         print(f"- {name} ...", flush=True)
         t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(name)
+            mod = load_experiment(name)
             res = mod.run(out / name, quick=args.quick, log=lambda m: print(f"  {m}", flush=True))
             res.setdefault("status", "ok")
         except Exception as exc:              # one broken experiment must not lose the others

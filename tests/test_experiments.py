@@ -50,10 +50,15 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
 def test_every_experiment_imports_in_one_process():
     """make results imports every experiment into one process after loading benchmarks/run_all.py
     (machine_info): module names must not clash (a shared helper named like benchmarks' own
-    _common.py once made two experiments fail at import)."""
-    code = ("import sys, importlib; sys.argv = ['run_all']; sys.path.insert(0, 'results'); "
+    _common.py, and benchmarks/stragglers.py taken for the experiment, once made two
+    experiments fail), and each must be the experiment's own file with make results' run()."""
+    code = ("import sys, inspect; sys.argv = ['run_all']; sys.path.insert(0, 'results'); "
             "import run_all; run_all.machine(); "
-            "[importlib.import_module(n) for n, _ in run_all.EXPERIMENTS]; print('ok')")
+            "mods = [run_all.load_experiment(n) for n, _ in run_all.EXPERIMENTS]; "
+            "assert all('results/experiments/' in m.__file__ for m in mods); "
+            "assert all(list(inspect.signature(m.run).parameters)[:3] == ['out', 'quick', 'log'] "
+            "for m in mods), [list(inspect.signature(m.run).parameters) for m in mods]; "
+            "print('ok')")
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]

@@ -28,8 +28,12 @@ elected global leader; EASGD: the centre; allreduce and local SGD: rank 0) again
 time, training step and bytes sent by all ranks together; line = mean over seeds, band = min-max.
 Tables: ``methods_runs.csv`` (one row per run) and ``methods_summary.csv`` (per task, rank count
 and method: final accuracy of the reported model and the mean over workers, mean and standard
-deviation over seeds; training time; bytes sent; time, steps and bytes to the target accuracy,
-over the seeds that reached it). Training time is the trainer's (evaluations excluded).
+deviation over seeds; training time; bytes sent and received; time, steps and bytes to the
+target accuracy, over the seeds that reached it). Training time is the trainer's (evaluations
+excluded). Bytes are the logical payload (docs/metrics.md): a broadcast counts its payload once
+as sent (at the root) and once per receiver as received, an allreduce once per rank in both,
+so "bytes sent" flatters broadcast-based methods (LSGD) by up to ranks - 1 against allreduce;
+the findings give both ratios.
 """
 
 from __future__ import annotations
@@ -76,12 +80,13 @@ FULL = dict(seeds=3, steps=200, ranks=(4, 8), eval_every=20,
 QUICK = dict(seeds=2, steps=60, ranks=(4,), eval_every=20, tasks={4: ("digits", "noisy")})
 
 RUN_COLUMNS = ["task", "ranks", "nodes", "method", "seed", "final_acc_leader", "final_acc_mean",
-               "training_time_s", "wall_time_s", "bytes_sent", "steps", "target_acc",
-               "time_to_target_s", "steps_to_target", "bytes_to_target"]
+               "training_time_s", "wall_time_s", "bytes_sent", "bytes_recv", "steps",
+               "target_acc", "time_to_target_s", "steps_to_target", "bytes_to_target"]
 SUMMARY_COLUMNS = ["task", "ranks", "nodes", "method", "seeds",
                    "final_acc_leader_mean", "final_acc_leader_std",
                    "final_acc_mean_mean", "final_acc_mean_std",
                    "training_time_s_mean", "training_time_s_std", "bytes_sent_mean",
+                   "bytes_recv_mean",
                    "target_acc", "reached_target", "time_to_target_s_mean",
                    "steps_to_target_mean", "bytes_to_target_mean"]
 
@@ -148,7 +153,12 @@ def read_runs(dirs: dict, target: dict) -> list:
                      "seed": seed, "final_acc_leader": end["acc_leader"],
                      "final_acc_mean": end["acc_mean"],
                      "training_time_s": s["training_time"], "wall_time_s": s["wall_time"],
-                     "bytes_sent": s["total_bytes_sent"], "steps": s["steps"],
+                     "bytes_sent": s["total_bytes_sent"],
+                     # what receivers got: a broadcast counts its payload once as sent (at
+                     # the root) but once per receiver here, an allreduce once per rank in both
+                     "bytes_recv": sum(int(aggregate.col(d, "train", "comm_bytes_recv")[-1])
+                                       for d in run.ranks.values()),
+                     "steps": s["steps"],
                      "target_acc": target[task], "time_to_target_s": t, "steps_to_target": st,
                      "bytes_to_target": b, "_points": points})
     return rows
@@ -180,6 +190,7 @@ def summarize(rows: list) -> list:
             "training_time_s_mean": _mean(r["training_time_s"] for r in rs),
             "training_time_s_std": _std([r["training_time_s"] for r in rs]),
             "bytes_sent_mean": _mean(float(r["bytes_sent"]) for r in rs),
+            "bytes_recv_mean": _mean(float(r["bytes_recv"]) for r in rs),
             "target_acc": rs[0]["target_acc"], "reached_target": f"{len(hit)}/{len(rs)}",
             "time_to_target_s_mean": _mean(r["time_to_target_s"] for r in hit),
             "steps_to_target_mean": _mean(r["steps_to_target"] for r in hit),
@@ -288,9 +299,12 @@ def findings(summary: list, descs: dict) -> list:
                 ratio = s["bytes_sent_mean"] / ref["bytes_sent_mean"] if ref["bytes_sent_mean"] \
                     else math.inf
                 verdict = "yes" if acc != "worse" and ratio < 1 else "no"
+                recv = s["bytes_recv_mean"] / ref["bytes_recv_mean"] if ref["bytes_recv_mean"] \
+                    else math.inf
                 parts.append(f"vs {ref['method']} ({_pct(ref['final_acc_leader_mean'])}, "
                              f"{_bytes(ref['bytes_sent_mean'])}): accuracy {acc} "
-                             f"({100 * diff:+.1f} points), bytes x{ratio:.2f} -> {verdict}")
+                             f"({100 * diff:+.1f} points), bytes sent x{ratio:.2f} (received "
+                             f"x{recv:.2f}) -> {verdict}")
             out.append(f"{descs[task]}, {world} ranks: {m} reached "
                        f"{_pct(s['final_acc_leader_mean'])} +- "
                        f"{100 * s['final_acc_leader_std']:.1f} with "
