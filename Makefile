@@ -34,7 +34,7 @@ test: $(READY)
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks
 
-# Every experiment under results/ (about 40 min on 2 cores; the network one needs root for
+# Every experiment under results/ (about 15 min on 2 cores; the network one needs root for
 # the emulated cluster). RESULTS_ARGS=--quick checks that they run.
 results: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) results/run_all.py --out results $(RESULTS_ARGS)
