@@ -37,12 +37,13 @@ EXPERIMENTS = [
 INTRO = """\
 # results/
 
-What the package's methods do on real runs: every file here except `readings/` and the
-`experiments/` scripts was written by
+What the package's methods do on real runs: every table and figure here, `summary.json` and
+this file were written by
 
     make results            # = python results/run_all.py --out results   (about {minutes} min)
 
-on the machine below. Each experiment can be rerun alone, with a bigger budget on a cluster:
+on the machine below; the readings come from `readings/<name>.md` (written by people for this
+run; `python results/run_all.py --readme-only` puts them in after editing). Each experiment can be rerun alone, with a bigger budget on a cluster:
 `python results/experiments/<name>.py --out results/<name> --help` lists its options. Raw runs
 (one HDF5 file per rank) go to `runs/results/<name>/` and are not kept in git; the CSV tables
 and PNG figures are. `make bench` writes `results/benchmarks/` (speed ratios; per machine, not
