@@ -479,7 +479,8 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
                 f"{base['steps']} steps, evaluation every {EVAL_EVERY}; options "
                 f"{' '.join(common_options(base['steps']))} "
                 f"{' '.join(off)}.",
-                "Accuracy: mean over ranks of each worker's test accuracy (EASGD: the centre's); "
+                "Accuracy: the test accuracy of the model each method reports (LSGD: its elected "
+                "global leader, EASGD: the centre, others: the mean over ranks); "
                 "time: /train/training_time (or wall_time where the trainer has no training "
                 "time), slowest rank; not reached within the steps counts as infinite.",
                 f"{DDP_LABEL}: torch DistributedDataParallel (gloo, its default 25 MB buckets "
