@@ -110,42 +110,22 @@ def enn_column(gamma: float) -> str:
 
 # ---------------------------------------------------------------------------- measurements
 
-def trailing_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Mean of values[max(0, i - window + 1) .. i] for every i (causal: no look-ahead)."""
-    c = np.cumsum(np.insert(np.asarray(values, dtype=float), 0, 0.0))
-    i = np.arange(1, len(values) + 1)
-    lo = np.maximum(0, i - window)
-    return (c[i] - c[lo]) / (i - lo)
-
-
-def first_at_or_below(xs: np.ndarray, ys: np.ndarray, target: float) -> Optional[float]:
-    """The first x whose y is <= target, or None."""
-    hit = np.flatnonzero(np.asarray(ys) <= target)
-    return float(xs[hit[0]]) if len(hit) else None
-
-
 def measure_run(run_dir: Path, target: float) -> dict:
-    """Consensus distance, steps and training time to the target loss of one gossip run."""
-    from lsgd_hpc.aggregate import col, read_run, run_curve
+    """Consensus distance, steps and training time to the target loss of one gossip run: the
+    aggregator's figures (lsgd_hpc.aggregate: consensus_figures, and time_to_loss over a
+    trailing LOSS_WINDOW, the slowest rank's training time)."""
+    from lsgd_hpc.aggregate import col, consensus_figures, read_run, time_to_loss, train_table
 
     run = read_run(run_dir)
     r0 = run.ranks[min(run.ranks)]
-    c_steps = col(r0, "consensus", "step", np.int64)
-    c_dist = col(r0, "consensus", "distance")
-    steps, loss = run_curve(run, "step", "train_loss")
-    smooth = trailing_mean(loss, LOSS_WINDOW)
-    s_target = first_at_or_below(steps, smooth, target)
-    t_target = None
-    if s_target is not None:
-        # the slowest rank's training time at that step: all ranks have got there
-        t_target = max(float(col(d, "train", "training_time")[
-            np.flatnonzero(col(d, "train", "step", np.int64) == int(s_target))[0]])
-            for d in run.ranks.values())
-    return {"consensus_distance": float(np.mean(c_dist)) if len(c_dist) else math.nan,
-            "steps_to_target": s_target if s_target is not None else math.nan,
-            "time_to_target": t_target if t_target is not None else math.nan,
-            "final_loss": float(smooth[-1]) if len(smooth) else math.nan,
-            "consensus_curve": (c_steps, c_dist)}
+    reached = time_to_loss(run, target, LOSS_WINDOW)
+    loss = train_table(run)["loss_mean"]
+    return {"consensus_distance": consensus_figures(run)[1],
+            "steps_to_target": math.nan if reached["step"] is None else float(reached["step"]),
+            "time_to_target": math.nan if reached["time"] is None else reached["time"],
+            "final_loss": float(np.mean(loss[-LOSS_WINDOW:])) if len(loss) else math.nan,
+            "consensus_curve": (col(r0, "consensus", "step", np.int64),
+                                col(r0, "consensus", "distance"))}
 
 
 # ------------------------------------------------------------------------------- the sweep
