@@ -12,7 +12,8 @@ MPIRUN  = $(shell [ -x $(VENV)/bin/mpirun ] && echo $(VENV)/bin/mpirun || echo m
 MPIFLAGS ?= --oversubscribe
 DEMO_DIR ?= runs/demo
 # Two pytest workers: the emulated-cluster tests (one worker, mostly waiting on SLURM) beside
-# the CPU-bound rest. PYTEST_PAR= runs the suite in one process.
+# the CPU-bound rest. PYTEST_PAR= runs the suite in one process. The 25 slowest tests are
+# listed at the end, to keep the suite's time in view.
 PYTEST_PAR ?= -n 2 --dist loadgroup
 
 .PHONY: venv demo test test-fast bench results horovod clean
@@ -29,7 +30,7 @@ demo: $(READY)
 	$(PY) -m lsgd_hpc.summary $(DEMO_DIR)
 
 test: $(READY)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra $(PYTEST_PAR) tests
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra --durations=25 $(PYTEST_PAR) tests
 
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks

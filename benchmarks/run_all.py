@@ -71,6 +71,7 @@ BENCHES = [
     Bench("peers", "peers", timeout=600, driver=True, kwargs={"key": "peers"}),
     Bench("peers_network", "peers", timeout=600, driver=True,
           kwargs={"network": "1gbit", "key": "peers_network", "rounds": 2}),
+    Bench("nonblocking_allreduce", "nonblocking_allreduce", timeout=240, driver=True),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
     # its own mpirun jobs at 4 ranks, unslowed then slowed (8 ranks: benchmarks/stragglers.py

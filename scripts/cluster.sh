@@ -10,7 +10,9 @@
 #   scripts/cluster.sh status [--name P]          exit 0 when up and every node is healthy
 #   scripts/cluster.sh env    [--name P]          KEY=VALUE lines (shell-sourceable), see below
 #   scripts/cluster.sh mpirun-args [--name P] [--ranks-per-node K]
-#                             mpirun options that start ranks on the nodes (one line)
+#                             mpirun options that start ranks on the nodes (one line); with
+#                             more ranks than the machine has cores, waiting ranks yield
+#                             the core (--mca mpi_yield_when_idle 1)
 #   scripts/cluster.sh exec   [--name P] NODE CMD...   run CMD inside a node (its network,
 #                             host name and /etc/hosts), NODE a node name or address
 #   scripts/cluster.sh agent  [--name P] [ssh options] HOST CMD...
@@ -525,9 +527,15 @@ cmd_mpirun_args() {
     for a in $CLUSTER_ADDRS; do hosts+=${hosts:+,}$a:$ranks_per_node; done
     # TCP between nodes on the cluster's subnet only, shared memory within one; the
     # hierarchical collective components (han, xhc, acoll) hang across these nodes.
+    local yield="" n_nodes
+    n_nodes=$(wc -w <<<"$CLUSTER_ADDRS")
+    # The nodes share this machine's cores. With more ranks than cores, ranks waiting in MPI
+    # must yield the core (as Open MPI does by itself when it sees oversubscription, which
+    # --host A:K,B:K hides): busy-polling ranks would take it from the ranks computing.
+    if ((n_nodes * ranks_per_node > $(nproc))); then yield=" --mca mpi_yield_when_idle 1"; fi
     echo "--host $hosts --prtemca plm_ssh_agent $CLUSTER_AGENT --mca pml ob1" \
          "--mca btl self,sm,tcp --mca btl_tcp_if_include $CLUSTER_SUBNET" \
-         "--mca oob_tcp_if_include $CLUSTER_SUBNET --mca coll ^han,xhc,acoll"
+         "--mca oob_tcp_if_include $CLUSTER_SUBNET --mca coll ^han,xhc,acoll$yield"
 }
 
 cmd_exec() {

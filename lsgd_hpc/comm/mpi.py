@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from contextlib import contextmanager
 from typing import Dict, Iterator, Optional, Sequence, Tuple
 
@@ -29,6 +30,11 @@ _MPI_TYPES = {
 }
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_MPI_TYPES)}
 
+#: Non-blocking allreduces of at least this many bytes run out of place from a copy (see
+#: MPICommunicator._start_iallreduce); below, in place (latency-bound, and Open MPI takes the
+#: same algorithm either way under 64 KiB).
+NB_SEND_COPY_MIN_BYTES = 64 * 1024
+
 #: Set to 0 to skip the agreement check that precedes every collective (one 32-byte reduction).
 VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 
@@ -39,6 +45,18 @@ _DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
 def mpi_library() -> str:
     """First line of the MPI library's own version string (which MPI is really used)."""
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def _world_on_one_host(size: int) -> Optional[bool]:
+    """Whether all ``size`` ranks of COMM_WORLD run on this host, from what the launcher
+    tells each rank (Open MPI's, MPICH/Hydra's or SLURM's count of ranks on this node);
+    None when none says."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var]) == size
+    if os.environ.get("SLURM_STEP_NUM_NODES", "").isdigit():
+        return int(os.environ["SLURM_STEP_NUM_NODES"]) == 1
+    return None
 
 
 def _buffer(t: torch.Tensor, count: Optional[int] = None):
@@ -92,6 +110,13 @@ class MPICommunicator(Communicator):
         # fixed buffers agreed on once at set-up (agree_buffers), key -> the tensor: shared
         # with every communicator derived from this one, whose members are a subset of ours
         self._agreed: Dict[tuple, torch.Tensor] = {}
+        # send copies of fixed buffers for out-of-place non-blocking allreduces, buffer key ->
+        # the copy (one per buffer of a checked plan: gradient buckets)
+        self._send_copies: Dict[tuple, torch.Tensor] = {}
+        #: True when every member runs on this host (shared memory between all of them),
+        #: False when not, None when unknown (COMM_WORLD outside a launcher that says).
+        self.one_host: Optional[bool] = (_world_on_one_host(self._size)
+                                         if self.comm == MPI.COMM_WORLD else None)
         # made once: an election is on the path of every LSGD period
         self._elect_bufs = (np.zeros(1, dtype=_DOUBLE_INT), np.zeros(1, dtype=_DOUBLE_INT))
 
@@ -169,9 +194,34 @@ class MPICommunicator(Communicator):
     def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
         if not agreed:
             self._agree("iallreduce_", tensor)
-        # The memory stays alive while in flight: the Pending holds the tensor that owns it.
-        req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
-        return req.Wait, req.Test
+        if self.one_host or tensor.numel() * tensor.element_size() < NB_SEND_COPY_MIN_BYTES:
+            # The memory stays alive while in flight: the Pending holds the tensor that owns it.
+            req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
+            return req.Wait, req.Test
+        # Out of place from a copy: Open MPI's non-blocking allreduce (coll/libnbc) takes a
+        # binomial tree (reduce to one rank, then broadcast: the whole buffer through one
+        # rank's link, twice) whenever it is called in place, and reduce-scatter + allgather
+        # (bandwidth-optimal) otherwise. For gradient buckets over a network that is 2.4x
+        # (benchmarks/collectives.py, nonblocking_allreduce); within one host, through
+        # shared memory, the copy costs more than it saves, so there it stays in place
+        # (one_host). The send copy of a fixed
+        # buffer (agreed: a bucket plan checked once) is kept and reused; it is never read
+        # by two collectives at once, since its buffer cannot be in flight twice.
+        key = _buffer_key(tensor)
+        send = self._send_copies.get(key) if agreed else None
+        if send is None:
+            send = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+            if agreed:
+                self._send_copies[key] = send
+        send.copy_(tensor)
+        req = self.comm.Iallreduce(_buffer(send), _buffer(tensor), op=MPI.SUM)
+
+        def wait(_send=send) -> None:      # the copy stays alive while in flight
+            req.Wait()
+
+        def test(_send=send) -> bool:
+            return req.Test()
+        return wait, test
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         check_tensor(tensor)
@@ -285,8 +335,9 @@ class MPICommunicator(Communicator):
 
     def _adopt(self, sub: MPI.Comm, key: str) -> "MPICommunicator":
         with MONITOR.blocking(key, (), "world ranks"):
-            ranks = sub.allgather(self.world_rank)
-        child = MPICommunicator(sub, self.stats, ranks, key=key)
+            members = sub.allgather((self.world_rank, socket.gethostname()))
+        child = MPICommunicator(sub, self.stats, [r for r, _ in members], key=key)
+        child.one_host = len({h for _, h in members}) == 1
         child._agreed = self._agreed
         self._children.append(child)
         return child

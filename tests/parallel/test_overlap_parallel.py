@@ -75,6 +75,67 @@ def test_iallreduce_checks_arguments_and_sizes(world):
         assert ok.tolist() == [world.size] * 2
 
 
+class _IallreduceSpy:
+    """Forwards to an mpi4py communicator and records whether each Iallreduce ran in place."""
+
+    def __init__(self, real):
+        self.real, self.in_place = real, []
+
+    def Iallreduce(self, send, recv, op):
+        from mpi4py import MPI
+        self.in_place.append(send is MPI.IN_PLACE)
+        return self.real.Iallreduce(send, recv, op=op)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _mpi_side(world):
+    if os.environ.get("LSGD_TEST_BACKEND", "mpi") != "mpi" or world.size == 1:
+        pytest.skip("the MPI backend's non-blocking allreduce, between two or more ranks")
+    return world
+
+
+def test_one_host_is_known_for_world_and_splits(world):
+    """Launched by mpirun on this one host: world and every split of it share memory."""
+    _mpi_side(world)
+    assert world.one_host is True
+    half = world.split(world.rank % 2)
+    assert half.one_host is True
+    assert len(set(world.allgather_object(world.one_host))) == 1
+
+
+@pytest.mark.parametrize("one_host", [False, True])
+def test_large_iallreduce_out_of_place_between_hosts(world, one_host):
+    """Between hosts a large buffer goes out of place from a copy (Open MPI reduces in-place
+    non-blocking allreduces through one rank), a small one and any on one host in place;
+    the sum is exact either way, and a reused copy is refreshed every call."""
+    from lsgd_hpc.comm.mpi import NB_SEND_COPY_MIN_BYTES
+    _mpi_side(world)
+    n = NB_SEND_COPY_MIN_BYTES // 4 + 3
+    big, small = torch.zeros(n), torch.zeros(5)
+    spy = _IallreduceSpy(world.comm)
+    saved = world.comm, world.one_host
+    world.comm, world.one_host = spy, one_host
+    try:
+        for k in range(1, 3):           # the second call reuses the kept send copy
+            big.copy_(torch.arange(n, dtype=torch.float32) * (world.rank + k))
+            small.fill_(world.rank + k)
+            reqs = [world.iallreduce_(big, "sum", agreed=True),
+                    world.iallreduce_(small, "sum", agreed=True)]
+            for r in reqs:
+                r.wait()
+            s = sum(r + k for r in range(world.size))
+            assert torch.equal(big, torch.arange(n, dtype=torch.float32) * s)
+            assert small.tolist() == [s] * 5
+    finally:
+        world.comm, world.one_host = saved
+    assert spy.in_place == [one_host, True] * 2
+    if not one_host:                    # kept for the fixed buffer, not made per call
+        from lsgd_hpc.comm.mpi import _buffer_key
+        assert _buffer_key(big) in world._send_copies
+
+
 # -- bucket plan ---------------------------------------------------------------------------
 def test_bucket_bounds_cover_backwards_without_splitting():
     sizes = [10, 3, 7, 100, 2, 5]
