@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     unchecked = MPICommunicator()
     unchecked.validate = False
     assert world.validate
-    reps = 8 if args.quick else 20
+    reps = 8 if args.quick else 40
     rows, result, eff = [], {}, {}
     for label, build in models().items():
         torch.manual_seed(0)

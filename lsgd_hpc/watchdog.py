@@ -67,7 +67,7 @@ class CollectiveMonitor:
         wait for a posted one)."""
         with self._lock:
             outer = self._inside
-            self._inside = {"key": key, "members": list(members), "seq": seq, "name": name,
+            self._inside = {"key": key, "members": members, "seq": seq, "name": name,
                             "step": self.step, "since": time.time()}
         try:
             yield
@@ -75,17 +75,44 @@ class CollectiveMonitor:
             with self._lock:
                 self._inside = outer
 
-    @contextmanager
-    def blocking(self, key: str, members: Sequence[int], name: str) -> Iterator[None]:
-        """Enter a blocking collective: count it and be inside it until it returns."""
-        with self.inside(key, members, self.post(key, name), name):
-            yield
+    def blocking(self, key: str, members: Sequence[int], name: str) -> "_Blocking":
+        """Enter a blocking collective: count it and be inside it until it returns.
+
+        On the path of every collective: one lock taken on entry (count and mark), one on
+        exit, and ``members`` kept as given (a communicator's tuple), not copied."""
+        return _Blocking(self, key, members, name)
 
     def record(self) -> dict:
         with self._lock:
             return {"rank": self.rank, "step": self.step, "time": time.time(),
                     "entered": {k: list(v) for k, v in self._entered.items()},
                     "inside": dict(self._inside) if self._inside else None}
+
+
+class _Blocking:
+    """The context of :meth:`CollectiveMonitor.blocking` (a class: cheaper than a generator)."""
+
+    __slots__ = ("mon", "key", "members", "name", "outer")
+
+    def __init__(self, mon: CollectiveMonitor, key: str, members: Sequence[int], name: str):
+        self.mon, self.key, self.members, self.name = mon, key, members, name
+
+    def __enter__(self) -> None:
+        mon = self.mon
+        with mon._lock:
+            rec = mon._entered.get(self.key)
+            if rec is None:
+                rec = mon._entered[self.key] = [0, "", 0]
+            rec[0] += 1
+            rec[1], rec[2] = self.name, mon.step
+            self.outer = mon._inside
+            mon._inside = {"key": self.key, "members": self.members, "seq": rec[0],
+                           "name": self.name, "step": mon.step, "since": time.time()}
+
+    def __exit__(self, *exc) -> bool:
+        with self.mon._lock:
+            self.mon._inside = self.outer
+        return False
 
 
 #: The process's monitor; the communication layer reports to it.

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
-from contextlib import contextmanager
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -109,7 +108,7 @@ class MPICommunicator(Communicator):
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
         # fixed buffers agreed on once at set-up (agree_buffers), key -> the tensor: shared
         # with every communicator derived from this one, whose members are a subset of ours
-        self._agreed: Dict[tuple, torch.Tensor] = {}
+        self._agreed: Dict[tuple, tuple] = {}       # key -> (tensor, its MPI buffer or None)
         # send copies of fixed buffers for out-of-place non-blocking allreduces, buffer key ->
         # the copy (one per buffer of a checked plan: gradient buckets)
         self._send_copies: Dict[tuple, torch.Tensor] = {}
@@ -178,17 +177,27 @@ class MPICommunicator(Communicator):
             # The entry holds the tensor, so its memory cannot be freed and handed to another
             # buffer of the same length on some ranks only: entries are added collectively and
             # never go stale, and every member decides alike whether to check.
-            self._agreed[_buffer_key(t)] = t
+            # CPU buffers: their MPI buffer (a numpy view of the same memory) made once too.
+            self._agreed[_buffer_key(t)] = (t, None if t.is_cuda else _buffer(t))
+
+    def _checked_buffer(self, what: str, tensor: torch.Tensor, root: int = 0):
+        """The agreement check (skipped for a buffer agreed on at set-up), then the tensor's
+        MPI buffer (made once for an agreed CPU buffer: this is on every collective's path)."""
+        entry = self._agreed.get(_buffer_key(tensor))
+        if entry is None:
+            self._agree(what, tensor, root)
+            return _buffer(tensor)
+        return entry[1] if entry[1] is not None else _buffer(tensor)
 
     # -- collectives ---------------------------------------------------------------------
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check_allreduce(tensor, op)
         if self._size == 1:
             return tensor
-        self._agree("allreduce_", tensor)
+        buf = self._checked_buffer("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes), self._watch("allreduce_"):
-            self.comm.Allreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
         return self._finish_mean(tensor, op)
 
     def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
@@ -228,12 +237,12 @@ class MPICommunicator(Communicator):
         self._check_root(root)
         if self._size == 1:
             return tensor
-        self._agree("broadcast_", tensor, root)
+        buf = self._checked_buffer("broadcast_", tensor, root)
         nbytes = tensor.numel() * tensor.element_size()
         is_root = self._rank == root
         with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes), \
                 self._watch("broadcast_"):
-            self.comm.Bcast(_buffer(tensor), root=root)
+            self.comm.Bcast(buf, root=root)
         return tensor
 
     def elect(self, score: float) -> Election:
@@ -387,11 +396,9 @@ class MPICommunicator(Communicator):
         return self._post("ielect", torch.empty(0), n, n, lambda: self.comm.Iallreduce(
             [send, MPI.DOUBLE_INT], [recv, MPI.DOUBLE_INT], op=MPI.MINLOC), finish=finish)
 
-    @contextmanager
-    def _watch(self, name: str) -> Iterator[None]:
-        """A blocking collective on this communicator, numbered for the watchdog."""
-        with MONITOR.blocking(self.key, self.world_ranks, name):
-            yield
+    def _watch(self, name: str):
+        """A blocking collective on this communicator, numbered for the watchdog (a context)."""
+        return MONITOR.blocking(self.key, self.world_ranks, name)
 
     def free(self) -> None:
         for g, *_ in self._graphs.values():
