@@ -109,10 +109,20 @@ def _section(name: str, res: dict, out: Path) -> list:
 
 def readme(doc: dict) -> str:
     m = doc["machine"]
-    lines = [INTRO.format(minutes=round(doc["runtime_s"] / 60)),
+    # the whole of make results: every experiment's own minutes (some may be from an earlier run)
+    total_s = sum(float(r.get("seconds", 0.0)) for r in doc["experiments"].values())
+    kept: dict = {}                   # (started, git) of an earlier run -> its experiments
+    for n, r in doc["experiments"].items():
+        if n not in doc.get("rerun", doc["experiments"]):
+            kept.setdefault((r.get("run_started", "?"), r.get("git_sha", "?")), []).append(n)
+    lines = [INTRO.format(minutes=round(total_s / 60)),
              f"This run: `{doc['command']}`, started {doc['started']}, "
              f"{doc['runtime_s'] / 60:.1f} min{' (quick mode: small budgets, not for reading)' if doc['quick'] else ''}; "
-             f"git {m.get('git_sha', '')[:10]}.", "",
+             f"git {m.get('git_sha', '')[:10]}."
+             + (f" It reran {', '.join(doc['rerun'])} only; the others keep their results, "
+                "machine and load from earlier runs: " + "; ".join(
+                    f"{', '.join(ns)} from the run started {st} (git {sha[:10]})"
+                    for (st, sha), ns in kept.items()) + "." if kept else ""), "",
              f"Machine: {m['hostname']}, {m['nproc']} CPUs ({m['usable_cpus']} usable), "
              f"{m['platform']}; {m['mpi_library']}; torch {m['torch']}, mpi4py {m['mpi4py']}; "
              f"OMP_NUM_THREADS=1 per rank, `--oversubscribe` (up to 16 ranks on these cores); "
@@ -152,7 +162,11 @@ def main(argv=None) -> int:
     todo = [n for n in names if not args.only or n in args.only]
     previous = {}
     if args.only and (out / "summary.json").exists():
-        previous = json.loads((out / "summary.json").read_text()).get("experiments", {})
+        before = json.loads((out / "summary.json").read_text())
+        previous = before.get("experiments", {})
+        for r in previous.values():    # where each kept result comes from (older files: the run)
+            r.setdefault("run_started", before.get("started", "?"))
+            r.setdefault("git_sha", before.get("machine", {}).get("git_sha", "?"))
     started = dt.datetime.now().astimezone().isoformat(timespec="seconds")
     t_start = time.perf_counter()
     info = machine()
@@ -174,12 +188,15 @@ def main(argv=None) -> int:
             failed.append(name)
         res["seconds"] = time.perf_counter() - t0
         res["quick"] = args.quick
+        res["run_started"], res["git_sha"] = started, info.get("git_sha", "?")
         results[name] = res
         print(f"  {name}: {res['status']} in {res['seconds'] / 60:.1f} min", flush=True)
     info["loadavg_end"] = list(os.getloadavg())
     doc = {"command": " ".join(["python", "results/run_all.py", *(argv or sys.argv[1:])]),
            "started": started, "quick": args.quick, "runtime_s": time.perf_counter() - t_start,
            "machine": info, "out": str(out), "experiments": results}
+    if args.only:
+        doc["rerun"] = todo
     (out / "summary.json").write_text(json.dumps(doc, indent=1, default=float))
     (out / "README.md").write_text(readme(doc))
     print(f"{len(todo)} experiments in {doc['runtime_s'] / 60:.1f} min; wrote {out}/README.md"

@@ -62,3 +62,29 @@ def test_every_experiment_imports_in_one_process():
     p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-2000:]
+
+
+def test_results_readme_says_where_kept_experiments_come_from(tmp_path):
+    """After `run_all.py --only X`, the README's minutes are those of every experiment (not of
+    the rerun alone) and it names, per earlier run, which results it kept from it."""
+    import importlib.util      # by path: benchmarks/ has a run_all.py too
+    spec = importlib.util.spec_from_file_location("results_run_all",
+                                                  REPO / "results" / "run_all.py")
+    run_all = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run_all)
+    machine = {"hostname": "h", "nproc": 2, "usable_cpus": 2, "platform": "p", "mpi_library": "m",
+               "torch": "t", "mpi4py": "4", "loadavg_start": [1.0], "loadavg_end": [1.0],
+               "git_sha": "b" * 40}
+    exps = {"methods": {"status": "ok", "seconds": 300, "run_started": "T1", "git_sha": "a" * 40},
+            "network": {"status": "ok", "seconds": 120, "run_started": "T2", "git_sha": "b" * 40},
+            "stragglers": {"status": "ok", "seconds": 60, "run_started": "T1",
+                           "git_sha": "a" * 40}}
+    doc = {"command": "python results/run_all.py --only network", "started": "T2",
+           "quick": False, "runtime_s": 120, "machine": machine, "experiments": exps,
+           "rerun": ["network"], "out": str(tmp_path)}
+    text = run_all.readme(doc)
+    assert "(about 8 min)" in text                     # 300 + 120 + 60 s, not the rerun's 2
+    assert ("It reran network only; the others keep their results, machine and load from "
+            "earlier runs: methods, stragglers from the run started T1 (git aaaaaaaaaa).") in text
+    del doc["rerun"]                                   # a full run names no earlier one
+    assert "It reran" not in run_all.readme(doc)
