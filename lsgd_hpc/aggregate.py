@@ -47,9 +47,10 @@ Per-evaluation figures (one evaluation = one ``/eval`` step):
 ``final_*`` is the last evaluation that every readable rank reached; ``best_*`` is the
 maximum over evaluations of the per-evaluation figure (evaluations that every readable rank
 reached; all evaluations if there is none). ``wall_time`` and ``training_time`` are the
-maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` the sum
-over ranks of the last ``comm_bytes_sent``, ``steps`` the last logged training step (maximum
-over ranks).
+maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_sent`` and
+``total_bytes_recv`` the sums over ranks of the last ``comm_bytes_sent`` and
+``comm_bytes_recv`` (a broadcast counts its payload once as sent, at the root, but once per
+receiver as received), ``steps`` the last logged training step (maximum over ranks).
 
 ``final_consensus_distance`` is the consensus distance at the run's last probe and
 ``mean_consensus_distance`` the mean over its probes (empty without probes).
@@ -122,7 +123,8 @@ SUMMARY_COLUMNS = (
     "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time", "training_time",
     "final_test_acc_leader", "final_test_acc_mean", "final_test_acc_best",
     "best_test_acc_leader", "best_test_acc_mean", "best_test_acc_best",
-    "total_bytes_sent", "steps", "final_consensus_distance", "mean_consensus_distance",
+    "total_bytes_sent", "total_bytes_recv", "steps", "final_consensus_distance",
+    "mean_consensus_distance",
 )
 CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
@@ -405,6 +407,9 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
         row[f"best_test_acc_{fig}"] = _nanmax(tab[f"acc_{fig}"][use])
     sent = [_last(col(d, "train", "comm_bytes_sent", np.int64)) for d in run.ranks.values()]
     row["total_bytes_sent"] = int(sum(int(b) for b in sent if b is not None))
+    # a broadcast's payload counts once as sent (at its root) but once per receiver here
+    recv = [_last(col(d, "train", "comm_bytes_recv", np.int64)) for d in run.ranks.values()]
+    row["total_bytes_recv"] = int(sum(int(b) for b in recv if b is not None))
     steps = [_last(col(d, "train", "step", np.int64)) for d in run.ranks.values()]
     steps = [int(s) for s in steps if s is not None]
     row["steps"] = max(steps) if steps else None
@@ -595,7 +600,7 @@ def group_runs(runs: list[Run], by: Iterable[str] | None = None) -> list[RunGrou
 #: Per-run summary columns that groups.csv summarises over each group's runs (mean, std, min,
 #: max), before the target columns of the targets given.
 GROUP_METRICS = ("final_test_acc_leader", "final_test_acc_mean", "training_time",
-                 "total_bytes_sent", "steps", "final_consensus_distance",
+                 "total_bytes_sent", "total_bytes_recv", "steps", "final_consensus_distance",
                  "mean_consensus_distance")
 STATS = ("mean", "std", "min", "max")
 

@@ -169,6 +169,7 @@ def test_summary_csv_exact(aggregated):
     assert s1["epochs"] == "2" and s1["seed"] == "1" and s2["seed"] == "2"
     assert float(s1["wall_time"]) == pytest.approx(0.5 * 20 + 0.03)
     assert int(s1["total_bytes_sent"]) == 100 * 20 * (1 + 2 + 3 + 4)
+    assert int(s1["total_bytes_recv"]) == 50 * 20 * 4
     assert int(s1["steps"]) == 20
     # leader at step 20 is rank 3 (election at 20 counts), at step 10 rank 1, at 0 rank 0
     assert float(s1["final_test_acc_leader"]) == 0.55

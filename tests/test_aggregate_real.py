@@ -72,6 +72,7 @@ def expected_from_hdf5(run_dir, target_acc, target_loss, world=2):
         "final_test_acc_leader": float(acc[leader, -1]), "leader": leader,
         "acc_leader": acc[leaders, np.arange(len(ev_steps))],
         "total_bytes_sent": sum(int(d["train"]["comm_bytes_sent"][-1]) for d in r),
+        "total_bytes_recv": sum(int(d["train"]["comm_bytes_recv"][-1]) for d in r),
         "steps": max(int(d["train"]["step"][-1]) for d in r),
         "training_time": max(float(d["train"]["training_time"][-1]) for d in r),
         "steps_to_target_acc": s_acc,
@@ -100,6 +101,7 @@ def test_summary_csv_matches_the_hdf5(runs, tmp_path):
         row = rows[alg]
         assert int(row["steps"]) == exp["steps"] == STEPS
         assert int(row["total_bytes_sent"]) == exp["total_bytes_sent"] > 0
+        assert int(row["total_bytes_recv"]) == exp["total_bytes_recv"] > 0
         for c in ("final_test_acc_mean", "final_test_acc_leader", "training_time",
                   "time_to_target_acc", "time_to_target_loss", "final_consensus_distance"):
             assert float(row[c]) == pytest.approx(exp[c], rel=1e-12), (alg, c)

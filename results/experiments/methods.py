@@ -156,8 +156,7 @@ def read_runs(dirs: dict, target: dict) -> list:
                      "bytes_sent": s["total_bytes_sent"],
                      # what receivers got: a broadcast counts its payload once as sent (at
                      # the root) but once per receiver here, an allreduce once per rank in both
-                     "bytes_recv": sum(int(aggregate.col(d, "train", "comm_bytes_recv")[-1])
-                                       for d in run.ranks.values()),
+                     "bytes_recv": s["total_bytes_recv"],
                      "steps": s["steps"],
                      "target_acc": target[task], "time_to_target_s": t, "steps_to_target": st,
                      "bytes_to_target": b, "_points": points})
