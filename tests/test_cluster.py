@@ -317,17 +317,26 @@ def test_scancel_stays_cancelled(slurm_cluster, tmp_path):
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
     """SIGUSR1 to every rank while it starts (handlers installed, no step yet): the ranks
-    agree, nothing needs a checkpoint, the job requeues itself and then runs to the end."""
+    agree, nothing needs a checkpoint, the job requeues itself and then runs to the end.
+
+    The signal goes to the ranks directly, the moment all four catch it (their handlers are
+    installed before MPI and torch are imported, which takes a second or more): through
+    `scancel --signal` it can take long enough on a loaded machine to arrive after the
+    start-up agreement, and the stop is then (correctly) a checkpoint at the first step.
+    SLURM's own delivery of SIGUSR1 is what the time-limit preemption test checks."""
     job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--max-steps", "4",
                           "--eval-every", "2")
     run_dir = tmp_path / "runs" / str(job)
+    pids: dict = {}
     try:
         def starting():
-            pids = slurm_cluster.rank_pids(job)
+            pids.clear()
+            pids.update(slurm_cluster.rank_pids(job))
             return len(pids) == 4 and all(catches(p, signal.SIGUSR1) for p in pids.values())
-        wait_for(starting, JOB_TIMEOUT, "4 ranks catching SIGUSR1", poll=0.05)
+        wait_for(starting, JOB_TIMEOUT, "4 ranks catching SIGUSR1", poll=0.02)
+        for pid in pids.values():
+            os.kill(pid, signal.SIGUSR1)
         assert not (run_dir / "metrics").exists(), "already training: too late to test start-up"
-        slurm_cluster.slurm_cmd("scancel", "--signal=USR1", str(job))
         recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
     finally:
         slurm_cluster.slurm_cmd("scancel", str(job), check=False)
