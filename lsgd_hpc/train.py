@@ -84,6 +84,13 @@ def _requeue(env: dict) -> bool:
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
         return False
+    if res.returncode < 0:
+        # A requeue makes SLURM end the job's steps at once, and scontrol runs inside this
+        # step: the requeue's own signal can end it before it returns.
+        print(f"[lsgd_hpc] scontrol requeue {job}: sent; SLURM ended this step (signal "
+              f"{-res.returncode}) before scontrol returned, as it does when it requeues "
+              "the job", flush=True)
+        return True
     print(f"[lsgd_hpc] scontrol requeue {job}: "
           f"{'ok' if res.returncode == 0 else res.stderr.strip()}", flush=True)
     return res.returncode == 0

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -234,3 +235,21 @@ def test_horovod_backend_same_leaders_and_accuracies(all_runs, tmp_path):
         assert np.array_equal(a["eval"]["test_accuracy"], b["eval"]["test_accuracy"])
         assert np.allclose(a["train"]["loss"], b["train"]["loss"], rtol=1e-6, atol=1e-7)
         assert np.array_equal(a["train"]["comm_bytes_sent"], b["train"]["comm_bytes_sent"])
+
+
+@pytest.mark.parametrize("script, ok, says", [
+    ("exit 0", True, "scontrol requeue 7: ok"),
+    ("echo 'Requested operation is presently disabled' >&2; exit 1", False,
+     "scontrol requeue 7: Requested operation is presently disabled"),
+    # the requeue's SIGTERM reached scontrol (it runs in the job's step) before it returned
+    ("kill -TERM $$", True, "scontrol requeue 7: sent; SLURM ended this step (signal 15)"),
+])
+def test_requeue_reports_what_scontrol_did(tmp_path, monkeypatch, capsys, script, ok, says):
+    from lsgd_hpc import train as train_mod
+    fake = tmp_path / "scontrol"
+    fake.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"requeue 7\" ] || exit 9\n{script}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert train_mod._requeue({"SLURM_JOB_ID": "7"}) is ok
+    assert says in capsys.readouterr().out
+    assert train_mod._requeue({}) is False          # not a SLURM job: nothing to requeue
