@@ -27,8 +27,7 @@ import os
 import sys
 import threading
 import time
-from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["CollectiveMonitor", "MONITOR", "Watchdog", "EXIT_STALLED", "heartbeat_path"]
 
@@ -56,31 +55,28 @@ class CollectiveMonitor:
         """Count one collective entered (a blocking one, or a non-blocking one posted) on
         communicator ``key``; returns its number there (1, 2, ...)."""
         with self._lock:
-            rec = self._entered.setdefault(key, [0, "", 0])
-            rec[0] += 1
-            rec[1], rec[2] = name, self.step
-            return rec[0]
+            return self._count(key, name)
 
-    @contextmanager
-    def inside(self, key: str, members: Sequence[int], seq: int, name: str) -> Iterator[None]:
+    def _count(self, key: str, name: str) -> int:
+        """post() with the lock held."""
+        rec = self._entered.get(key)
+        if rec is None:
+            rec = self._entered[key] = [0, "", 0]
+        rec[0] += 1
+        rec[1], rec[2] = name, self.step
+        return rec[0]
+
+    def inside(self, key: str, members: Sequence[int], seq: int, name: str) -> "_Inside":
         """The main thread is blocked in collective ``seq`` of ``key`` (a blocking call or the
-        wait for a posted one)."""
-        with self._lock:
-            outer = self._inside
-            self._inside = {"key": key, "members": members, "seq": seq, "name": name,
-                            "step": self.step, "since": time.time()}
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._inside = outer
+        wait for a posted one), a context."""
+        return _Inside(self, key, members, name, seq)
 
-    def blocking(self, key: str, members: Sequence[int], name: str) -> "_Blocking":
+    def blocking(self, key: str, members: Sequence[int], name: str) -> "_Inside":
         """Enter a blocking collective: count it and be inside it until it returns.
 
         On the path of every collective: one lock taken on entry (count and mark), one on
         exit, and ``members`` kept as given (a communicator's tuple), not copied."""
-        return _Blocking(self, key, members, name)
+        return _Inside(self, key, members, name, None)
 
     def record(self) -> dict:
         with self._lock:
@@ -89,24 +85,22 @@ class CollectiveMonitor:
                     "inside": dict(self._inside) if self._inside else None}
 
 
-class _Blocking:
-    """The context of :meth:`CollectiveMonitor.blocking` (a class: cheaper than a generator)."""
+class _Inside:
+    """The context of :meth:`CollectiveMonitor.inside` and ``.blocking`` (``seq`` None: count
+    the collective on entry). A class, not a generator: it is on every collective's path."""
 
-    __slots__ = ("mon", "key", "members", "name", "outer")
+    __slots__ = ("mon", "key", "members", "name", "seq", "outer")
 
-    def __init__(self, mon: CollectiveMonitor, key: str, members: Sequence[int], name: str):
-        self.mon, self.key, self.members, self.name = mon, key, members, name
+    def __init__(self, mon: CollectiveMonitor, key: str, members: Sequence[int], name: str,
+                 seq: Optional[int]):
+        self.mon, self.key, self.members, self.name, self.seq = mon, key, members, name, seq
 
     def __enter__(self) -> None:
         mon = self.mon
         with mon._lock:
-            rec = mon._entered.get(self.key)
-            if rec is None:
-                rec = mon._entered[self.key] = [0, "", 0]
-            rec[0] += 1
-            rec[1], rec[2] = self.name, mon.step
+            seq = mon._count(self.key, self.name) if self.seq is None else self.seq
             self.outer = mon._inside
-            mon._inside = {"key": self.key, "members": self.members, "seq": rec[0],
+            mon._inside = {"key": self.key, "members": self.members, "seq": seq,
                            "name": self.name, "step": mon.step, "since": time.time()}
 
     def __exit__(self, *exc) -> bool:

@@ -106,9 +106,10 @@ class MPICommunicator(Communicator):
         self.key = key
         self._n_derived = 0       # children made so far: the same count on every member
         self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
-        # fixed buffers agreed on once at set-up (agree_buffers), key -> the tensor: shared
-        # with every communicator derived from this one, whose members are a subset of ours
-        self._agreed: Dict[tuple, tuple] = {}       # key -> (tensor, its MPI buffer or None)
+        # fixed buffers agreed on once at set-up (agree_buffers), key -> (the tensor, its MPI
+        # buffer or None on GPU): shared with every communicator derived from this one, whose
+        # members are a subset of ours
+        self._agreed: Dict[tuple, tuple] = {}
         # send copies of fixed buffers for out-of-place non-blocking allreduces, buffer key ->
         # the copy (one per buffer of a checked plan: gradient buckets)
         self._send_copies: Dict[tuple, torch.Tensor] = {}
@@ -210,12 +211,11 @@ class MPICommunicator(Communicator):
         # Out of place from a copy: Open MPI's non-blocking allreduce (coll/libnbc) takes a
         # binomial tree (reduce to one rank, then broadcast: the whole buffer through one
         # rank's link, twice) whenever it is called in place, and reduce-scatter + allgather
-        # (bandwidth-optimal) otherwise. For gradient buckets over a network that is 2.4x
-        # (benchmarks/collectives.py, nonblocking_allreduce); within one host, through
-        # shared memory, the copy costs more than it saves, so there it stays in place
-        # (one_host). The send copy of a fixed
-        # buffer (agreed: a bucket plan checked once) is kept and reused; it is never read
-        # by two collectives at once, since its buffer cannot be in flight twice.
+        # (bandwidth-optimal) otherwise. For gradient buckets over a network that is 2.5x
+        # (benchmarks/nonblocking_allreduce.py); within one host, through shared memory, the
+        # copy costs more than it saves, so there it stays in place (one_host). The send
+        # copy of a fixed buffer (agreed: a bucket plan checked once) is kept and reused; it
+        # is never read by two collectives at once, since its buffer cannot be in flight twice.
         key = _buffer_key(tensor)
         send = self._send_copies.get(key) if agreed else None
         if send is None:
