@@ -1,3 +1,42 @@
-"""lsgd_hpc: Leader SGD and baselines for distributed training on MPI clusters."""
+"""lsgd_hpc: Leader SGD and baselines for distributed training on MPI clusters.
 
-__version__ = "0.1.0"
+The public API (docs/library.md)::
+
+    import lsgd_hpc
+    comm = lsgd_hpc.init(backend="mpi")
+    method = lsgd_hpc.LeaderSGD(model, optimizer, comm, tau_local=4, tau_global=16)
+    ...
+    loss.backward()
+    method.step(loss)                  # in place of optimizer.step()
+
+Names are imported on first use, so ``import lsgd_hpc`` (and the offline tools,
+``python -m lsgd_hpc.aggregate``) load neither torch nor mpi4py.
+"""
+
+__version__ = "0.2.0"
+
+#: public name -> module that defines it
+_EXPORTS = {
+    "init": "session", "Comm": "session",
+    "Method": "methods", "METHODS": "methods", "method_class": "methods",
+    "LeaderSGD": "methods", "AsyncLeaderSGD": "methods", "AllreduceSGD": "methods",
+    "EASGD": "methods", "LocalSGD": "methods", "GossipSGD": "methods",
+    "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
+    "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
+    "requeue": "runtime",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lsgd_hpc' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -15,7 +15,7 @@ BACKENDS = ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
     not horovod_available(), reason="Horovod is not installed in this venv (make horovod)"))]
 FILES = [str(REPO / "tests" / "parallel" / f) for f in
          ("test_comm_parallel.py", "test_algorithms_parallel.py", "test_netprobe_parallel.py",
-          "test_overlap_parallel.py")]
+          "test_overlap_parallel.py", "test_library_parallel.py")]
 
 
 @pytest.mark.mpi
@@ -26,5 +26,20 @@ def test_parallel_bodies_under_mpirun(np_, rpn, backend):
                          *FILES],
                    timeout=300, env={"LSGD_TEST_RPN": str(rpn), "LSGD_TEST_BACKEND": backend})
     # every rank's pytest reports its own pass line, and nothing failed
-    assert proc.stdout.count(" passed") >= np_, proc.stdout[-3000:]
+    assert proc.stdout.count(" passed") >= np_, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " failed" not in proc.stdout
+
+
+@pytest.mark.mpi
+def test_one_rank_failure_ends_the_job_with_its_message():
+    """A body failing on one rank ends the whole job at once (tests/parallel/conftest.py),
+    with that rank's assertion, instead of the other ranks hanging in the next body."""
+    import time
+    t0 = time.monotonic()
+    proc = run_mpi(2, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                       str(REPO / "tests" / "parallel" / "failing_body.py")], timeout=120,
+                   check=False)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode not in (0, None), proc.stdout[-2000:]
+    assert "deliberate failure on the last rank" in proc.stderr, proc.stderr[-3000:]
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end"

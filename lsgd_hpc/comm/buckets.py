@@ -75,6 +75,13 @@ class GradBuckets:
                             f"({len(set(plans))} different plans; same model and --bucket-mb "
                             "on every rank are needed)")
         self.views = [flat.grad[lo:hi] for lo, hi in self.bounds]
+        #: False inside ``no_sync``: backward only accumulates, nothing starts
+        self.enabled = True
+        #: a user's ``optimizer.zero_grad()`` sets .grad to None and backward then makes a
+        #: new tensor: with this set, the hook copies it into the flat buffer and re-seats it
+        self.adopt_gradients = False
+        self.grad_views = [flat.grad[off:off + p.numel()].view_as(p)
+                           for p, off in zip(params, offsets)]
         # parameter index -> bucket index; parameters left to arrive per bucket
         self.bucket_of = [next(b for b, (lo, hi) in enumerate(self.bounds) if lo <= off < hi)
                           for off in offsets]
@@ -99,6 +106,13 @@ class GradBuckets:
 
     def _hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
+            if not self.enabled:
+                return
+            if self.adopt_gradients:
+                view = self.grad_views[index]
+                if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
+                    view.copy_(param.grad)
+                    param.grad = view
             self._arrived(index)
         return hook
 

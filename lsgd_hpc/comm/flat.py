@@ -49,7 +49,8 @@ class FlatParams:
             view = self.flat[offset:offset + n].view_as(p)
             view.copy_(p.data)
             p.data = view
-            p.grad = self.grad[offset:offset + n].view_as(p)
+            if p.requires_grad:     # a frozen parameter keeps .grad None (optimizers skip it)
+                p.grad = self.grad[offset:offset + n].view_as(p)
             self.slices.append((name, offset, n))
             offset += n
         for name, b in model.named_buffers():
@@ -81,6 +82,8 @@ class FlatParams:
         for p in self.model.parameters():
             if not ptr <= p.data_ptr() < end:
                 raise RuntimeError("a parameter no longer lives in the flat buffer")
+            if not p.requires_grad:
+                continue
             if p.grad is None or not (self.grad.data_ptr() <= p.grad.data_ptr()
                                       < self.grad.data_ptr() + self.grad.numel()
                                       * self.grad.element_size()):
