@@ -16,6 +16,8 @@ __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_wor
 ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
 BACKENDS = ("mpi", "horovod")
 LR_SCHEDULES = ("constant", "step", "cosine")
+OPTIMIZERS = ("sgd", "adamw")
+PRECISIONS = ("fp32", "bf16", "fp16")
 LSGD_BN = ("keep", "copy", "pull")
 
 
@@ -41,6 +43,10 @@ class Config:
     lr: Optional[float] = None
     lr_schedule: str = "constant"
     momentum: float = 0.9
+    optimizer: str = "sgd"
+    grad_clip: Optional[float] = None     # max global gradient norm; None: no clipping
+    warmup_steps: int = 0                 # linear warmup of the learning rate
+    precision: str = "fp32"
     weight_decay: float = 1e-4
     seed: int = 0
     run_dir: Optional[str] = None
@@ -99,7 +105,13 @@ _HELP = {
     "model": "network", "epochs": "passes over each shard",
     "batch_size": "per-rank minibatch", "lr": "learning rate eta",
     "lr_schedule": "constant, step (x0.1 at 50% and 75%) or cosine (to 0 at the end)",
-    "momentum": "SGD momentum", "weight_decay": "L2 weight decay", "seed": "random seed",
+    "momentum": "SGD momentum (adamw: beta1)",
+    "optimizer": "each worker's own optimizer: sgd (momentum, --nesterov) or adamw",
+    "grad_clip": "clip the global gradient norm to this value (after any gradient averaging)",
+    "warmup_steps": "linear learning-rate warmup over this many steps, then --lr-schedule",
+    "precision": "fp32, or autocast of forward and loss in bf16 or fp16 (fp16 with a gradient "
+                 "scaler; overflow-skipped steps in /train/skipped_steps); weights stay fp32",
+    "weight_decay": "L2 weight decay", "seed": "random seed",
     "run_dir": "output folder",
     "resume": "continue from the latest complete checkpoint in --run-dir",
     "tau_local": "steps between local (in-node) leader pulls",
@@ -144,6 +156,7 @@ _HELP = {
 }
 DEVICES = ("cpu", "cuda")
 _CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES,
+            "optimizer": OPTIMIZERS, "precision": PRECISIONS,
             "device": DEVICES, "lsgd_bn": LSGD_BN}
 
 
@@ -156,6 +169,8 @@ GROUPS = ("method", "LSGD", "baselines", "data and model", "cluster and backend"
 _GROUP_OF = {
     "algorithm": "method", "epochs": "method", "batch_size": "method", "lr": "method",
     "lr_schedule": "method", "momentum": "method", "nesterov": "method",
+    "optimizer": "method", "grad_clip": "method", "warmup_steps": "method",
+    "precision": "method",
     "weight_decay": "method", "seed": "method", "max_steps": "method",
     "tau_local": "LSGD", "tau_global": "LSGD", "pull_local": "LSGD", "pull_global": "LSGD",
     "leader_window": "LSGD", "max_staleness": "LSGD",
@@ -374,6 +389,12 @@ def validate(cfg: Config, env: dict) -> None:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ConfigError("--optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.precision not in PRECISIONS:
+        raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}")
+    if cfg.grad_clip is not None and not (math.isfinite(cfg.grad_clip) and cfg.grad_clip > 0):
+        raise ConfigError("--grad-clip", f"must be a finite number > 0, got {cfg.grad_clip}")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise ConfigError("--lr-schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
     if cfg.topology not in topology.TOPOLOGIES:
@@ -383,7 +404,8 @@ def validate(cfg: Config, env: dict) -> None:
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
                     "ranks_per_node", "easgd_tau"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
-                    "collective_timeout", "consensus_every", "bn_recompute"], strict=False)
+                    "collective_timeout", "consensus_every", "bn_recompute", "warmup_steps"],
+              strict=False)
     if not (math.isfinite(cfg.label_noise) and 0 <= cfg.label_noise < 1):
         raise ConfigError("--label-noise", f"must be in [0, 1), got {cfg.label_noise}")
     if cfg.lsgd_bn not in LSGD_BN:
@@ -417,9 +439,14 @@ def validate(cfg: Config, env: dict) -> None:
         raise ConfigError("--local-steps-cost-ratio",
                           f"must be > 0, got {cfg.local_steps_cost_ratio}")
     model = cfg.model or models.default_model(cfg.dataset)
-    if model not in models.MODELS:
-        raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, "
-                                     f"got {model!r}")
+    if ":" in model:
+        try:
+            models.load_factory(model)
+        except ValueError as exc:
+            raise ConfigError("--model", str(exc)) from None
+    elif model not in models.MODELS:
+        raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, or "
+                                     f"module:callable, got {model!r}")
     try:
         data.check_data_dir(cfg.dataset, cfg.data_dir)
     except data.DataError as exc:

@@ -189,7 +189,19 @@ class Method:
         for v in self.rule.eval_models().values():
             v.copy_(self.flat.flat)
 
+    def set_metrics(self, metrics) -> None:
+        """Send the method's rows (elections, consensus) to ``metrics.log``."""
+        self.log = self.rule.log = metrics.log
+
     # -- the step ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero every gradient in place in one operation over the fused gradient buffer (a
+        faster equivalent of ``optimizer.zero_grad(set_to_none=False)``; either works)."""
+        for p, view in self._grad_views:
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        self.flat.grad.zero_()
+
     def _gradients_into_buffer(self) -> None:
         """Put every trainable parameter's gradient into the flat gradient buffer (where the
         averaging reads it): ``optimizer.zero_grad()`` sets ``.grad`` to None and backward

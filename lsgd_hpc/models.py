@@ -253,12 +253,48 @@ _CLASSES = {"digits_cnn": DigitsCNN, "cnn7": CNN7, "vgg16": VGG16, "resnet20": R
             "mlp_wide": WideMLP}
 
 
-def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
-    """The model ``name`` (one of MODELS) for ``num_classes`` classes and (C, H, W) inputs.
+def load_factory(spec: str):
+    """The user's factory named ``module:callable`` (``--model`` and ``--dataset`` plug-ins);
+    the module is imported as Python finds it (the working directory, PYTHONPATH).
+    ValueError (one line) when it cannot be imported or is not callable."""
+    import importlib
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise ValueError(f"{spec!r} is not of the form module:callable")
+    try:
+        module = importlib.import_module(mod)
+    except Exception as exc:           # the user's module may fail in any way on import
+        raise ValueError(f"cannot import {mod!r} for {spec}: {type(exc).__name__}: {exc}") from None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"module {mod!r} has no {attr!r} (for {spec})")
+    if not callable(obj):
+        raise ValueError(f"{spec} is a {type(obj).__name__}, not a callable")
+    return obj
 
-    All parameters are float32 on the CPU.  Raises ValueError (one line) for an unknown name,
-    a bad class count or an input shape the model cannot take.
+
+def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.Module:
+    """The model ``name`` (one of MODELS, or a user's ``module:callable`` factory called as
+    ``f(num_classes, input_shape)``) for ``num_classes`` classes and (C, H, W) inputs.
+
+    Built-in models are float32 on the CPU.  Raises ValueError (one line) for an unknown
+    name, a bad class count, an input shape the model cannot take, or a factory that fails
+    or returns something other than an ``nn.Module``.
     """
+    if ":" in name:
+        factory = load_factory(name)
+        try:
+            model = factory(num_classes, tuple(int(s) for s in input_shape))
+        except Exception as exc:
+            raise ValueError(f"{name}({num_classes}, {tuple(input_shape)}) failed: "
+                             f"{type(exc).__name__}: {exc}") from None
+        if not isinstance(model, nn.Module):
+            raise ValueError(f"{name} returned a {type(model).__name__}, not a torch.nn.Module")
+        if not any(True for _ in model.parameters()):
+            raise ValueError(f"{name} returned a model without parameters")
+        return model
     if name not in _CLASSES:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 2:

@@ -163,7 +163,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     writer = RunMetrics(rank_file(run_dir, comm.rank), attrs, comm, flush_every, flush_seconds,
                         extra_columns=extra)
     if method is not None:
-        method.rule.log = method.log = writer.log
+        method.set_metrics(writer)
     error = None
     try:
         writer.flush()

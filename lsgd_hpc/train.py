@@ -112,11 +112,15 @@ def _default_run_dir(cfg) -> str:
 
 
 def _lr_at(cfg, step: int, total: int) -> float:
+    """The schedule's learning rate at ``step`` (0-based), times a linear warmup ramp
+    (step + 1) / warmup over the first --warmup-steps steps."""
+    warm = getattr(cfg, "warmup_steps", 0) or 0
+    ramp = min(1.0, (step + 1) / warm) if warm else 1.0
     if cfg.lr_schedule == "step":
-        return cfg.lr * (0.1 ** (int(step >= 0.5 * total) + int(step >= 0.75 * total)))
+        return ramp * cfg.lr * (0.1 ** (int(step >= 0.5 * total) + int(step >= 0.75 * total)))
     if cfg.lr_schedule == "cosine":
-        return 0.5 * cfg.lr * (1 + math.cos(math.pi * step / max(1, total)))
-    return cfg.lr
+        return ramp * 0.5 * cfg.lr * (1 + math.cos(math.pi * step / max(1, total)))
+    return ramp * cfg.lr
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -209,7 +213,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CommError as exc:
         return _usage_error(str(exc))
     try:
-        status = trainer.connect(world, stop).run()
+        trainer.connect(world, stop)
+    except ValueError as exc:
+        # agreed by every rank (a run folder that cannot be made, a model the method cannot
+        # handle): the same one line everywhere, no traceback
+        if rank == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    try:
+        status = trainer.run()
     except BaseException as exc:  # fail fast: one rank's error ends every rank now
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -236,7 +248,6 @@ class Trainer:
 
     def __init__(self, cfg, env: dict, rank: int, size: int):
         import torch
-        from torch import nn
 
         from . import checkpoint, data, models
 
@@ -253,14 +264,18 @@ class Trainer:
         self.model_name = cfg.model or models.default_model(cfg.dataset)
         self.device = _device(cfg.device, rank, env)
         torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
-        self.model = models.build_model(self.model_name, self.ds.num_classes,
-                                        self.ds.input_shape).to(self.device)
-        from .comm import FlatParams
-        self.flat = FlatParams(self.model)
+        try:
+            self.model = models.build_model(self.model_name, self.ds.num_classes,
+                                            self.ds.input_shape).to(self.device)
+        except ValueError as exc:
+            from .config import ConfigError
+            raise ConfigError("--model", str(exc)) from None
         torch.manual_seed(cfg.seed * 100003 + rank)   # per-rank dropout etc.
-        self.param = nn.Parameter(self.flat.params)   # one fused tensor for the optimizer
-        self.param.grad = self.flat.grad
-        self.opt = make_optimizer(cfg, self.param)
+        self.opt = make_optimizer(cfg, self.model.parameters())
+        # --precision: autocast of forward and loss; fp16 scales the loss (GradScaler)
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16"
+                       else None)
         from .batchnorm import DEFAULT_BN_BATCHES, batchnorm_layers
         # models no worker trained get BatchNorm statistics of their own before evaluation
         self.bn_batches = (cfg.bn_recompute if cfg.bn_recompute is not None
@@ -276,8 +291,8 @@ class Trainer:
 
     def connect(self, world, stop: StopFlag) -> "Trainer":
         from . import __version__
-        from .algorithms import build_algorithm
         from .comm import NodeGroups
+        from .runtime import make_run_dir
         from .metrics import SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
 
         cfg, env, torch = self.cfg, self.env, self.torch
@@ -298,10 +313,17 @@ class Trainer:
                         n_nodes=self.groups.n_nodes, steps_per_epoch=self.spe,
                         total_steps=self.total_steps)
         self.resolved = resolved
-        self.algo = build_algorithm(cfg, self.groups, self.flat, self._log, self.spe)
-        self.algo.consensus_every = cfg.consensus_every
-        from .stopping import StopAgreement
-        self.stop_agreement = StopAgreement(world, cfg.stop_check_every)
+        # The method as a library user builds it (lsgd_hpc.METHODS): the CLI is its user.
+        from .methods import METHODS
+        from .session import Comm
+        self.comm = Comm(world, self.groups, self.device, cfg.backend)
+        make_run_dir(self.run_dir, self.comm)      # a folder that cannot be made: exit 2
+        self.method = METHODS[cfg.algorithm](
+            self.model, self.opt, self.comm, max_steps=self.total_steps,
+            checkpoint_every=cfg.checkpoint_every, stop=stop,
+            consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
+            broadcast_initial=False, **method_options(cfg, self.spe))
+        self.flat, self.algo = self.method.flat, self.method.rule
         attrs = {
             "schema_version": SCHEMA_VERSION, "rank": self.rank, "world_size": self.size,
             "local_rank": self.groups.local_rank, "node_index": self.groups.node_index,
@@ -312,9 +334,12 @@ class Trainer:
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
         }
         attrs.update(self.algo.file_attrs)
+        extra = {g: dict(c) for g, c in self.algo.extra_columns.items()}
+        if self.scaler is not None:
+            extra.setdefault("train", {})["skipped_steps"] = "i8"
         self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
-                                     cfg.flush_every, cfg.flush_seconds,
-                                     extra_columns=self.algo.extra_columns)
+                                     cfg.flush_every, cfg.flush_seconds, extra_columns=extra)
+        self.method.set_metrics(self.metrics)
         self.watchdog = None
         if cfg.collective_timeout > 0:
             from .watchdog import Watchdog
@@ -371,8 +396,7 @@ class Trainer:
         # A method that owns its schedule ends training itself (ranks take uneven steps).
         owns = self.algo.owns_schedule
         last_step = math.inf if owns else self.total_steps
-        if owns:
-            self.algo.set_schedule(self.total_steps, cfg.checkpoint_every)
+        method = self.method
         from .watchdog import MONITOR
         straggler = config.straggler_of(cfg)
         sleep_s = straggler[1] if straggler and straggler[0] == self.rank else 0.0
@@ -388,23 +412,25 @@ class Trainer:
                 lr = _lr_at(cfg, min(self.step, self.total_steps), self.total_steps)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
-                out = self.model(xb)
-                loss = loss_fn(out, yb)
-                self.flat.zero_grad()
-                loss.backward()
+                with torch.autocast(self.device.type, dtype=self.amp_dtype,
+                                    enabled=self.amp_dtype is not None):
+                    out = self.model(xb)
+                    loss = loss_fn(out, yb)
+                method.zero_grad()
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                if cfg.grad_clip:
+                    method.synchronize()         # clip the averaged gradient (allreduce)
+                    if self.scaler is not None:
+                        self.scaler.unscale_(self.opt)
+                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
                 if sleep_s:
                     time.sleep(sleep_s)      # --straggler: this rank is slow
-                self.step += 1
-                MONITOR.step = self.step
-                self.algo.before_step(self.step)
-                self.opt.step()
+                MONITOR.step = self.step + 1
                 loss_v = float(loss.detach())
-                # the same point of every method's cycle: after the local step, before the
-                # method's communication of this step
-                # (a method whose ranks take uneven steps measures at its own agreed moments)
-                if cfg.consensus_every and not owns and self.step % cfg.consensus_every == 0:
-                    self.algo.measure_consensus(self.step)
-                self.algo.after_step(self.step, loss_v)
+                # the optimizer step and the method's communication (with the consensus
+                # probe between the two, at the same point of every method's cycle)
+                method.step(loss_v, scaler=self.scaler)
+                self.step = method.steps
                 self.compute_seconds += (time.perf_counter() - t0) - (
                     stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0)
                 self.losses_since_print.append(loss_v)
@@ -419,23 +445,17 @@ class Trainer:
                         self._print_line(test_acc, (self.step - step_print) / max(now - t_print, 1e-9))
                         t_print, step_print = now, self.step
                     self.eval_seconds += time.perf_counter() - t_eval
-                if owns:
-                    action = self.algo.control(self.stop.raised)
-                    if action == "checkpoint":
-                        self.save_checkpoint()
-                    elif action == "stop":
-                        return self._preempted()
-                    elif action == "end":
-                        last_step = self.step
-                else:
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                        self.save_checkpoint()
-                    if self.stop_agreement.check(self.step, self.stop.raised):
-                        return self._preempted()
+                # what the method agreed on after this step (the same on every rank)
+                if method.checkpoint_due:
+                    self.save_checkpoint()
+                if method.stopping:
+                    return self._preempted()
+                if method.done:
+                    last_step = self.step
                 self._flush_metrics()
                 if self.step >= last_step:
                     break
-        self.stop_agreement.drain()
+        method.drain()
         if owns and self.step != self.total_steps:   # the last step's rows (uneven steps)
             if self.step % cfg.log_every:
                 self._log_train(loss_v, float((out.argmax(1) == yb).float().mean()), lr)
@@ -453,7 +473,6 @@ class Trainer:
         return 0
 
     def _start_fresh(self) -> None:
-        from .algorithms import uncounted
         if self.rank == 0:
             os.makedirs(self.run_dir, exist_ok=True)
             path = os.path.join(self.run_dir, "config.yaml")
@@ -461,11 +480,9 @@ class Trainer:
                 import yaml
                 with open(path, "w") as fh:
                     yaml.safe_dump(self.resolved, fh, sort_keys=True)
-        with uncounted(self.world):  # the common x_0, whatever the init's determinism
-            self.world.broadcast_(self.flat.flat, 0)
-        # EASGD's centre and similar copies of x_0 are taken after this broadcast
-        for v in self.algo.eval_models().values():
-            v.copy_(self.flat.flat)
+        # the common x_0, whatever the init's determinism; EASGD's centre and similar
+        # copies of x_0 are taken from it
+        self.method.broadcast_initial()
 
     def _log_train(self, loss: float, acc: float, lr: float) -> None:
         s, wall = self.world.stats, self.wall()
@@ -476,7 +493,8 @@ class Trainer:
                   probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
                   checkpoint_seconds=self.checkpoint_seconds,
                   metrics_seconds=self.metrics_seconds, training_time=self.training_time(wall),
-                  **self.algo.train_columns())
+                  **self.algo.train_columns(),
+                  **({"skipped_steps": self.method.skipped_steps} if self.scaler else {}))
 
     def _print_line(self, test_acc: float, steps_per_s: float) -> None:
         losses, self.losses_since_print = self.losses_since_print, []
@@ -568,7 +586,8 @@ class Trainer:
         state = {
             "step": self.step, "world_size": self.size,
             "flat": self.flat.flat.clone(), "optimizer": self.opt.state_dict(),
-            "algorithm": self.algo.state_dict(), "torch_rng": torch.get_rng_state(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "algorithm": self.method.state_dict(), "torch_rng": torch.get_rng_state(),
             "cuda_rng": (torch.cuda.get_rng_state(self.device) if self.device.type == "cuda"
                          else torch.empty(0, dtype=torch.uint8)),
             "comm_stats": self.world.stats.state_dict(), "wall_time": self.wall(),
@@ -596,7 +615,9 @@ class Trainer:
         self.step = int(state["step"])
         self.flat.flat.copy_(state["flat"])
         self.opt.load_state_dict(state["optimizer"])
-        self.algo.load_state_dict(state["algorithm"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.method.load_state_dict(state["algorithm"])
         self.torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and state["cuda_rng"].numel():
             self.torch.cuda.set_rng_state(state["cuda_rng"], self.device)
@@ -608,13 +629,36 @@ class Trainer:
         self.metrics.load_existing(state["metrics_rows"])
 
 
-def make_optimizer(cfg, param):
-    """SGD on the fused parameter tensor: with momentum mu and weight decay wd,
+def make_optimizer(cfg, params):
+    """The worker's own optimizer over the model's parameters (the method steps it).
+
+    sgd: with momentum mu and weight decay wd,
         g <- g + wd x;   b <- mu b + g;   x <- x - lr (g + mu b)  (Nesterov)  or  x - lr b,
-    Nesterov's form being the reference LSGD's choice whenever mu > 0 (--nesterov)."""
+    Nesterov's form being the reference LSGD's choice whenever mu > 0 (--nesterov).
+    adamw: AdamW (decoupled weight decay wd) with betas (--momentum, 0.999)."""
     import torch
-    return torch.optim.SGD([param], lr=cfg.lr, momentum=cfg.momentum,
+    if getattr(cfg, "optimizer", "sgd") == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.momentum, 0.999),
+                                 weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, nesterov=bool(cfg.nesterov))
+
+
+def method_options(cfg, steps_per_epoch: int) -> dict:
+    """The method's own options (lsgd_hpc.METHODS[...].defaults, CLI names) from the resolved
+    configuration: options left unset keep the method's defaults, except where the CLI's
+    meaning differs (noted)."""
+    from .methods import METHODS
+    cls = METHODS[cfg.algorithm]
+    opts = {k: getattr(cfg, k) for k in cls.defaults
+            if hasattr(cfg, k) and getattr(cfg, k) is not None}
+    if cfg.algorithm == "easgd" and cfg.easgd_tau is None:
+        opts["easgd_tau"] = cfg.tau_local               # the CLI's EASGD period: --tau-local
+    if cfg.algorithm == "local-sgd":
+        if opts["local_steps"] != "auto":
+            opts["local_steps"] = int(opts["local_steps"])
+        opts["local_steps_max"] = max(1, steps_per_epoch)   # auto: at most one epoch
+    return opts
 
 
 def _device(kind: str, rank: int, env: dict):

@@ -206,7 +206,7 @@ def test_nesterov_matches_hand():
     for nesterov in (True, False):
         p = nn.Parameter(x0.clone())
         opt = make_optimizer(SimpleNamespace(lr=lr, momentum=mu, weight_decay=wd,
-                                             nesterov=nesterov), p)
+                                             nesterov=nesterov), [p])
         for g in (g1, g2):
             p.grad = g.clone()
             opt.step()
