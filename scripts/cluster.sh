@@ -10,7 +10,9 @@
 #   scripts/cluster.sh status [--name P]          exit 0 when up and every node is healthy
 #   scripts/cluster.sh env    [--name P]          KEY=VALUE lines (shell-sourceable), see below
 #   scripts/cluster.sh mpirun-args [--name P] [--ranks-per-node K]
-#                             mpirun options that start ranks on the nodes (one line); with
+#                             mpirun options that start K ranks on each node (one line:
+#                             --host with K slots each and --map-by ppr:K:node, which wins
+#                             over a mapping policy in the environment); with
 #                             more ranks than the machine has cores, waiting ranks yield
 #                             the core (--mca mpi_yield_when_idle 1)
 #   scripts/cluster.sh install [--no-slurm]       install what `up` needs when it is missing
@@ -569,7 +571,12 @@ cmd_mpirun_args() {
     # must yield the core (as Open MPI does by itself when it sees oversubscription, which
     # --host A:K,B:K hides): busy-polling ranks would take it from the ranks computing.
     if ((n_nodes * ranks_per_node > $(nproc))); then yield=" --mca mpi_yield_when_idle 1"; fi
-    echo "--host $hosts --prtemca plm_ssh_agent $CLUSTER_AGENT --mca pml ob1" \
+    # The layout is pinned here, K ranks per node: a mapping policy from the environment
+    # (PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe, say) would otherwise win over the
+    # slots of --host and put every rank on the first node, silently.  More ranks than
+    # nodes x K is then an error of mpirun's, not an oversubscribed node.
+    echo "--host $hosts --map-by ppr:$ranks_per_node:node" \
+         "--prtemca plm_ssh_agent $CLUSTER_AGENT --mca pml ob1" \
          "--mca btl self,sm,tcp --mca btl_tcp_if_include $CLUSTER_SUBNET" \
          "--mca oob_tcp_if_include $CLUSTER_SUBNET --mca coll ^han,xhc,acoll$yield"
 }
