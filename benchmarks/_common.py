@@ -14,10 +14,14 @@ from typing import Callable, Dict, List, Optional
 VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, device: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True, help="JSON file that rank 0 writes")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    if device:
+        p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where the buffers live (cuda: the GPU of the node-local rank; "
+                            "the MPI must be CUDA-aware); default: cpu")
     return p.parse_args(argv)
 
 
