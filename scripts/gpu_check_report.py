@@ -122,8 +122,9 @@ def cmd_facts(_a) -> int:
     try:
         from mpi4py import MPI
         facts["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
-        query = getattr(MPI, "Query_cuda_support", None)
-        facts["mpix_query_cuda_support"] = bool(query()) if query else "not offered by mpi4py"
+        # 'yes', 'no' or 'unknown', as the doctor asks the loaded libmpi
+        from lsgd_hpc.doctor import cuda_aware_mpi
+        facts["mpix_query_cuda_support"] = cuda_aware_mpi()
     except Exception as exc:
         facts["mpi_error"] = f"{type(exc).__name__}: {exc}"
     print(json.dumps(facts, default=str))
