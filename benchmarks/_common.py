@@ -14,10 +14,14 @@ from typing import Callable, Dict, List, Optional
 VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 
 
-def parse_args(description: str, argv=None) -> argparse.Namespace:
+def parse_args(description: str, argv=None, device: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--out", required=True, help="JSON file that rank 0 writes")
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    if device:
+        p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where the buffers live (cuda: the GPU of the node-local rank; "
+                            "the MPI must be CUDA-aware); default: cpu")
     return p.parse_args(argv)
 
 
@@ -102,3 +106,96 @@ def row(label: str, compared: str, figures: str, ratio: Optional[float], ratio_l
     """One line of the results table (run_all renders it); ``data`` holds the raw numbers."""
     return {"label": label, "compared": compared, "figures": figures, "ratio": ratio,
             "ratio_label": ratio_label, "data": data}
+
+
+# -- the layout and link rate a benchmark claims --------------------------------------------------
+#: How far the probe's bandwidth between nodes may be from the claimed link rate: measured on
+#: the emulated cluster (2 cores, load average 13), 1 Gbit/s links read 0.8-1.2 Gbit/s and
+#: 10 Gbit/s links 2.9-17.7, while shared memory taken for a link read 13-108 Gbit/s.
+RATE_FACTOR = 5.0
+
+
+class LayoutError(RuntimeError):
+    """A run did not have the node layout or the link rate its results claim."""
+
+
+def rate_bps(rate: str) -> float:
+    """A tc rate (1gbit, 10gbit, 500mbit, 100kbit, 2gbps, ...) in bits per second."""
+    import re
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit|bps|kbps|mbps|gbps)", rate.lower())
+    if not m:
+        raise ValueError(f"link rate {rate!r}: a number and a unit of tc (e.g. 1gbit)")
+    n, unit = float(m.group(1)), m.group(2)
+    scale = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+             "bps": 8, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}[unit]
+    return n * scale
+
+
+def check_layout(what: str, node_of, nodes: int, probe: Optional[dict] = None,
+                 rate: Optional[str] = None, factor: float = RATE_FACTOR) -> dict:
+    """Check that a run had the layout and link rate its results will claim, from what the
+    run itself reported; raise LayoutError (naming ``what``) when not, so that the benchmark
+    or experiment writes no figure for it.
+
+    ``node_of``: the node index of every rank as the run saw it (NodeGroups.node_of, or the
+    ``node_index`` attributes of its HDF5 files); it must hold exactly ``nodes`` nodes.
+    ``probe``: lsgd_hpc.netprobe's result from the same ranks; with ``rate`` (a tc rate such
+    as "1gbit"), its bandwidth between nodes (1 / beta of its fit t = alpha + beta n) must be
+    within ``factor`` of that rate either way. Returns what was checked: nodes, ranks per node, claimed and measured Gbit/s."""
+    node_of = [int(n) for n in node_of]
+    found = len(set(node_of))
+    per_node = [node_of.count(n) for n in sorted(set(node_of))]
+    out = {"nodes": found, "ranks_per_node": per_node, "node_of": node_of}
+    if not node_of or found != nodes:
+        raise LayoutError(
+            f"{what}: the ranks ran on {found} node(s) (node_of {node_of}), not the {nodes} "
+            f"the results claim; mpirun placed them elsewhere (check its --host/--map-by and "
+            f"PRTE_MCA_rmaps_* in the environment)")
+    if rate is None:
+        return out
+    claimed = rate_bps(rate)
+    inter = (probe or {}).get("inter")
+    if not inter or not (inter.get("bandwidth_Bps") or inter.get("beta_s_per_byte")):
+        raise LayoutError(f"{what}: no bandwidth between nodes was measured (probe: "
+                          f"{'none' if probe is None else 'no inter-node link'}), so the "
+                          f"claimed {rate} link is unchecked")
+    # The fit's 1/beta, not size/time of the largest message: on a loaded machine a ping-pong
+    # over shared memory can wait milliseconds per message for a core, which the latency
+    # term takes up and size/time does not (measured: 0.55 Gbit/s by size/time, 13.5 by 1/beta).
+    beta = float(inter.get("beta_s_per_byte") or 0.0)
+    measured = 8.0 / beta if beta > 0 else 8.0 * float(inter["bandwidth_Bps"])
+    out.update(claimed_gbps=claimed / 1e9, measured_gbps=measured / 1e9,
+               measured_over_claimed=measured / claimed)
+    if not claimed / factor <= measured <= claimed * factor:
+        raise LayoutError(
+            f"{what}: the probe measured {measured / 1e9:.3g} Gbit/s between nodes, "
+            f"{measured / claimed:.2g}x the claimed {rate} (allowed {1 / factor:g}x to "
+            f"{factor:g}x): the traffic did not go through the rate-limited link (shared "
+            f"memory or loopback?) or the limit is not the claimed one")
+    return out
+
+
+def probe_main(out: str) -> int:
+    """Every rank of an MPI job: group the ranks into nodes by host name and probe the links
+    (lsgd_hpc.netprobe); rank 0 writes {"node_of", "probe"} to ``out``, what check_layout
+    takes. ``python benchmarks/_common.py --probe OUT`` under the benchmark's own mpirun
+    options, for benchmarks whose jobs have no probe of their own."""
+    from mpi4py import MPI
+
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.comm.mpi import MPICommunicator
+    from lsgd_hpc.netprobe import probe_groups
+    groups = NodeGroups.build(MPICommunicator(MPI.COMM_WORLD))
+    probe = probe_groups(groups)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        write_result(out, {"node_of": groups.node_of, "probe": probe})
+    groups.free()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) == 3 and sys.argv[1] == "--probe":
+        sys.exit(probe_main(sys.argv[2]))
+    print("usage: python benchmarks/_common.py --probe OUT   (under mpirun)", file=sys.stderr)
+    sys.exit(2)

@@ -34,7 +34,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
-from _common import fmt_s, interleaved, row, spread, write_result  # noqa: E402
+from _common import (LayoutError, check_layout, fmt_s, interleaved, row, spread,  # noqa: E402
+                     write_result)
 from mpi_util import mpi_env, mpirun_path, run_group  # noqa: E402
 
 RATE = "1gbit"
@@ -43,15 +44,31 @@ MODEL, BUCKET_MB = "mlp_wide", 1.0
 REPS = {"full": 15, "quick": 6}
 
 
-def worker(out: str, quick: bool) -> int:
+def worker(out: str, quick: bool, nodes: int = 0, rate: Optional[str] = None) -> int:
     import torch
     from mpi4py import MPI
 
-    from lsgd_hpc.comm import FlatParams
+    from lsgd_hpc.comm import FlatParams, NodeGroups
     from lsgd_hpc.comm.buckets import bucket_bounds
     from lsgd_hpc.comm.mpi import MPICommunicator
     from lsgd_hpc.models import build_model
+    from lsgd_hpc.netprobe import probe_groups
     world = MPICommunicator(MPI.COMM_WORLD)
+    # The layout and link this job claims (--nodes, --rate), from its own node grouping and
+    # link probe, before anything is timed: a wrong one writes no figures.
+    if nodes:
+        groups = NodeGroups.build(world)
+        probe = probe_groups(groups)
+        error = None
+        if world.rank == 0:
+            try:
+                check_layout("nonblocking_allreduce", groups.node_of, nodes, probe, rate)
+            except LayoutError as exc:
+                error = str(exc)
+                write_result(out, {"layout_error": error})
+        groups.free()
+        if MPI.COMM_WORLD.bcast(error, root=0):
+            return 3
     torch.manual_seed(0)
     flat = FlatParams(build_model(MODEL, 10, (1, 8, 8)))
     sizes = [p.numel() for p in flat.model.parameters()]
@@ -94,16 +111,25 @@ def run(quick: bool = False, timeout: float = 300, log=print, key: str = "nonblo
         with tta.emulated_cluster(RATE, log, CLUSTER["name"], CLUSTER["subnet"]) as margs:
             cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
                    "-x", "PATH", "-np", str(tta.NP), sys.executable, str(Path(__file__)),
-                   "--worker", "--out", str(out), *(["--quick"] if quick else [])]
+                   "--worker", "--out", str(out), "--nodes", str(tta.NODES), "--rate", RATE,
+                   *(["--quick"] if quick else [])]
             env = mpi_env({})
             env.pop("LSGD_HPC_RANKS_PER_NODE", None)
             p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
+        res = json.loads(out.read_text()) if out.exists() else {}
+        if res.get("layout_error"):
+            msg = f"layout check: {res['layout_error']}"
+            return {**base, "status": f"failed: {msg}",
+                    "rows": [row(key, "", f"failed: {msg}", None, "")]}
         if p.returncode != 0 or not out.exists():
             why = "timed out" if p.returncode is None else f"exit {p.returncode}"
             msg = f"{why}: {(p.stderr or p.stdout or '').strip()[-400:]}"
             return {**base, "status": f"failed: {msg}",
                     "rows": [row(key, "", f"failed: {msg}", None, "")]}
-        res = json.loads(out.read_text())
+    if not res["between_hosts"]:      # the MPI backend's own view; check_layout passed
+        msg = "layout check: the MPI backend saw one host (between_hosts False)"
+        return {**base, "status": f"failed: {msg}", "rows": [row(key, "", f"failed: {msg}",
+                                                                 None, "")]}
     s = {k: spread(v) for k, v in res["samples"].items()}
     ratio = s["in_place"]["median"] / s["out_of_place"]["median"]
     return {**base, "status": "ok", "seconds": s, "bytes": res["bytes"],
@@ -124,9 +150,11 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--rate", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        return worker(args.out, args.quick)
+        return worker(args.out, args.quick, args.nodes, args.rate)
     res = run(args.quick)
     write_result(args.out, res)
     for r in res["rows"]:

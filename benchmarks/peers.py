@@ -253,6 +253,27 @@ def _launch(method: str, skip: int, steps: int, tmp: Path, mpi_args: List[str],
     return json.loads(out.read_text())
 
 
+def _check_cluster(tmp: Path, mpi_args: List[str], extra_env: Dict[str, str], rate: str,
+                   timeout: float) -> Optional[str]:
+    """Probe the emulated cluster with the benchmark's mpirun options; why its layout or link
+    rate is not the claimed one (None when it is)."""
+    from _common import LayoutError, check_layout
+    from mpi_util import mpi_env, mpirun_cmd, run_group
+    out = tmp / "probe.json"
+    cmd = mpirun_cmd(NP, [sys.executable, str(HERE / "_common.py"), "--probe", str(out)],
+                     mpi_args)
+    p = run_group(cmd, env=mpi_env(extra_env), cwd=REPO, timeout=timeout)
+    if p.returncode != 0 or not out.exists():
+        tail = " / ".join((p.stderr or p.stdout or "").strip().splitlines()[-3:])
+        return f"the link probe failed (exit {p.returncode}): {tail[-300:]}"
+    got = json.loads(out.read_text())
+    try:
+        check_layout(f"peers {rate}", got["node_of"], CLUSTER["nodes"], got["probe"], rate)
+    except LayoutError as exc:
+        return str(exc)
+    return None
+
+
 def measure(quick: bool, timeout: float, log, network: Optional[str],
             rounds: Optional[int] = None) -> dict:
     skip, steps, planned = PLAN["quick" if quick else "full"]
@@ -284,6 +305,12 @@ def measure(quick: bool, timeout: float, log, network: Optional[str],
                 mpi_args = list(cluster.mpirun_args)
                 for var in ("PYTHONPATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME"):
                     mpi_args += ["-x", var]       # to the ranks on every emulated node
+            if cluster:
+                # The layout and link rate the figures claim, probed with these mpirun options
+                # before anything is timed: a wrong one fails the benchmark, no figures.
+                error = _check_cluster(tmp, mpi_args, env, network, timeout)
+                if error:
+                    return {"layout_error": error, "where": where}
             for r in range(rounds):
                 order = methods[r % len(methods):] + methods[:r % len(methods)]
                 for m in order:
@@ -318,6 +345,11 @@ def run(quick: bool = False, timeout: float = 240, log=print, network: Optional[
     mode's plan)."""
     res = measure(quick, timeout, log, network, rounds)
     label = key
+    if "layout_error" in res:
+        msg = f"layout check: {res['layout_error']}"
+        return {"name": "peers", "doc": __doc__.strip(), "status": f"failed: {msg}",
+                "ratio": None, "rows": [row(label, "lsgd_hpc / best of DDP, Horovod (steps/s)",
+                                            f"failed: {msg}", None, "")]}
     if "skipped" in res:
         return {"name": "peers", "doc": __doc__.strip(), "status": f"skipped: {res['skipped']}",
                 "skipped": res["skipped"], "ratio": None,

@@ -117,14 +117,18 @@ def _argvs(base: Path, off: List[str]) -> (Dict, List):
 
 
 def measure_setting(name: str, base: Path, launch: List[str], env: dict, timeout: float,
-                    ranks_per_node: Optional[int], log) -> Dict:
-    """One MPI job: probe, then every method. Returns {probe, runs, error}."""
+                    ranks_per_node: Optional[int], log, expect: Optional[Dict] = None) -> Dict:
+    """One MPI job: probe, then every method. Returns {probe, runs, error}. ``expect``
+    ({"nodes", "rate"}): the layout and link rate the setting claims, checked by the job on
+    its own probe before it trains (tta.job); a wrong one is the setting's error, no runs."""
     off = tta.consensus_off()
     dirs, argvs = _argvs(base, off)
     spec, probe_out = base / "spec.json", base / "probe.json"
     base.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps({"argvs": argvs, "probe_out": str(probe_out),
-                                "ranks_per_node": ranks_per_node}))
+                                "ranks_per_node": ranks_per_node,
+                                "expect": {"what": f"scale_model {name}", **expect}
+                                if expect else None}))
     cmd = [*launch, sys.executable, str(HERE / "time_to_accuracy.py"), "--job", str(spec)]
     t0 = time.perf_counter()
     p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
@@ -134,7 +138,10 @@ def measure_setting(name: str, base: Path, launch: List[str], env: dict, timeout
         why = "timed out" if p.returncode is None else f"exit {p.returncode}"
         out["error"] = f"{why}: {(p.stderr or p.stdout).strip()[-400:]}"
     if probe_out.exists():
-        out["probe"] = json.loads(probe_out.read_text())["probe"]
+        probed = json.loads(probe_out.read_text())
+        if probed.get("layout_error"):
+            return {"probe": None, "runs": {}, "error": f"layout check: {probed['layout_error']}"}
+        out["probe"] = probed["probe"]
     for label, d in dirs.items():
         try:
             r = tta.read_run(d, target=2.0)
@@ -163,7 +170,8 @@ def measure(quick: bool, timeout: float, log) -> Dict[str, Dict]:
                         launch = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x",
                                   "OMP_NUM_THREADS", "-x", "PATH", "-np", str(tta.NP)]
                         settings[f"cluster {rate}"] = measure_setting(
-                            f"cluster {rate}", tmp / rate, launch, env, timeout, None, log)
+                            f"cluster {rate}", tmp / rate, launch, env, timeout, None, log,
+                            expect={"nodes": tta.NODES, "rate": rate})
                 except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                     settings[f"cluster {rate}"] = {"probe": None, "runs": {}, "error": str(exc)}
     finally:

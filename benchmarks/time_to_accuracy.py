@@ -58,7 +58,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
-from _common import median, row, write_result  # noqa: E402
+from _common import LayoutError, check_layout, median, row, write_result  # noqa: E402
 from mpi_util import mpi_env, mpirun_path, run_group  # noqa: E402
 
 CLUSTER = REPO / "scripts" / "cluster.sh"
@@ -178,9 +178,24 @@ def job(spec_path: str) -> int:
     world = MPICommunicator(MPI.COMM_WORLD)
     groups = NodeGroups.build(world, spec.get("ranks_per_node"))
     probe = probe_groups(groups)
+    # The layout and link rate the results will claim ("expect": nodes, rate), checked on what
+    # this job measured before anything trains: a wrong one fails the job, nothing is trained.
+    error = None
+    if world.rank == 0 and spec.get("expect"):
+        try:
+            check_layout(spec["expect"].get("what", "time_to_accuracy"), groups.node_of,
+                         spec["expect"]["nodes"], probe, spec["expect"].get("rate"))
+        except LayoutError as exc:
+            error = str(exc)
     if world.rank == 0:
-        write_result(spec["probe_out"], {"probe": probe, "node_of": groups.node_of})
+        write_result(spec["probe_out"], {"probe": probe, "node_of": groups.node_of,
+                                         "layout_error": error})
+    error = MPI.COMM_WORLD.bcast(error, root=0)
     groups.free()
+    if error:
+        if world.rank == 0:
+            print(f"time_to_accuracy: {error}", file=sys.stderr, flush=True)
+        return 3
     from lsgd_hpc import train
     for item in spec["argvs"]:
         # a trainer command line, or {"ddp": the allreduce run's command line}
@@ -283,10 +298,12 @@ def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
     accs, times_at, per_rank = [], [], []
     time_col = "wall_time"
     hosts = set()
+    node_of = []
     elections = centre = False
     for f in files:
         with h5py.File(f, "r", locking=False) as h:
             hosts.add(str(h.attrs.get("hostname", "")))
+            node_of.append(int(h.attrs.get("node_index", -1)))
             elections |= "leader" in h and bool((h["leader"]["scope"][:] == 0).any())
             t, e = h["train"], h["eval"]
             if "training_time" in t:
@@ -330,7 +347,7 @@ def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
             "time_to_target_mean_over_ranks": hit_mean["time"] if hit_mean else math.inf,
             "final_accuracy": curve[-1]["accuracy"] if curve else math.nan,
             "model": "leader" if leader else "centre" if centre else "mean over ranks",
-            "time_column": time_col, "hosts": sorted(hosts), **mean}
+            "time_column": time_col, "hosts": sorted(hosts), "node_of": node_of, **mean}
 
 
 def _leader_accuracy(run_dir: Path) -> Dict[int, float]:
@@ -398,7 +415,9 @@ def run(quick: bool = False, timeout: float = 600, log=print,
             spec = tmp / f"{rate}.json"
             probe_out = tmp / f"{rate}-probe.json"
             spec.parent.mkdir(parents=True, exist_ok=True)
-            spec.write_text(json.dumps({"argvs": argvs, "probe_out": str(probe_out)}))
+            spec.write_text(json.dumps({"argvs": argvs, "probe_out": str(probe_out),
+                                        "expect": {"what": f"time_to_accuracy {rate}",
+                                                   "nodes": NODES, "rate": rate}}))
             try:
                 with emulated_cluster(rate, log, name, subnet) as margs:
                     cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
@@ -411,21 +430,37 @@ def run(quick: bool = False, timeout: float = 600, log=print,
             except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
                 errors[rate] = str(exc)
                 continue
+            probe = json.loads(probe_out.read_text()) if probe_out.exists() else None
+            if probe and probe.get("layout_error"):
+                # Not the layout or link the figures would claim: none of them is written.
+                return layout_failed(base, probe["layout_error"])
             if p.returncode != 0:
                 why = "timed out" if p.returncode is None else f"exit {p.returncode}"
                 errors[rate] = f"{why}: {(p.stderr or p.stdout).strip()[-400:]}"
             runs = {}
             for (label, seed), d in dirs.items():
                 try:
-                    runs.setdefault(label, {})[seed] = read_run(d, target)
+                    r = runs.setdefault(label, {})[seed] = read_run(d, target)
                 except Exception as exc:       # a missing file: report, go on
                     errors[f"{rate} {label} seed {seed}"] = f"{type(exc).__name__}: {exc}"
-            probe = json.loads(probe_out.read_text()) if probe_out.exists() else None
+                    continue
+                if label != DDP_LABEL:         # the trainer's own node_index attributes
+                    try:
+                        check_layout(f"time_to_accuracy {rate} {label} seed {seed}",
+                                     r["node_of"], NODES)
+                    except LayoutError as exc:
+                        return layout_failed(base, str(exc))
             per_rate[rate] = {"runs": runs, "probe": probe}
     finally:
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     return summarise(base, per_rate, errors, off)
+
+
+def layout_failed(base: Dict, error: str) -> Dict:
+    """The result of a run whose layout or link rate is not the claimed one: no figures."""
+    return {**base, "status": f"failed: layout check: {error}", "errors": {"layout": error},
+            "results": {}, "rows": [row("time_to_accuracy", "", f"failed: {error}", None, "")]}
 
 
 def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:

@@ -10,9 +10,13 @@
 #   scripts/cluster.sh status [--name P]          exit 0 when up and every node is healthy
 #   scripts/cluster.sh env    [--name P]          KEY=VALUE lines (shell-sourceable), see below
 #   scripts/cluster.sh mpirun-args [--name P] [--ranks-per-node K]
-#                             mpirun options that start ranks on the nodes (one line); with
+#                             mpirun options that start K ranks on each node (one line:
+#                             --host with K slots each and --map-by ppr:K:node, which wins
+#                             over a mapping policy in the environment); with
 #                             more ranks than the machine has cores, waiting ranks yield
 #                             the core (--mca mpi_yield_when_idle 1)
+#   scripts/cluster.sh install [--no-slurm]       install what `up` needs when it is missing
+#                             (up does it too), one install at a time on this machine
 #   scripts/cluster.sh exec   [--name P] NODE CMD...   run CMD inside a node (its network,
 #                             host name and /etc/hosts), NODE a node name or address
 #   scripts/cluster.sh agent  [--name P] [ssh options] HOST CMD...
@@ -53,7 +57,9 @@
 # Inside a node, a program sees the node's name as its host name, the node's address only,
 # and /etc/hosts naming every node and the controller; files are shared with the machine.
 # The packages (Debian/Ubuntu: slurm-wlm munge libpmix2 libpmix-dev) are installed with
-# apt-get when missing.  `down` kills the daemons by the PIDs `up` recorded, then whatever
+# apt-get when missing, one install at a time on the machine: the check and the install hold
+# the lock file /run/lsgd-cluster/install.lock (flock; $LSGD_CLUSTER_INSTALL_LOCK overrides
+# it), and apt-get waits up to 300 s for dpkg's own lock.  `down` kills the daemons by the PIDs `up` recorded, then whatever
 # still runs in the nodes' namespaces, and deletes the namespaces, veths and bridge; nothing
 # else is touched.
 # shellcheck disable=SC2016  # single-quoted programs get their arguments as $1, $2
@@ -170,25 +176,57 @@ rate_bytes() {  # tc rate (e.g. 1gbit, 500mbit, 100kbit, 2gbps) -> bytes per sec
     esac
 }
 
+packages_present() {  # 0 when SLURM, munge and the unversioned libpmix.so are installed
+    local b
+    for b in slurmctld slurmd munged mungekey sinfo; do command -v "$b" > /dev/null || return 1; done
+    # srun --mpi=pmix loads the unversioned libpmix.so, which only libpmix-dev provides.
+    ldconfig -p 2> /dev/null | grep -q 'libpmix\.so '
+}
+
+# One install at a time on this machine: two `up`s started together (two pytest workers, two
+# engineers) must not both run apt-get, since one of them would lose dpkg's lock and fail.
+# The whole check-and-install holds $INSTALL_LOCK (flock); whoever waited checks again and
+# finds the packages installed.  apt-get itself also waits up to 300 s for dpkg's own lock
+# (DPkg::Lock::Timeout), which an apt run outside this script (unattended-upgrades) may hold.
+readonly INSTALL_LOCK=${LSGD_CLUSTER_INSTALL_LOCK:-$STATE_ROOT/install.lock}
+readonly INSTALL_WAIT_S=900
+readonly APT_OPTS=(-o DPkg::Lock::Timeout=300 -y -q)
+
 ensure_packages() {
-    local missing=()
+    local missing=() b
     for b in ip tc nsenter unshare; do command -v "$b" > /dev/null || missing+=("$b"); done
     ((${#missing[@]} == 0)) || die "missing ${missing[*]} (Debian: apt-get install iproute2 util-linux)"
     ((slurm)) || return 0
-    local need=0
-    for b in slurmctld slurmd munged mungekey sinfo; do command -v "$b" > /dev/null || need=1; done
-    # srun --mpi=pmix loads the unversioned libpmix.so, which only libpmix-dev provides.
-    ldconfig -p 2> /dev/null | grep -q 'libpmix\.so ' || need=1
-    ((need)) || return 0
+    packages_present && return 0
     command -v apt-get > /dev/null ||
         die "SLURM, munge or libpmix missing and no apt-get: install ${PACKAGES[*]} (or your distribution's equivalents)"
+    command -v flock > /dev/null || die "no flock (Debian: apt-get install util-linux)"
+    local lock_dir log fd
+    lock_dir=$(dirname "$INSTALL_LOCK")
+    log=$lock_dir/apt-$name.log
+    mkdir -p "$lock_dir"
+    exec {fd}>> "$INSTALL_LOCK" || die "cannot open the install lock $INSTALL_LOCK"
+    if ! flock -n "$fd"; then
+        say "waiting for another install of ${PACKAGES[*]} ($INSTALL_LOCK)"
+        flock -w "$INSTALL_WAIT_S" "$fd" ||
+            die "another install of ${PACKAGES[*]} held $INSTALL_LOCK for over $INSTALL_WAIT_S s"
+    fi
+    if packages_present; then
+        say "${PACKAGES[*]}: installed meanwhile by another cluster.sh"
+        exec {fd}>&-
+        return 0
+    fi
     say "installing ${PACKAGES[*]} (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
-    if ! apt-get install -y -q "${PACKAGES[@]}" > "$STATE_ROOT/apt-$name.log" 2>&1; then
-        apt-get update -q >> "$STATE_ROOT/apt-$name.log" 2>&1 || true
-        apt-get install -y -q "${PACKAGES[@]}" >> "$STATE_ROOT/apt-$name.log" 2>&1 ||
-            die "apt-get install ${PACKAGES[*]} failed; see $STATE_ROOT/apt-$name.log"
+    if ! apt-get "${APT_OPTS[@]}" install "${PACKAGES[@]}" > "$log" 2>&1; then
+        apt-get -o DPkg::Lock::Timeout=300 -q update >> "$log" 2>&1 || true
+        apt-get "${APT_OPTS[@]}" install "${PACKAGES[@]}" >> "$log" 2>&1 || {
+            exec {fd}>&-
+            die "apt-get install ${PACKAGES[*]} failed; see $log"
+        }
     fi
+    exec {fd}>&-
+    packages_present || die "apt-get installed ${PACKAGES[*]}, but slurmctld, slurmd, munged, mungekey, sinfo or libpmix.so is still missing; see $log"
 }
 
 free_port() {  # the first TCP port from $1 nobody listens on in this namespace
@@ -533,7 +571,12 @@ cmd_mpirun_args() {
     # must yield the core (as Open MPI does by itself when it sees oversubscription, which
     # --host A:K,B:K hides): busy-polling ranks would take it from the ranks computing.
     if ((n_nodes * ranks_per_node > $(nproc))); then yield=" --mca mpi_yield_when_idle 1"; fi
-    echo "--host $hosts --prtemca plm_ssh_agent $CLUSTER_AGENT --mca pml ob1" \
+    # The layout is pinned here, K ranks per node: a mapping policy from the environment
+    # (PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe, say) would otherwise win over the
+    # slots of --host and put every rank on the first node, silently.  More ranks than
+    # nodes x K is then an error of mpirun's, not an oversubscribed node.
+    echo "--host $hosts --map-by ppr:$ranks_per_node:node" \
+         "--prtemca plm_ssh_agent $CLUSTER_AGENT --mca pml ob1" \
          "--mca btl self,sm,tcp --mca btl_tcp_if_include $CLUSTER_SUBNET" \
          "--mca oob_tcp_if_include $CLUSTER_SUBNET --mca coll ^han,xhc,acoll$yield"
 }
@@ -572,7 +615,8 @@ case $cmd in
     status) cmd_status ;;
     env) cmd_env ;;
     mpirun-args) cmd_mpirun_args ;;
+    install) ensure_packages ;;
     exec) cmd_exec ;;
     agent) cmd_agent ;;
-    *) echo "cluster.sh: error: unknown command $cmd (up, down, status, env, mpirun-args, exec, agent)" >&2; exit 2 ;;
+    *) echo "cluster.sh: error: unknown command $cmd (up, down, status, env, mpirun-args, install, exec, agent)" >&2; exit 2 ;;
 esac

@@ -165,6 +165,36 @@ def test_template_on_two_nodes(slurm_cluster, tmp_path):
         assert list(groups["train"]["step"]) == [1, 2, 3, 4, 5, 6]
 
 
+GPU_JOB = REPO / "slurm" / "lsgd_gpu.sbatch"
+
+
+#: the GPU template's backends run here (torch joins once lsgd_hpc.train has --backend torch)
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("backend", ["mpi"])
+def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
+    """slurm/lsgd_gpu.sbatch with --device cpu (no GPUs here), 2 nodes x 2 tasks. The
+    emulated nodes declare no GPUs (no GRES), so it runs a copy without its
+    --gpus-per-node line, from the repository; everything else is the template's."""
+    text = GPU_JOB.read_text()
+    assert "#SBATCH --gpus-per-node=" in text
+    copy = tmp_path / "lsgd_gpu.sbatch"
+    copy.write_text("".join(line for line in text.splitlines(keepends=True)
+                            if not line.startswith("#SBATCH --gpus-per-node")))
+    job = slurm_cluster.sbatch(f"--chdir={tmp_path}", *TWO_BY_TWO, str(copy), *DIGITS,
+                               "--device", "cpu", "--max-steps", "6", "--eval-every", "3",
+                               env=slurm_cluster.env({"LSGD_BACKEND": backend}))
+    (rec,) = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    text = log_of(tmp_path, job, prefix="lsgd-gpu")
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{text}"
+    assert f"backend: {backend}" in text and "done: 6 steps" in text, text
+    run_dir = tmp_path / "runs" / str(job)
+    assert_two_nodes_by_hostname(slurm_cluster, run_dir)
+    for rank, (attrs, groups) in enumerate(read_ranks(run_dir)):
+        config = json.loads(attrs["config"])
+        assert config["backend"] == backend and config["device"] == "cpu", config
+        assert list(groups["train"]["step"]) == [1, 2, 3, 4, 5, 6]
+
+
 @pytest.mark.timeout(300)
 def test_srun_pmi2_says_use_pmix(slurm_cluster, tmp_path):
     """srun --mpi=pmi2 with Open MPI 5 (no PMI-2): every task is a world of its own. Exit 2,

