@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
-           "load_dataset", "loader_options", "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
-           "main"]
+           "load_dataset", "loader_options", "random_crop_flip", "with_label_noise",
+           "verify_cifar10_md5", "write_cifar10_python", "main"]
 
 DATASETS = ("digits", "cifar10", "synthetic", "imagefolder")
 

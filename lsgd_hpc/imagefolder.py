@@ -26,6 +26,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from torchvision.datasets import ImageFolder
+from torchvision.datasets import folder as _folder
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
 from . import data as _data
@@ -103,7 +104,7 @@ class _Split(ImageFolder):
 
     def __init__(self, root: str, classes: Sequence[str], transform):
         self._fixed_classes = list(classes)
-        super().__init__(root, transform=transform, allow_empty=True)
+        super().__init__(root, transform=transform)
         prefix = len(os.path.join(root, ""))
         self.paths = np.array([os.fsencode(p[prefix:]) for p, _ in self.samples],
                               dtype=np.bytes_)
@@ -112,6 +113,19 @@ class _Split(ImageFolder):
 
     def find_classes(self, directory):
         return list(self._fixed_classes), {c: i for i, c in enumerate(self._fixed_classes)}
+
+    @staticmethod
+    def make_dataset(directory, class_to_idx, extensions=None, is_valid_file=None, **_):
+        """torchvision's listing, one class at a time: a class without images (or without a
+        folder, in val/) adds nothing instead of raising (allow_empty before torchvision 0.18)."""
+        out = []
+        for c in sorted(class_to_idx):
+            try:
+                out += _folder.make_dataset(directory, {c: class_to_idx[c]}, extensions,
+                                            is_valid_file)
+            except FileNotFoundError:
+                pass
+        return out
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -131,7 +145,10 @@ class _Split(ImageFolder):
                     torch.manual_seed(int(seed))
                     x = self.transform(img)
         except Exception as exc:  # noqa: BLE001 - any decoding failure names the file
-            return _Unreadable(path, f"{type(exc).__name__}: {exc}")
+            from PIL import UnidentifiedImageError
+            why = ("not an image format PIL can identify" if isinstance(exc, UnidentifiedImageError)
+                   else f"{type(exc).__name__}: {exc}")
+            return _Unreadable(path, why)
         return x, int(self.labels[index])
 
 
