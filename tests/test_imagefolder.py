@@ -119,8 +119,12 @@ def test_same_seed_same_batches_and_exact_resume(ds):
     assert epoch(b, 1, start=9) == []
     assert not same(full, epoch(ShardedBatches(ds, 1, 2, 8, seed=4), 1))
     assert not same(epoch(a, 0), full)
-    # augmented: the same image differs between epochs, and the transform leaves the
-    # caller's RNG alone
+    # augment=False: val/'s resize and centre crop on the same shards, the same every time
+    plain = ShardedBatches(ds, 1, 2, 8, seed=3, augment=False)
+    p0 = epoch(plain, 1)
+    assert same(p0, epoch(plain, 1)) and not same(p0, full)
+    assert all(torch.equal(y1, y2) for (_, y1), (_, y2) in zip(p0, full))
+    # the transform leaves the caller's RNG alone
     torch.manual_seed(0)
     state = torch.get_rng_state()
     epoch(a, 0)
@@ -239,3 +243,14 @@ def test_cli_run_on_two_ranks(folder, tmp_path):
             assert list(f["train"]["step"][()]) == [1, 2, 3, 4, 5]
             assert np.all(np.isfinite(f["train"]["loss"][()]))
             assert list(f["eval"]["step"][()])[-1] == 5
+
+
+def test_doctor_checks_the_image_folder_on_every_rank():
+    from test_doctor import fact, judge
+    ok = judge([fact(data_dir="/d"), fact(data_dir="/d")], dataset="imagefolder",
+               data_dir="/d")["data folder"]
+    assert ok == ("ok", "imagefolder readable on every rank in /d")
+    bad = fact(data_dir="/d", data_error="--data-dir /d has no val/ folder")
+    status, detail = judge([fact(data_dir="/d"), bad], dataset="imagefolder",
+                           data_dir="/d")["data folder"]
+    assert status == "FAIL" and "ranks 1" in detail and "no val/" in detail
