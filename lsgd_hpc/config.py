@@ -80,6 +80,8 @@ class Config:
     checkpoint_every: int = 0             # steps; 0 = only on preemption and at the end
     max_steps: Optional[int] = None       # stop early (benchmarks, tests)
     synthetic_size: int = 4096
+    image_size: int = 32                  # imagefolder: pixels of the square crops
+    data_workers: int = 2                 # imagefolder: DataLoader processes per rank; 0 = none
     label_noise: float = 0.0              # fraction of training labels replaced by wrong ones
     eval_batch_size: int = 1000
     straggler: Optional[str] = None       # RANK:SECONDS_PER_STEP (experiments, tests)
@@ -97,6 +99,8 @@ DATASET_DEFAULTS: Dict[str, Dict[str, Any]] = {
                     eval_every=390, lr_schedule="step"),
     "synthetic": dict(epochs=2, batch_size=64, lr=0.05, tau_local=4, tau_global=8,
                       eval_every=50),
+    "imagefolder": dict(epochs=90, batch_size=64, lr=0.1, tau_local=64, tau_global=128,
+                        eval_every=500, lr_schedule="cosine"),
 }
 
 _HELP = {
@@ -149,6 +153,10 @@ _HELP = {
     "flush_every": "steps between metric flushes", "flush_seconds": "seconds between flushes",
     "checkpoint_every": "steps between checkpoints (0: on preemption and at the end)",
     "max_steps": "stop after this many steps", "synthetic_size": "synthetic training samples",
+    "image_size": "imagefolder: side of the square crops the model sees (RandomResizedCrop "
+                  "for training, resize and centre crop for val/)",
+    "data_workers": "imagefolder: DataLoader worker processes per rank decoding images "
+                    "(0: decode in the training process)",
     "label_noise": "fraction P of training labels (a random subset, fixed by --seed, the same on "
                    "every rank) replaced by a uniformly drawn wrong class; the test set keeps "
                    "its labels (0: none)",
@@ -178,6 +186,7 @@ _GROUP_OF = {
     "topology": "baselines", "bucket_mb": "baselines",
     "dataset": "data and model", "data_dir": "data and model", "model": "data and model",
     "synthetic_size": "data and model", "eval_batch_size": "data and model",
+    "image_size": "data and model", "data_workers": "data and model",
     "label_noise": "data and model",
     "bn_recompute": "data and model",
     "backend": "cluster and backend", "device": "cluster and backend",
@@ -213,7 +222,7 @@ def option_group(name: str) -> str:
 
 #: What an option left unset (None) means, for --help.
 _UNSET_MEANS = {
-    "data_dir": "none (digits and synthetic need none)",
+    "data_dir": "none (digits and synthetic need none; imagefolder: DIR with train/ and val/)",
     "run_dir": "runs/<job id> under SLURM, else runs/<algorithm>-<time>",
     "easgd_alpha": "0.9 / world size", "easgd_tau": "--tau-local",
     "ranks_per_node": "by host name", "max_steps": "none (all epochs)",
@@ -402,10 +411,13 @@ def validate(cfg: Config, env: dict) -> None:
     _positive(cfg, ["epochs", "batch_size", "lr", "tau_local", "tau_global", "leader_window",
                     "eval_every", "stop_check_every", "log_every", "flush_every",
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
+                    "image_size",
                     "ranks_per_node", "easgd_tau"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
-                    "collective_timeout", "consensus_every", "bn_recompute", "warmup_steps"],
-              strict=False)
+                    "collective_timeout", "consensus_every", "bn_recompute", "warmup_steps",
+                    "data_workers"], strict=False)
+    if cfg.image_size < 8:
+        raise ConfigError("--image-size", f"must be >= 8, got {cfg.image_size}")
     if not (math.isfinite(cfg.label_noise) and 0 <= cfg.label_noise < 1):
         raise ConfigError("--label-noise", f"must be in [0, 1), got {cfg.label_noise}")
     if cfg.lsgd_bn not in LSGD_BN:

@@ -1,4 +1,5 @@
-"""Data sets (digits, CIFAR-10, synthetic), deterministic per-rank sharding, and the staging CLI."""
+"""Data sets (digits, CIFAR-10, synthetic, image folders), deterministic per-rank sharding, and
+the staging CLI. Image folders stream from disk: see lsgd_hpc/imagefolder.py."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import numpy as np
 import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
-           "load_dataset", "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
-           "main"]
+           "load_dataset", "loader_options", "random_crop_flip", "with_label_noise",
+           "verify_cifar10_md5", "write_cifar10_python", "main"]
 
-DATASETS = ("digits", "cifar10", "synthetic")
+DATASETS = ("digits", "cifar10", "synthetic", "imagefolder")
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -183,9 +184,13 @@ def check_data_dir(name: str, data_dir: Optional[str], option: str = "--data-dir
     Meant to run on every rank before the first MPI collective, so that a bad --data-dir stops
     all ranks with one line instead of a hang or a traceback.  digits and synthetic need no
     files (a given data_dir is ignored).  ``option`` is the option named in messages.
+    imagefolder: the folder, train/ and val/, their class folders (no image is opened).
     """
     if name not in DATASETS:
         raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
+    if name == "imagefolder":
+        from .imagefolder import check_imagefolder_dir
+        return check_imagefolder_dir(data_dir, option)
     if name != "cifar10":
         return
     if data_dir is None or str(data_dir).strip() == "":
@@ -333,14 +338,25 @@ def write_cifar10_python(root: str, per_batch: int = 20, n_test: int = 20, seed:
 
 # ------------------------------------------------------------------------------------ entry
 
+def loader_options(cfg) -> dict:
+    """The keyword arguments of ``load_dataset`` that come from a training Config besides the
+    positional ones: image size, DataLoader workers, pinned memory for CUDA."""
+    return dict(image_size=cfg.image_size, data_workers=cfg.data_workers,
+                pin_memory=cfg.device == "cuda")
+
+
 def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
-                 synthetic_size: int = 4096, label_noise: float = 0.0) -> Dataset:
-    """Load a whole data set into memory.
+                 synthetic_size: int = 4096, label_noise: float = 0.0, *,
+                 image_size: int = 32, data_workers: int = 2, pin_memory: bool = False):
+    """Load a whole data set into memory, or, for imagefolder, list its files.
 
     digits: scikit-learn's 1,797 8x8 digits, a fixed stratified 80/20 split (1437/360).
     cifar10: from ``data_dir``/cifar-10-batches-py through torchvision (never downloads).
     synthetic: ``synthetic_size`` training and ``synthetic_size // 4`` test images, 3x32x32,
     10 classes, generated from ``seed`` (all ranks must pass the same seed).
+    imagefolder: ``data_dir``/train/<class>/* and val/<class>/*, decoded per image by a
+    DataLoader of ``data_workers`` processes at ``image_size`` pixels square (an
+    ImageFolderData, not a Dataset: same interface, see lsgd_hpc/imagefolder.py).
     ``label_noise`` > 0: see ``with_label_noise`` (training labels only, from ``seed``).
     """
     if name == "digits":
@@ -349,6 +365,9 @@ def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
         ds = _load_cifar10(data_dir)
     elif name == "synthetic":
         ds = _load_synthetic(seed, synthetic_size)
+    elif name == "imagefolder":
+        from .imagefolder import load_imagefolder
+        ds = load_imagefolder(data_dir, image_size, data_workers, pin_memory)
     else:
         raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
     return with_label_noise(ds, label_noise, seed) if label_noise else ds
@@ -378,6 +397,8 @@ def with_label_noise(ds: Dataset, p: float, seed: int) -> Dataset:
     shift = torch.randint(1, k, (flip,), generator=g)
     y = ds.y_train.clone()
     y[idx] = (y[idx] + shift) % k
+    if not isinstance(ds, Dataset):    # an image folder: same files, other labels
+        return ds.with_train_labels(y)
     return dataclasses.replace(ds, y_train=y)
 
 
@@ -421,7 +442,16 @@ class ShardedBatches:
     Training batches of an augmenting data set (cifar10) are augmented with a generator seeded
     by (seed, rank, epoch, batch index).  Same (seed, rank, world_size, epoch, start) ->
     bit-identical batches, so ``batches(epoch, start=k)`` resumes exactly mid-epoch.
+
+    A data set that streams from disk names its own subclass (``ds.sharded_batches``, an
+    image folder's ImageFolderBatches): ``ShardedBatches(ds, ...)`` builds that one.
     """
+
+    def __new__(cls, ds, *args, **kwargs):
+        sub = getattr(ds, "sharded_batches", None)
+        if cls is ShardedBatches and sub is not None:
+            cls = sub
+        return super().__new__(cls)
 
     def __init__(self, ds: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
                  drop_last: bool = True, augment: Optional[bool] = None):
@@ -547,6 +577,18 @@ def _cmd_check(args) -> int:
                              f"folder")
             md5 = "md5 ok"
         where = f" in {root}"
+    elif args.dataset == "imagefolder":
+        if args.root is None:
+            return _fail("check imagefolder needs --root DIR (the folder holding train/ and val/)")
+        from .imagefolder import unreadable_images
+        check_data_dir("imagefolder", args.root, option="--root")
+        ds = load_dataset("imagefolder", args.root)
+        bad = unreadable_images(ds)
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            return _fail(f"{len(bad)} of {ds.n_train + ds.n_test} images in {ds.root} do not "
+                         f"decode: {'; '.join(bad[:3])}{more}")
+        md5, where = "every image decodes", f" in {ds.root}"
     else:
         ds = load_dataset(args.dataset)
         md5, where = "built in", ""
@@ -566,7 +608,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--root", required=True, help="folder that will hold cifar-10-batches-py/")
     p = sub.add_parser("check", help="verify a staged data set and print its sizes")
     p.add_argument("dataset", choices=list(DATASETS))
-    p.add_argument("--root", help="folder holding cifar-10-batches-py/ (cifar10)")
+    p.add_argument("--root", help="folder holding cifar-10-batches-py/ (cifar10), or train/ "
+                                  "and val/ (imagefolder: every image is decoded once)")
     p.add_argument("--no-md5", action="store_true",
                    help="skip the md5 comparison with the published CIFAR-10 files")
     args = parser.parse_args(argv)

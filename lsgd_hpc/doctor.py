@@ -322,7 +322,7 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
 
     # the data folder, on every rank
     bad = [r for r, f in enumerate(facts) if f["data_error"]]
-    if args.dataset != "cifar10":
+    if args.dataset not in ("cifar10", "imagefolder"):
         rows.append(Check("data folder", "ok", f"{args.dataset} is built in: nothing to stage"))
     elif bad:
         where = ", ".join(sorted({hosts[r] for r in bad}))
@@ -330,7 +330,7 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
                           f"{facts[bad[0]]['data_error']}"))
     else:
         dirs = sorted({f["data_dir"] for f in facts})
-        rows.append(Check("data folder", "ok", f"cifar10 readable on every rank in "
+        rows.append(Check("data folder", "ok", f"{args.dataset} readable on every rank in "
                           f"{', '.join(dirs)}"))
 
     # the run directory: free space and a test write, on every rank

@@ -17,11 +17,13 @@ MODELS = ("digits_cnn", "cnn7", "vgg16", "resnet20", "mlp", "mlp_wide")
 # 2 cores.  cifar10: ResNet-20, the standard small CIFAR model.  synthetic: the MLP, whose
 # forward/backward costs ~1 MFLOP per image, so synthetic benchmarks measure communication
 # (0.86 M parameters, 3.4 MB per model exchange) rather than convolution speed.
+# imagefolder: ResNet-20 too (global average pooling, so any --image-size >= 8).
 # mlp_wide (1024-1024): on digits 1.13 M parameters whose 6 x 1.13 MFLOP per image of compute
 # dominate the trainer's fixed per-step costs, so that the ratio of compute to communication
 # follows the batch size and the link (benchmarks/time_to_accuracy.py sets it to a GPU
 # cluster's).
-DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "resnet20", "synthetic": "mlp"}
+DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "resnet20", "synthetic": "mlp",
+                  "imagefolder": "resnet20"}
 
 # Plain modules only: the training code re-seats every parameter and floating-point buffer as a
 # view of one flat tensor, so no parameter sharing/tying and no parametrizations here.
@@ -312,8 +314,8 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
 
 
 def default_model(dataset_name: str) -> str:
-    """The default model of a data set: digits -> digits_cnn, cifar10 -> resnet20,
-    synthetic -> mlp (fast: synthetic benchmarks are about communication, see DEFAULT_MODELS)."""
+    """The default model of a data set: digits -> digits_cnn, cifar10 and imagefolder ->
+    resnet20, synthetic -> mlp (fast: synthetic benchmarks are about communication, see DEFAULT_MODELS)."""
     try:
         return DEFAULT_MODELS[dataset_name]
     except KeyError:

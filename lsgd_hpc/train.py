@@ -255,7 +255,7 @@ class Trainer:
         self.torch, self.cfg, self.env, self.ckpt = torch, cfg, env, checkpoint
         self.rank, self.size = rank, size
         self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size,
-                                     cfg.label_noise)
+                                     cfg.label_noise, **data.loader_options(cfg))
         self.sampler = data.ShardedBatches(self.ds, rank, size, cfg.batch_size, cfg.seed)
         self.spe = self.sampler.steps_per_epoch
         self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
