@@ -103,6 +103,10 @@ DATASET_DEFAULTS: Dict[str, Dict[str, Any]] = {
                         eval_every=500, lr_schedule="cosine"),
 }
 
+#: Defaults of a user's data set (--dataset module:callable).
+PLUGIN_DEFAULTS: Dict[str, Any] = dict(epochs=10, batch_size=64, lr=0.05, tau_local=4,
+                                       tau_global=8, eval_every=100)
+
 _HELP = {
     "algorithm": "training method", "topology": "gossip graph (see python -m lsgd_hpc.topology)",
     "dataset": "data set (digits is embedded)", "data_dir": "folder of a staged data set",
@@ -363,10 +367,16 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = Non
     for name in list(values):
         values[name] = _coerce(name, values[name])
     dataset = values.get("dataset", Config.dataset)
-    if dataset not in DATASET_DEFAULTS:
+    if ":" in str(dataset):              # a user's factory: the in-memory sets' defaults
+        from .models import load_factory
+        try:
+            load_factory(dataset)
+        except ValueError as exc:
+            raise ConfigError("--dataset", str(exc)) from None
+    elif dataset not in DATASET_DEFAULTS:
         raise ConfigError("--dataset", f"must be one of {', '.join(DATASET_DEFAULTS)}, "
-                                       f"got {dataset!r}")
-    for name, default in DATASET_DEFAULTS[dataset].items():
+                                       f"or module:callable, got {dataset!r}")
+    for name, default in DATASET_DEFAULTS.get(dataset, PLUGIN_DEFAULTS).items():
         values.setdefault(name, default)
     cfg = Config(**values)
     validate(cfg, env if env is not None else os.environ)

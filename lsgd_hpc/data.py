@@ -111,6 +111,47 @@ class Dataset:
         return int(self.y_test.shape[0])
 
 
+# ------------------------------------------------------------------------- user factories
+
+def load_plugin(spec: str, data_dir: Optional[str], seed: int) -> Dataset:
+    """``--dataset module:callable``: the user's factory, called as ``f(data_dir, seed)``.
+
+    It returns a :class:`Dataset`, or the four tensors ``(x_train, y_train, x_test, y_test)``:
+    x float (N, C, H, W) already normalized, y int64 class indices 0..K-1 (K is taken as the
+    largest label + 1). Everything is checked here; a problem is one DataError line."""
+    from .models import load_factory
+    try:
+        factory = load_factory(spec)
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    try:
+        out = factory(data_dir, seed)
+    except Exception as exc:
+        raise DataError(f"{spec}({data_dir!r}, {seed}) failed: {type(exc).__name__}: {exc}") from None
+    if isinstance(out, Dataset):
+        return out
+    if not (isinstance(out, (tuple, list)) and len(out) == 4
+            and all(isinstance(t, torch.Tensor) for t in out)):
+        raise DataError(f"{spec} returned {type(out).__name__}; it must return an "
+                        "lsgd_hpc.data.Dataset or four tensors (x_train, y_train, x_test, y_test)")
+    x_tr, y_tr, x_te, y_te = out
+    for name, x, y in (("train", x_tr, y_tr), ("test", x_te, y_te)):
+        if x.dim() != 4 or not x.is_floating_point():
+            raise DataError(f"{spec}: x_{name} must be float (N, C, H, W), got "
+                            f"{x.dtype} {tuple(x.shape)}")
+        if y.dim() != 1 or y.dtype != torch.int64 or len(y) != len(x) or len(y) == 0:
+            raise DataError(f"{spec}: y_{name} must be int64 (N,) matching x_{name}, got "
+                            f"{y.dtype} {tuple(y.shape)}")
+    if tuple(x_tr.shape[1:]) != tuple(x_te.shape[1:]):
+        raise DataError(f"{spec}: train and test samples differ in shape "
+                        f"({tuple(x_tr.shape[1:])} vs {tuple(x_te.shape[1:])})")
+    k = int(max(y_tr.max(), y_te.max())) + 1
+    if int(min(y_tr.min(), y_te.min())) < 0 or k < 2:
+        raise DataError(f"{spec}: labels must be class indices 0..K-1 with K >= 2")
+    return Dataset(spec, k, tuple(int(s) for s in x_tr.shape[1:]), x_tr.float(), y_tr,
+                   x_te.float(), y_te, augment=False)
+
+
 # ----------------------------------------------------------------------------------- digits
 
 def _load_digits() -> Dataset:
@@ -186,6 +227,8 @@ def check_data_dir(name: str, data_dir: Optional[str], option: str = "--data-dir
     files (a given data_dir is ignored).  ``option`` is the option named in messages.
     imagefolder: the folder, train/ and val/, their class folders (no image is opened).
     """
+    if ":" in name:                   # a user's factory checks its own folder
+        return
     if name not in DATASETS:
         raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
     if name == "imagefolder":
@@ -359,7 +402,9 @@ def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
     ImageFolderData, not a Dataset: same interface, see lsgd_hpc/imagefolder.py).
     ``label_noise`` > 0: see ``with_label_noise`` (training labels only, from ``seed``).
     """
-    if name == "digits":
+    if ":" in name:
+        ds = load_plugin(name, data_dir, seed)
+    elif name == "digits":
         ds = _load_digits()
     elif name == "cifar10":
         ds = _load_cifar10(data_dir)

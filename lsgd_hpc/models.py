@@ -316,6 +316,8 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
 def default_model(dataset_name: str) -> str:
     """The default model of a data set: digits -> digits_cnn, cifar10 and imagefolder ->
     resnet20, synthetic -> mlp (fast: synthetic benchmarks are about communication, see DEFAULT_MODELS)."""
+    if ":" in dataset_name:
+        return "mlp"                 # a user's data set: any shape, any class count
     try:
         return DEFAULT_MODELS[dataset_name]
     except KeyError:

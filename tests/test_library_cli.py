@@ -109,3 +109,35 @@ def test_bf16_trains_digits_within_margin_of_fp32(tmp_path):
     assert acc["fp32"] > 0.9
     assert acc["bf16"] >= acc["fp32"] - 0.03, acc
     assert acc["fp16"] >= acc["fp32"] - 0.03, acc
+
+
+DATA = '''
+import torch
+from sklearn.datasets import load_digits
+
+def digits_tensors(data_dir, seed):
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.int64)
+    return x[:1400], y[:1400], x[1400:], y[1400:]
+
+def wrong(data_dir, seed):
+    return [1, 2, 3]
+'''
+
+
+@pytest.mark.mpi
+def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path):
+    (tmp_path / "userdata.py").write_text(DATA)
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
+    run = tmp_path / "run"
+    run_mpi(2, [*TRAIN, "--dataset", "userdata:digits_tensors", "--max-steps", "60",
+                "--run-dir", str(run)], env=env, cwd=tmp_path, timeout=180)
+    with h5py.File(run / "metrics" / "rank00000.h5", "r") as f:
+        assert f["eval/test_accuracy"][-1] > 0.7
+    for spec, needle in (("userdata:wrong", "returned list; it must return"),
+                         ("nosuch:f", "cannot import 'nosuch'")):
+        proc = run_mpi(2, [*TRAIN, "--dataset", spec, "--max-steps", "2", "--run-dir",
+                           str(tmp_path / spec.replace(":", "_"))], env=env, cwd=tmp_path,
+                       timeout=120, check=False)
+        _usage(proc, needle)
