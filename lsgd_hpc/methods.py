@@ -224,7 +224,7 @@ class Method:
         then does not communicate the gradients again."""
         if self._synced:
             return
-        if self.averages_gradients:
+        if self.averages_gradients and self.world.size > 1:   # (alone: nothing to average)
             self._gradients_into_buffer()
         self.rule.before_step(self.steps + 1)
         self._synced = True

@@ -71,9 +71,8 @@ class MetricsWriter:
     # -- rows ------------------------------------------------------------------------------
     def log(self, group: str, **row) -> None:
         cols = self.rows[group]
-        missing = cols.keys() - row.keys()
-        extra = row.keys() - cols.keys()
-        if missing or extra:
+        if row.keys() != cols.keys():
+            missing, extra = cols.keys() - row.keys(), row.keys() - cols.keys()
             raise KeyError(f"/{group} row: missing {sorted(missing)}, unknown {sorted(extra)}")
         for c, v in row.items():
             cols[c].append(v)
