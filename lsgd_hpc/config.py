@@ -14,7 +14,7 @@ __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_wor
            "option_group", "ALGORITHMS", "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
 
 ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
-BACKENDS = ("mpi", "horovod")
+BACKENDS = ("mpi", "horovod", "torch")
 LR_SCHEDULES = ("constant", "step", "cosine")
 LSGD_BN = ("keep", "copy", "pull")
 

@@ -1,4 +1,4 @@
-"""Communication layer: one narrow interface, an mpi4py backend and a Horovod backend."""
+"""Communication layer: one narrow interface; mpi4py, Horovod and torch.distributed backends."""
 
 from .base import (CommError, CommStats, Communicator, Election, Pending, Request, check_tensor,
                    sanitize_score)
@@ -12,11 +12,17 @@ __all__ = ["CommError", "CommStats", "Communicator", "Election", "FlatParams", "
 
 
 def make_world(backend: str = "mpi") -> Communicator:
-    """The world communicator of the chosen backend ('mpi' or 'horovod')."""
+    """The world communicator of the chosen backend ('mpi', 'horovod' or 'torch').
+
+    'torch' creates torch.distributed's default process group when none exists (gloo for
+    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.launcher)."""
     if backend == "mpi":
         from .mpi import MPICommunicator
         return MPICommunicator()
     if backend == "horovod":
         from .horovod import HorovodCommunicator
         return HorovodCommunicator()
-    raise CommError(f"unknown backend {backend!r}; choose 'mpi' or 'horovod'")
+    if backend == "torch":
+        from .torchdist import TorchCommunicator
+        return TorchCommunicator()
+    raise CommError(f"unknown backend {backend!r}; choose 'mpi', 'horovod' or 'torch'")
