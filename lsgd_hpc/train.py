@@ -666,8 +666,26 @@ def _exit_together(code: int) -> None:
         os._exit(code)
 
 
+def _close_torch_world(code: int) -> None:
+    """--backend torch: leave the process group together (a barrier, then destroy it), so that
+    no rank's gloo threads see a peer's connections close under them while the interpreter
+    tears down (they abort the process: SIGABRT instead of the agreed status)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import torch
+    if dist.get_world_size() > 1:
+        dist.all_reduce(torch.zeros(1))
+    dist.destroy_process_group()
+    if code == EXIT_USAGE and "mpi4py.MPI" not in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
     status = main()
+    _close_torch_world(status)
     if status == EXIT_USAGE and "mpi4py.MPI" in sys.modules:
         _exit_together(status)
     sys.exit(status)
