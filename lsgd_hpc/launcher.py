@@ -292,7 +292,8 @@ def torch_store(info: LaunchInfo, env: dict, timeout_s: float = 300.0):
     """The TCP store every rank of ``info``'s world joins (torch.distributed.TCPStore), or
     None under torchrun (then ``init_process_group(init_method="env://")``).
 
-    MASTER_ADDR/MASTER_PORT when given; under mpirun without them, rank 0's host and a free port, sent over MPI.COMM_WORLD.
+    MASTER_ADDR/MASTER_PORT when given; under mpirun without them, rank 0's host and a free
+    port, sent over MPI.COMM_WORLD.
     """
     import datetime
 

