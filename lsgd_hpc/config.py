@@ -486,11 +486,10 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
     from . import topology
 
     launcher, expected = launcher_world_size(env)
+    if launcher == "torchrun" and cfg.backend != "torch":
+        raise ConfigError("--backend", f"{cfg.backend} needs an MPI job, which torchrun does "
+                          "not start; use --backend torch under torchrun (or mpirun/srun)")
     if expected is not None and expected != world_size:
-        if launcher == "torchrun":
-            raise ConfigError("MPI world size", f"is {world_size} but torchrun started "
-                              f"{expected} ranks (WORLD_SIZE={expected}): torchrun starts no "
-                              "MPI job; use --backend torch under torchrun")
         if launcher == "srun":
             raise ConfigError("MPI world size", f"is {world_size} but srun started {expected} "
                               f"tasks (SLURM_STEP_NUM_TASKS={expected}): the ranks did not join "

@@ -126,6 +126,24 @@ def _launched_alone(env: dict) -> bool:
     return launched_alone(env)
 
 
+def _start_backend(cfg, argv: Optional[Sequence[str]], env: dict) -> str:
+    """'torch' or 'mpi': what the start-up agreement runs over. Every rank must choose alike,
+    also one whose options failed to parse: under torchrun always torch; else the parsed
+    --backend, or (parse failed) the --backend written on the command line."""
+    from .launcher import detect
+    if detect(env).launcher == "torchrun":
+        return "torch"
+    backend = cfg.backend if cfg is not None else None
+    if backend is None:
+        args = list(sys.argv[1:] if argv is None else argv)
+        for i, arg in enumerate(args):
+            if arg == "--backend" and i + 1 < len(args):
+                backend = args[i + 1]
+            elif arg.startswith("--backend="):
+                backend = arg.split("=", 1)[1]
+    return "torch" if backend == "torch" else "mpi"
+
+
 def _agree_on_start(comm, error: Optional[str], code: int, stop: StopFlag):
     """The one start-up collective: every rank says whether its checks failed (why, and the
     exit status that goes with it) and whether a stop signal came. Checks that can differ
@@ -166,12 +184,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .comm import CommError
     from .data import DataError
-    from .launcher import detect
     world = None
-    # --backend torch (also a failed parse under torchrun, where there is no MPI to agree
-    # over): the torch world first, the start-up agreement over it
-    if (cfg.backend if cfg is not None else
-            "torch" if detect(env).launcher == "torchrun" else "mpi") == "torch":
+    # --backend torch, and anything under torchrun (no MPI job to agree over): the torch world
+    # first, the start-up agreement over it
+    if _start_backend(cfg, argv, env) == "torch":
         from .comm import make_world
         try:
             world = comm = make_world("torch")     # every rank gets here, as to MPI_Init

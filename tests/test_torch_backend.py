@@ -139,3 +139,25 @@ def test_a_crash_ends_the_job(tmp_path, launch):
     fault_at = float(proc.stderr.split("FAULT_AT ")[1].split()[0])
     assert time.time() - fault_at < 60, "the job outlived the crash by a minute"
     assert time.time() - t0 < 180
+
+
+@pytest.mark.mpi
+def test_error_on_some_ranks_only_is_agreed_over_the_torch_world(tmp_path):
+    """Rank 1's options fail (it never learns the backend from its config): it still joins
+    the torch world, and every rank exits 2 with the message printed once."""
+    from mpi_util import mpirun_cmd
+    good = [sys.executable, "-m", "lsgd_hpc.train", "--backend", "torch", "--max-steps", "2",
+            "--run-dir", str(tmp_path / "run")]
+    cmd = mpirun_cmd(1, [*good, ":", "-np", "1", *good, "--lr", "0"])
+    proc = run_group(cmd, env=mpi_env(), cwd=REPO, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train")]
+    assert len(lines) == 1 and "--lr" in lines[0] and "on 1 of 2 ranks" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_mpi_backend_under_torchrun_is_refused():
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--max-steps", "2"], timeout=180)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train: error")]
+    assert len(lines) == 1 and "--backend torch" in lines[0], proc.stderr[-3000:]
