@@ -190,7 +190,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if _start_backend(cfg, argv, env) == "torch":
         from .comm import make_world
         try:
-            world = comm = make_world("torch")     # every rank gets here, as to MPI_Init
+            gpu = None
+            if cfg is not None and cfg.device == "cuda" and _cuda_available():
+                gpu = _device("cuda", _env_rank(env), env)     # bound to the group (NCCL)
+            world = comm = make_world("torch", device=gpu)   # every rank, as to MPI_Init
         except CommError as exc:
             return _usage_error(str(exc))
         rank, size = world.rank, world.size
@@ -659,6 +662,11 @@ def _device(kind: str, rank: int, env: dict):
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     return dev
+
+
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _mpi_library() -> str:

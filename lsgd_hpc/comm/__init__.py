@@ -11,11 +11,12 @@ __all__ = ["CommError", "CommStats", "Communicator", "Election", "FlatParams", "
            "make_world", "node_layout", "sanitize_score"]
 
 
-def make_world(backend: str = "mpi") -> Communicator:
+def make_world(backend: str = "mpi", *, device=None) -> Communicator:
     """The world communicator of the chosen backend ('mpi', 'horovod' or 'torch').
 
     'torch' creates torch.distributed's default process group when none exists (gloo for
-    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.launcher)."""
+    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.launcher);
+    ``device`` (torch only): this rank's GPU, bound to the process group for NCCL."""
     if backend == "mpi":
         from .mpi import MPICommunicator
         return MPICommunicator()
@@ -24,5 +25,5 @@ def make_world(backend: str = "mpi") -> Communicator:
         return HorovodCommunicator()
     if backend == "torch":
         from .torchdist import TorchCommunicator
-        return TorchCommunicator()
+        return TorchCommunicator(device=device)
     raise CommError(f"unknown backend {backend!r}; choose 'mpi', 'horovod' or 'torch'")

@@ -58,9 +58,13 @@ def _buffer_key(t: torch.Tensor) -> tuple:
     return (t.device.type, t.data_ptr(), t.numel(), t.dtype)
 
 
-def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = None) -> None:
+def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = None,
+                     device: Optional[torch.device] = None) -> None:
     """Create the default process group once (collective over every rank the launcher
-    started); nothing when it exists. Raises CommError when the launcher says too little."""
+    started); nothing when it exists. Raises CommError when the launcher says too little.
+
+    ``device``: this rank's GPU, bound to the group (``device_id``: NCCL then sets up its
+    communicator for that GPU at once instead of guessing at the first CUDA collective)."""
     if dist.is_initialized():
         return
     if not dist.is_available():
@@ -73,6 +77,8 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
     kwargs = {}
     if timeout_s:
         kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if cuda and device is not None and torch.device(device).type == "cuda":
+        kwargs["device_id"] = torch.device(device)
     if info.size is None or info.size == 1 and info.launcher is None:
         # alone: a world of one needs no peer, but a store all the same
         store = dist.HashStore()
@@ -108,9 +114,9 @@ class TorchCommunicator(Communicator):
 
     def __init__(self, group=None, stats: Optional[CommStats] = None,
                  world_ranks: Optional[Sequence[int]] = None, key: str = "world",
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, device: Optional[torch.device] = None):
         if group is None and world_ranks is None:
-            init_torch_world(env)
+            init_torch_world(env, device=device)
         self.group = group
         self.stats = stats if stats is not None else CommStats()
         if world_ranks is None:
