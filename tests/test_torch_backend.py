@@ -161,3 +161,17 @@ def test_mpi_backend_under_torchrun_is_refused():
     proc = torchrun(2, ["-m", "lsgd_hpc.train", "--max-steps", "2"], timeout=180)
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train: error")]
     assert len(lines) == 1 and "--backend torch" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+def test_stalled_rank_under_torchrun_is_named_and_job_ends(tmp_path):
+    """The collective watchdog on the torch backend: rank 1 sleeps in its first step, rank 0
+    waits in gloo, its watchdog names rank 1 and ends its process; torchrun ends the rest."""
+    t0 = time.time()
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--backend", "torch", "--run-dir",
+                        str(tmp_path / "run"), "--max-steps", "30", "--straggler", "1:600",
+                        "--collective-timeout", "5"], timeout=300)
+    assert proc.returncode not in (0, None), proc.stderr[-3000:]
+    assert "collective watchdog: rank" in proc.stderr
+    assert "rank(s) 1 have not arrived" in proc.stderr, proc.stderr[-3000:]
+    assert time.time() - t0 < 200
