@@ -132,6 +132,7 @@ class TorchCommunicator(Communicator):
         # (key, edges) -> (src, dst, serial): graphs whose edges were checked, see _graph
         self._graphs: Dict[tuple, Tuple[tuple, tuple, int]] = {}
         self._serial = 0
+        self._nccl_p2p_ready = False
         self.one_host: Optional[bool] = None
         if group is None:
             from .. import launcher
@@ -290,6 +291,12 @@ class TorchCommunicator(Communicator):
         self._graph(src, dst, graph_key)
         if self.validate:
             self._agree_neighbours(tensor, src, dst)
+        if tensor.is_cuda and not self._nccl_p2p_ready and self._size > 1:
+            # NCCL: the first batch_isend_irecv on a group must involve every member, and a
+            # rank without neighbours posts nothing; one tiny collective sets the group up
+            with self._watch("neighbor_allgather set-up"):
+                dist.all_reduce(torch.zeros(1, device=tensor.device), group=self.group)
+            self._nccl_p2p_ready = True
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes * len(dst), nbytes * len(src)), \
                 self._watch("neighbor_allgather"):
