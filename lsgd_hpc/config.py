@@ -14,7 +14,7 @@ __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_wor
            "option_group", "ALGORITHMS", "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
 
 ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
-BACKENDS = ("mpi", "horovod")
+BACKENDS = ("mpi", "horovod", "torch")
 LR_SCHEDULES = ("constant", "step", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -520,25 +520,9 @@ def straggler_of(cfg: Config) -> Optional[tuple]:
 
 
 def launcher_world_size(env: dict):
-    """``(launcher, n)``: how many ranks the launcher of this process started, where it says.
-
-    ``mpirun`` (Open MPI's, or a Hydra mpirun) tells its ranks their count; inside a SLURM
-    allocation it starts its daemons with one-task ``srun`` steps, so there the SLURM
-    variables describe the daemon's step, not the ranks, and are not compared. A process
-    that ``srun`` started itself (a job step's task, no mpirun variables) is one of the
-    step's SLURM_STEP_NUM_TASKS tasks. ``(None, None)`` when nobody says.
-    """
-    if env.get("OMPI_COMM_WORLD_SIZE", "").isdigit():
-        return "mpirun", int(env["OMPI_COMM_WORLD_SIZE"])
-    if env.get("MPI_LOCALNRANKS") and env.get("PMI_SIZE", "").isdigit():   # Hydra
-        return "mpirun", int(env["PMI_SIZE"])
-    if env.get("PRTE_LAUNCHED") or env.get("MPI_LOCALNRANKS"):
-        return "mpirun", None
-    if env.get("SLURM_STEP_ID") is not None:
-        for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
-            if env.get(var, "").isdigit():
-                return "srun", int(env[var])
-    return None, None
+    """``(launcher, n)``: how many ranks the launcher started (see lsgd_hpc.launcher)."""
+    from .launcher import launcher_world_size as count
+    return count(env)
 
 
 def check_world(cfg: Config, world_size: int, env: dict) -> None:
@@ -551,6 +535,9 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
     from . import topology
 
     launcher, expected = launcher_world_size(env)
+    if launcher == "torchrun" and cfg.backend != "torch":
+        raise ConfigError("--backend", f"{cfg.backend} needs an MPI job, which torchrun does "
+                          "not start; use --backend torch under torchrun (or mpirun/srun)")
     if expected is not None and expected != world_size:
         if launcher == "srun":
             raise ConfigError("MPI world size", f"is {world_size} but srun started {expected} "

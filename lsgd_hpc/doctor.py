@@ -59,21 +59,8 @@ class Check:
 
 def launch_method(env: Dict[str, str]) -> str:
     """How this rank was started, read from the variables each launcher sets."""
-    if env.get("SLURM_STEP_ID") is not None and env.get("SLURM_PROCID") is not None \
-            and env.get("OMPI_COMM_WORLD_SIZE") is None:
-        if env.get("PMIX_RANK") is not None:
-            return "srun --mpi=pmix"
-        if env.get("PMI_RANK") is not None:
-            return "srun (PMI-2)"
-        return "srun without PMI (each rank starts its own one-rank MPI job)"
-    if env.get("OMPI_COMM_WORLD_SIZE") is not None:
-        return "mpirun (Open MPI)" + (" inside a SLURM allocation" if env.get("SLURM_JOB_ID")
-                                     else "")
-    if env.get("PMI_RANK") is not None or env.get("HYDRA_CONTROL_FD") is not None:
-        return "mpiexec (PMI, e.g. MPICH hydra)"
-    if env.get("PMIX_RANK") is not None:
-        return "a PMIx launcher"
-    return "no launcher (a one-rank singleton)"
+    from .launcher import launch_method as method
+    return method(env)
 
 
 def _ipv4_of(ifname: str) -> Optional[str]:
@@ -162,13 +149,13 @@ def _run_dir_state(run_dir: str) -> dict:
 
 def gather_local_facts(args, env: Dict[str, str]) -> dict:
     """What this rank sees of itself; plain data, so that it can be gathered and judged."""
+    from .launcher import launcher_size
     data_dir = os.path.expanduser(os.path.expandvars(args.data_dir)) if args.data_dir else None
     run_dir = os.path.expanduser(os.path.expandvars(args.run_dir))
     return {
         "host": socket.gethostname(),
         "launch": launch_method(env),
-        "launcher_size": next((int(env[v]) for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
-                               if env.get(v, "").isdigit()), None),
+        "launcher_size": launcher_size(env),
         "gpus": _gpu_count(),
         "interfaces": network_interfaces(),
         "data_dir": data_dir,

@@ -27,12 +27,9 @@ EXIT_STOPPED = 143    # stopped by SIGTERM/SIGUSR1 after a complete checkpoint (
 def _env_rank(env: Optional[dict] = None) -> int:
     """This process's rank as its launcher set it, readable before MPI starts (to print a
     message once; with ``srun --mpi=pmi2`` under Open MPI every process is rank 0 of a world
-    of its own, and only this tells them apart)."""
-    env = os.environ if env is None else env
-    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID"):
-        if env.get(var, "").isdigit():
-            return int(env[var])
-    return 0
+    of its own, and only this tells them apart). See lsgd_hpc.launcher."""
+    from .launcher import env_rank
+    return env_rank(env)
 
 
 def _usage_error(message: str) -> int:
@@ -128,9 +125,27 @@ def _fmt_eta(seconds: float) -> str:
 
 
 def _launched_alone(env: dict) -> bool:
-    """No launcher (mpirun, srun) started this process: its world is itself alone."""
-    return not any(env.get(v) for v in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK",
-                                        "PMI_SIZE", "SLURM_STEP_ID", "MPI_LOCALNRANKS"))
+    """No launcher (torchrun, mpirun, srun) started this process: its world is itself alone."""
+    from .launcher import launched_alone
+    return launched_alone(env)
+
+
+def _start_backend(cfg, argv: Optional[Sequence[str]], env: dict) -> str:
+    """'torch' or 'mpi': what the start-up agreement runs over. Every rank must choose alike,
+    also one whose options failed to parse: under torchrun always torch; else the parsed
+    --backend, or (parse failed) the --backend written on the command line."""
+    from .launcher import detect
+    if detect(env).launcher == "torchrun":
+        return "torch"
+    backend = cfg.backend if cfg is not None else None
+    if backend is None:
+        args = list(sys.argv[1:] if argv is None else argv)
+        for i, arg in enumerate(args):
+            if arg == "--backend" and i + 1 < len(args):
+                backend = args[i + 1]
+            elif arg.startswith("--backend="):
+                backend = arg.split("=", 1)[1]
+    return "torch" if backend == "torch" else "mpi"
 
 
 def _agree_on_start(comm, error: Optional[str], code: int, stop: StopFlag):
@@ -143,7 +158,8 @@ def _agree_on_start(comm, error: Optional[str], code: int, stop: StopFlag):
     Returns ``(message, code, signals)``: the first failing rank's message (saying where it
     failed when not every rank did) and exit status, or ``(None, 0, ...)``; and the set of
     signals the ranks got."""
-    votes = comm.allgather((error, code, stop.signum, socket.gethostname()))
+    gather = getattr(comm, "allgather_object", None) or comm.allgather   # torch world, or MPI
+    votes = gather((error, code, stop.signum, socket.gethostname()))
     failed = [r for r, vote in enumerate(votes) if vote[0]]
     stopped = {vote[2] for vote in votes if vote[2] is not None}
     if not failed:
@@ -170,12 +186,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _usage_error(str(exc))
         error = str(exc)
 
-    from mpi4py import MPI  # MPI_Init: every rank gets here, even one whose options failed
-
     from .comm import CommError
     from .data import DataError
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
+    world = None
+    # --backend torch, and anything under torchrun (no MPI job to agree over): the torch world
+    # first, the start-up agreement over it
+    if _start_backend(cfg, argv, env) == "torch":
+        from .comm import make_world
+        try:
+            gpu = None
+            if cfg is not None and cfg.device == "cuda" and _cuda_available():
+                gpu = _device("cuda", _env_rank(env), env)     # bound to the group (NCCL)
+            world = comm = make_world("torch", device=gpu)   # every rank, as to MPI_Init
+        except CommError as exc:
+            return _usage_error(str(exc))
+        rank, size = world.rank, world.size
+    else:
+        from mpi4py import MPI  # MPI_Init: every rank gets here, even one whose options failed
+        comm = MPI.COMM_WORLD
+        rank, size = comm.Get_rank(), comm.Get_size()
     trainer = None
     if error is None:
         try:
@@ -204,14 +233,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "checkpoint", flush=True)
             if signal.SIGUSR1 in stopped:
                 requeued = _requeue(env)
-        requeued = comm.bcast(requeued, root=0)
+        requeued = (world.allgather_object(requeued)[0] if world is not None
+                    else comm.bcast(requeued, root=0))
         return 0 if requeued else EXIT_STOPPED
 
-    from .comm import make_world
-    try:
-        world = make_world(cfg.backend)
-    except CommError as exc:
-        return _usage_error(str(exc))
+    if world is None:
+        from .comm import make_world
+        try:
+            world = make_world(cfg.backend)
+        except CommError as exc:
+            return _usage_error(str(exc))
     try:
         trainer.connect(world, stop)
     except ValueError as exc:
@@ -228,6 +259,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{PROG}: rank {rank}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
+        if cfg.backend == "torch":
+            world.abort(1)
         MPI.COMM_WORLD.Abort(1)
         return 1
     # Done, or stopped after its checkpoint: a warning that comes while the process winds down
@@ -667,17 +700,24 @@ def _device(kind: str, rank: int, env: dict):
     import torch
     if kind != "cuda":
         return torch.device("cpu")
-    local = rank
-    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"):
-        if env.get(var, "").isdigit():
-            local = int(env[var])
-            break
+    from .launcher import local_rank
+    local = local_rank(env)
+    local = rank if local is None else local
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     return dev
 
 
+def _cuda_available() -> bool:
+    import torch
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
 def _mpi_library() -> str:
+    """The MPI library in use; '' when this process never started MPI (--backend torch under
+    torchrun or srun)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return ""
     from .comm.mpi import mpi_library
     return mpi_library()
 
@@ -694,8 +734,26 @@ def _exit_together(code: int) -> None:
         os._exit(code)
 
 
+def _close_torch_world(code: int) -> None:
+    """--backend torch: leave the process group together (a barrier, then destroy it), so that
+    no rank's gloo threads see a peer's connections close under them while the interpreter
+    tears down (they abort the process: SIGABRT instead of the agreed status)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    import torch
+    if dist.get_world_size() > 1:
+        dist.all_reduce(torch.zeros(1))
+    dist.destroy_process_group()
+    if code == EXIT_USAGE and "mpi4py.MPI" not in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
     status = main()
+    _close_torch_world(status)
     if status == EXIT_USAGE and "mpi4py.MPI" in sys.modules:
         _exit_together(status)
     sys.exit(status)

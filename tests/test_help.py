@@ -87,7 +87,7 @@ def test_closed_sets_of_values_are_listed(help_text):
     shown = parse_help(help_text)
     assert "{lsgd,lsgd-async,allreduce,easgd,local-sgd,gossip}" in help_text
     assert "{constant,step,cosine}" in help_text
-    assert "{mpi,horovod}" in help_text and "{cpu,cuda}" in help_text
+    assert "{mpi,horovod,torch}" in help_text and "{cpu,cuda}" in help_text
     for flag, values in (("--topology", TOPOLOGIES), ("--model", MODELS),
                          ("--dataset", tuple(DATASET_DEFAULTS))):
         assert "one of: " + ", ".join(values) in shown[flag][1], flag

@@ -12,7 +12,8 @@ import pytest
 from mpi_util import REPO, horovod_available, run_mpi
 
 BACKENDS = ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
-    not horovod_available(), reason="Horovod is not installed in this venv (make horovod)"))]
+    not horovod_available(), reason="Horovod is not installed in this venv (make horovod)")),
+    "torch"]
 FILES = [str(REPO / "tests" / "parallel" / f) for f in
          ("test_comm_parallel.py", "test_algorithms_parallel.py", "test_netprobe_parallel.py",
           "test_overlap_parallel.py", "test_library_parallel.py")]

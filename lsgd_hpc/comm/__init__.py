@@ -1,4 +1,4 @@
-"""Communication layer: one narrow interface, an mpi4py backend and a Horovod backend."""
+"""Communication layer: one narrow interface; mpi4py, Horovod and torch.distributed backends."""
 
 from .base import (CommError, CommStats, Communicator, Election, Pending, Request, check_tensor,
                    sanitize_score)
@@ -11,12 +11,19 @@ __all__ = ["CommError", "CommStats", "Communicator", "Election", "FlatParams", "
            "make_world", "node_layout", "sanitize_score"]
 
 
-def make_world(backend: str = "mpi") -> Communicator:
-    """The world communicator of the chosen backend ('mpi' or 'horovod')."""
+def make_world(backend: str = "mpi", *, device=None) -> Communicator:
+    """The world communicator of the chosen backend ('mpi', 'horovod' or 'torch').
+
+    'torch' creates torch.distributed's default process group when none exists (gloo for
+    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.launcher);
+    ``device`` (torch only): this rank's GPU, bound to the process group for NCCL."""
     if backend == "mpi":
         from .mpi import MPICommunicator
         return MPICommunicator()
     if backend == "horovod":
         from .horovod import HorovodCommunicator
         return HorovodCommunicator()
-    raise CommError(f"unknown backend {backend!r}; choose 'mpi' or 'horovod'")
+    if backend == "torch":
+        from .torchdist import TorchCommunicator
+        return TorchCommunicator(device=device)
+    raise CommError(f"unknown backend {backend!r}; choose 'mpi', 'horovod' or 'torch'")

@@ -47,15 +47,9 @@ def mpi_library() -> str:
 
 
 def _world_on_one_host(size: int) -> Optional[bool]:
-    """Whether all ``size`` ranks of COMM_WORLD run on this host, from what the launcher
-    tells each rank (Open MPI's, MPICH/Hydra's or SLURM's count of ranks on this node);
-    None when none says."""
-    for var in ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var]) == size
-    if os.environ.get("SLURM_STEP_NUM_NODES", "").isdigit():
-        return int(os.environ["SLURM_STEP_NUM_NODES"]) == 1
-    return None
+    """Whether all ``size`` ranks of COMM_WORLD run on this host (see lsgd_hpc.launcher)."""
+    from ..launcher import world_on_one_host
+    return world_on_one_host(size)
 
 
 def _buffer(t: torch.Tensor, count: Optional[int] = None):

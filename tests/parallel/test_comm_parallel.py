@@ -220,6 +220,8 @@ class _CountingComm:
 def test_agreed_buffers_skip_the_per_call_check(world):
     if world.size == 1:
         pytest.skip("a one-rank communicator neither checks nor communicates")
+    if BACKEND == "torch":
+        pytest.skip("counts the mpi4py communicator's Allreduce calls (MPI/Horovod backends)")
     mpi = getattr(world, "_mpi", world)          # Horovod checks on its mpi4py side
     agreed, other = torch.ones(6), torch.ones(6)
     world.agree_buffers(agreed)
@@ -321,3 +323,17 @@ def test_graph_cache_hit_on_some_ranks_only(world):
     if r == 1:
         with pytest.raises(CommError, match="graph_key"):
             world.neighbor_allgather(torch.zeros(1), complete, complete, graph_key=("star", 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_allreduce(world, dtype):
+    """Summed on the torch backend (gloo/NCCL add them); refused where MPI has no half type."""
+    t = torch.full((5,), float(world.rank + 1), dtype=dtype)
+    if BACKEND != "torch":
+        if world.size > 1:
+            with pytest.raises(CommError, match="not supported"):
+                world.allreduce_(t)
+        return
+    world.allreduce_(t, "mean")
+    assert t.dtype == dtype
+    assert torch.equal(t, torch.full((5,), (world.size + 1) / 2, dtype=dtype))

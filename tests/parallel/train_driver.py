@@ -19,8 +19,8 @@ from lsgd_hpc.algorithms.base import Algorithm
 
 
 def inject(kind: str, rank: int, step: int) -> None:
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_rank() != rank:
+    from lsgd_hpc.launcher import env_rank      # mpirun's, srun's or torchrun's rank
+    if env_rank() != rank:
         return
     for cls in Algorithm.__subclasses__():
         original = cls.after_step

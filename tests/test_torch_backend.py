@@ -1,0 +1,177 @@
+"""--backend torch (torch.distributed: gloo on CPU) end to end: the same results as --backend mpi
+under mpirun, and launches by torchrun (the CLI and a library-style script), a crash under
+each launcher ending the job, and a usage error under torchrun. Every job runs under a
+timeout: a hang fails the test."""
+
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+from mpi_util import REPO, mpi_env, run_group, run_mpi
+
+DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
+ALGS = ["lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip"]
+SHORT = ["--ranks-per-node", "2", "--local-steps", "4", "--seed", "3", "--max-steps", "24",
+         "--eval-every", "8"]
+
+
+def read(run_dir: Path, n: int) -> list:
+    out = []
+    for r in range(n):
+        with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r") as f:
+            out.append({g: {c: f[g][c][()] for c in f[g]} for g in f})
+    return out
+
+
+def torchrun(nproc: int, args: list, timeout: float = 240, env: dict | None = None):
+    """``torchrun --standalone --nproc-per-node N args`` (this interpreter), in a session of
+    its own killed past ``timeout``; returncode None means it hung."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), *args]
+    e = mpi_env(env)
+    for var in [v for v in e if v.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))]:
+        e.pop(var)       # not under mpirun or srun
+    return run_group(cmd, env=e, cwd=REPO, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def both_backends(tmp_path_factory):
+    base = tmp_path_factory.mktemp("torchbackend")
+    runs = {}
+    for backend in ("mpi", "torch"):
+        run_mpi(4, [sys.executable, DRIVER, str(base / backend), ",".join(ALGS), "--",
+                    "--backend", backend, *SHORT], timeout=600)
+        runs[backend] = {a: read(base / f"{backend}-{a}", 4) for a in ALGS}
+    return runs
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("alg", ALGS)
+def test_same_leaders_and_accuracies_as_mpi(both_backends, alg):
+    """Same seed, 4 ranks as 2 nodes: the same elections and final accuracies on both.
+
+    lsgd-async is not deterministic on either backend: when a round happens depends on when
+    its non-blocking probes complete (the number of elections differs from run to run), so
+    there both runs only have to finish and learn."""
+    if alg == "lsgd-async":
+        for backend in ("mpi", "torch"):
+            final = [r["eval"]["test_accuracy"][-1] for r in both_backends[backend][alg]]
+            assert min(final) >= 0.5, (backend, final)
+        return
+    for a, b in zip(both_backends["mpi"][alg], both_backends["torch"][alg]):
+        if "leader" in a:
+            assert np.array_equal(a["leader"]["leader_rank"], b["leader"]["leader_rank"])
+            assert np.array_equal(a["leader"]["step"], b["leader"]["step"])
+        assert np.allclose(a["eval"]["test_accuracy"], b["eval"]["test_accuracy"],
+                           rtol=0, atol=1e-6)
+        assert np.allclose(a["train"]["loss"], b["train"]["loss"], rtol=1e-6, atol=1e-7)
+        # the same traffic, counted the same way
+        assert np.array_equal(a["train"]["comm_bytes_sent"], b["train"]["comm_bytes_sent"])
+
+
+@pytest.mark.mpi
+def test_torchrun_cli(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--backend", "torch", "--run-dir", str(run_dir),
+                        "--max-steps", "6", "--eval-every", "3", "--seed", "1"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "lsgd on 2 ranks" in proc.stdout
+    ranks = read(run_dir, 2)
+    assert [len(r["train"]["step"]) for r in ranks] == [6, 6]
+    # both ranks elected the same leaders
+    assert np.array_equal(ranks[0]["leader"]["leader_rank"], ranks[1]["leader"]["leader_rank"])
+
+
+LIBRARY_SCRIPT = textwrap.dedent("""
+    import math, torch
+    from lsgd_hpc.comm import make_world
+    world = make_world("torch")
+    el = world.elect(math.nan if world.rank == 0 else float(10 - world.rank))
+    t = torch.full((4,), float(world.rank))
+    world.allreduce_(t, "mean")
+    print(f"RANK {world.rank}/{world.size} leader {el.rank} mean {t[0].item()}", flush=True)
+""")
+
+
+@pytest.mark.mpi
+def test_torchrun_library_use(tmp_path):
+    script = tmp_path / "lib.py"
+    script.write_text(LIBRARY_SCRIPT)
+    proc = torchrun(2, [str(script)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in (0, 1):
+        assert f"RANK {r}/2 leader 1 mean 0.5" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_usage_error_under_torchrun_is_one_line_exit_2():
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--backend", "torch", "--lr", "-1"],
+                    timeout=180)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train: error")]
+    assert len(lines) == 1 and "--lr" in lines[0], proc.stderr[-3000:]
+    # every rank exited 2 (torchrun itself reports the failed workers and exits 1)
+    assert proc.returncode not in (0, None)
+    assert "exitcode  : 2" in proc.stderr or "exitcode: 2" in proc.stderr.replace(" ", ""), \
+        proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("launch", ["torchrun", "mpirun"])
+def test_a_crash_ends_the_job(tmp_path, launch):
+    """One rank raises at step 3: every rank is gone soon after, the job fails."""
+    args = [DRIVER, str(tmp_path / "run"), "lsgd", "--", "--backend", "torch",
+            "--max-steps", "200", "--eval-every", "100"]
+    env = {"LSGD_FAULT": "raise:1:3"}
+    t0 = time.time()
+    if launch == "torchrun":
+        proc = torchrun(2, args, timeout=180, env=env)
+    else:
+        proc = run_mpi(2, [sys.executable, *args], timeout=180, env=env, check=False)
+    assert proc.returncode not in (0, None), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "injected fault at step 3" in proc.stderr
+    assert "FAULT_AT" in proc.stderr
+    fault_at = float(proc.stderr.split("FAULT_AT ")[1].split()[0])
+    assert time.time() - fault_at < 60, "the job outlived the crash by a minute"
+    assert time.time() - t0 < 180
+
+
+@pytest.mark.mpi
+def test_error_on_some_ranks_only_is_agreed_over_the_torch_world(tmp_path):
+    """Rank 1's options fail (it never learns the backend from its config): it still joins
+    the torch world, and every rank exits 2 with the message printed once."""
+    from mpi_util import mpirun_cmd
+    good = [sys.executable, "-m", "lsgd_hpc.train", "--backend", "torch", "--max-steps", "2",
+            "--run-dir", str(tmp_path / "run")]
+    cmd = mpirun_cmd(1, [*good, ":", "-np", "1", *good, "--lr", "0"])
+    proc = run_group(cmd, env=mpi_env(), cwd=REPO, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train")]
+    assert len(lines) == 1 and "--lr" in lines[0] and "on 1 of 2 ranks" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.mpi
+def test_mpi_backend_under_torchrun_is_refused():
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--max-steps", "2"], timeout=180)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("lsgd_hpc.train: error")]
+    assert len(lines) == 1 and "--backend torch" in lines[0], proc.stderr[-3000:]
+
+
+@pytest.mark.mpi
+def test_stalled_rank_under_torchrun_is_named_and_job_ends(tmp_path):
+    """The collective watchdog on the torch backend: rank 1 sleeps in its first step, rank 0
+    waits in gloo, its watchdog names rank 1 and ends its process; torchrun ends the rest."""
+    t0 = time.time()
+    proc = torchrun(2, ["-m", "lsgd_hpc.train", "--backend", "torch", "--run-dir",
+                        str(tmp_path / "run"), "--max-steps", "30", "--straggler", "1:600",
+                        "--collective-timeout", "5"], timeout=300)
+    assert proc.returncode not in (0, None), proc.stderr[-3000:]
+    assert "collective watchdog: rank" in proc.stderr
+    assert "rank(s) 1 have not arrived" in proc.stderr, proc.stderr[-3000:]
+    assert time.time() - t0 < 200
