@@ -10,7 +10,6 @@ to try a multi-node layout on one machine).
 
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 from typing import Optional
@@ -95,13 +94,6 @@ class Comm:
                 f"node={self.node_index}/{self.n_nodes}, device={self.device})")
 
 
-def _local_rank_env() -> Optional[int]:
-    for var in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "MPI_LOCALRANKID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return None
-
-
 def _pick_device(device, local_rank: int):
     import torch
     if isinstance(device, torch.device):
@@ -153,11 +145,13 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
     if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    from . import launcher
     from .comm import NodeGroups, make_world
-    world = make_world(backend)
+    local = launcher.local_rank()
+    # the device first: NCCL binds the process group to this rank's GPU
+    dev = _pick_device(device, local if local is not None else launcher.env_rank())
+    world = make_world(backend, device=dev) if backend == "torch" else make_world(backend)
     if abort_on_exception:
         _install_abort_hook(world)
     groups = NodeGroups.build(world, ranks_per_node)
-    local = _local_rank_env()
-    dev = _pick_device(device, groups.local_rank if local is None else local)
     return Comm(world, groups, dev, backend)
