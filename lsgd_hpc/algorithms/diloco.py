@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Optional
 
@@ -91,12 +92,13 @@ class DiLoCo(Algorithm):
         return {"outer_grad_norm": self.last_grad_norm}
 
     def state_dict(self) -> dict:
-        return {"prev": self.prev.data.clone(), "outer": self.outer_opt.state_dict(),
+        # a copy: the optimizer's own state_dict holds its live momentum buffer
+        return {"prev": self.prev.data.clone(), "outer": copy.deepcopy(self.outer_opt.state_dict()),
                 "outer_steps": self.outer_steps, "outer_grad_norm": self.last_grad_norm}
 
     def load_state_dict(self, state: dict) -> None:
         self.prev.data.copy_(state["prev"])
-        self.outer_opt.load_state_dict(state["outer"])
+        self.outer_opt.load_state_dict(copy.deepcopy(state["outer"]))
         self.outer_steps = int(state.get("outer_steps", 0))
         self.last_grad_norm = float(state.get("outer_grad_norm", math.nan))
         self._anchor_pending = False
