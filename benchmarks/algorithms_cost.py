@@ -26,6 +26,8 @@ METHODS = [
     ("allreduce", ["--algorithm", "allreduce"]),
     ("easgd", ["--algorithm", "easgd"]),
     ("local-sgd T=8", ["--algorithm", "local-sgd", "--local-steps", "8"]),
+    ("diloco H=8", ["--algorithm", "diloco", "--local-steps", "8"]),
+    ("slowmo T=8", ["--algorithm", "slowmo", "--local-steps", "8", "--slowmo-every", "48"]),
     ("gossip ring", ["--algorithm", "gossip", "--topology", "ring"]),
     ("gossip exponential", ["--algorithm", "gossip", "--topology", "exponential"]),
 ]
@@ -37,7 +39,8 @@ COMMON = ["--dataset", "synthetic", "--max-steps", str(STEPS), "--epochs", "100"
           "--ranks-per-node", str(RANKS_PER_NODE)]
 SKIP_STEPS = 8           # start-up steps left out of steps/s
 #: steps/s is timed over blocks of PERIOD steps: a multiple of every method's period
-#: (LSGD tau_global 8, tau_local 4; local SGD T=8; EASGD tau 4; gossip every step)
+#: (LSGD tau_global 8, tau_local 4; local SGD, DiLoCo, SlowMo T=8; EASGD tau 4; gossip every
+#: step; SlowMo's slow step every 48 communicates nothing and makes a few passes only)
 PERIOD = 8
 
 

@@ -67,6 +67,8 @@ PREDICT = [("allreduce", "allreduce", {}),
            ("lsgd tau 64/128", "lsgd", dict(tau_local=64, tau_global=128)),
            ("easgd tau 64", "easgd", dict(tau=64)),
            ("local-sgd T=8", "local-sgd", dict(T=8)),
+           ("diloco H=8", "diloco", dict(T=8)),
+           ("slowmo T=8", "slowmo", dict(T=8, slowmo_every=48)),
            ("gossip ring", "gossip", dict(topology="ring")),
            ("gossip exponential", "gossip", dict(topology="exponential"))]
 
@@ -90,6 +92,7 @@ def _model_call(label: str, w: cm.Workload, c: cm.Cluster, coll: cm.Collectives,
                           tau_global=int(kw.get("--tau-global", 1)),
                           tau=int(kw.get("--easgd-tau", 1)), T=int(kw.get("--local-steps", 1)),
                           topology=kw.get("--topology", "ring"), overlap=overlap,
+                          slowmo_every=int(kw.get("--slowmo-every", 0)),
                           bucket_bytes=bucket_bytes)
 
 

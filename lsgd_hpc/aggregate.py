@@ -41,7 +41,7 @@ Per-evaluation figures (one evaluation = one ``/eval`` step):
     final evaluation of a complete run that is the last election). Before the first
     election all workers are peers and rank 0 stands in;
   - EASGD: the centre model (``/eval/center_test_accuracy``), as EASGD reports the centre;
-  - methods without elections (allreduce, local-sgd, gossip): rank 0's model.
+  - methods without elections (allreduce, local-sgd, diloco, slowmo, gossip): rank 0's model.
   A figure whose rank file was skipped is left empty.
 
 ``final_*`` is the last evaluation that every readable rank reached; ``best_*`` is the

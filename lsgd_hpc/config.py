@@ -13,12 +13,14 @@ import yaml
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
            "option_group", "ALGORITHMS", "DATASET_DEFAULTS", "GROUPS", "straggler_of"]
 
-ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip")
+ALGORITHMS = ("lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "diloco", "slowmo",
+              "gossip")
 BACKENDS = ("mpi", "horovod", "torch")
 LR_SCHEDULES = ("constant", "step", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
 LSGD_BN = ("keep", "copy", "pull")
+LEADER_SCORES = ("train", "heldout")
 
 
 class ConfigError(ValueError):
@@ -56,11 +58,19 @@ class Config:
     pull_local: float = 0.1
     pull_global: float = 0.1
     leader_window: int = 10
+    leader_score: str = "train"           # LSGD: election score, train window or held-out slice
+    heldout_size: Optional[int] = None    # heldout: samples; None: 10% of training, at most 256
     max_staleness: Optional[int] = None   # lsgd-async; None: tau_global
     local_steps: str = "8"                # an integer T, or "auto"
     local_steps_cost_ratio: Optional[float] = None   # auto: assumed round/step cost; None: measure
     easgd_alpha: Optional[float] = None   # None: 0.9 / world size (beta = p * alpha = 0.9)
     easgd_tau: Optional[int] = None       # None: tau_local
+    outer_lr: float = 0.7                 # DiLoCo: outer SGD (DiLoCo's values)
+    outer_momentum: float = 0.9
+    outer_nesterov: bool = True
+    slowmo_every: int = 48                # SlowMo: steps between slow steps (fairscale's values)
+    slowmo_beta: float = 0.5
+    slowmo_alpha: float = 1.0
     ranks_per_node: Optional[int] = None
     eval_every: Optional[int] = None
     consensus_every: int = 10             # steps between consensus-distance probes; 0 = off
@@ -132,7 +142,18 @@ _HELP = {
     "straggler": "RANK:SECONDS: that rank sleeps SECONDS per step (experiments; off by default)",
     "collective_timeout": "seconds a collective may wait before the job is aborted with a "
                           "report of the ranks that did not arrive (0: no watchdog)",
-    "local_steps": "local SGD: T local steps between averages, or auto",
+    "local_steps": "local SGD and SlowMo: T local steps between averages, or auto (local "
+                   "SGD only); DiLoCo: H inner steps between outer steps",
+    "outer_lr": "DiLoCo: outer SGD learning rate",
+    "outer_momentum": "DiLoCo: outer SGD momentum",
+    "outer_nesterov": "DiLoCo: Nesterov outer momentum (--no-outer-nesterov: heavy ball)",
+    "slowmo_every": "SlowMo: steps between slow-momentum steps (a multiple of --local-steps)",
+    "slowmo_beta": "SlowMo: slow momentum beta",
+    "slowmo_alpha": "SlowMo: slow learning rate alpha",
+    "leader_score": "LSGD: election score: train (mean of the last K minibatch losses) or "
+                    "heldout (loss on a fixed held-out slice of the training set, removed "
+                    "from training)",
+    "heldout_size": "LSGD --leader-score heldout: samples in the held-out slice",
     "local_steps_cost_ratio": "local SGD auto: take one averaging round to cost this many "
                               "local steps instead of measuring it",
     "easgd_alpha": "EASGD moving rate alpha",
@@ -169,7 +190,7 @@ _HELP = {
 DEVICES = ("cpu", "cuda")
 _CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES,
             "optimizer": OPTIMIZERS, "precision": PRECISIONS,
-            "device": DEVICES, "lsgd_bn": LSGD_BN}
+            "device": DEVICES, "lsgd_bn": LSGD_BN, "leader_score": LEADER_SCORES}
 
 
 #: Help sections of ``--help``, in the order they are printed.
@@ -185,7 +206,10 @@ _GROUP_OF = {
     "precision": "method",
     "weight_decay": "method", "seed": "method", "max_steps": "method",
     "tau_local": "LSGD", "tau_global": "LSGD", "pull_local": "LSGD", "pull_global": "LSGD",
-    "leader_window": "LSGD", "max_staleness": "LSGD",
+    "leader_window": "LSGD", "max_staleness": "LSGD", "leader_score": "LSGD",
+    "heldout_size": "LSGD",
+    "outer_lr": "baselines", "outer_momentum": "baselines", "outer_nesterov": "baselines",
+    "slowmo_every": "baselines", "slowmo_beta": "baselines", "slowmo_alpha": "baselines",
     "easgd_alpha": "baselines", "easgd_tau": "baselines", "local_steps": "baselines",
     "topology": "baselines", "bucket_mb": "baselines",
     "dataset": "data and model", "data_dir": "data and model", "model": "data and model",
@@ -232,6 +256,7 @@ _UNSET_MEANS = {
     "ranks_per_node": "by host name", "max_steps": "none (all epochs)",
     "local_steps_cost_ratio": "measured at run time",
     "bn_recompute": "16 for models with BatchNorm, else 0",
+    "heldout_size": "10% of the training set, at most 256",
 }
 
 
@@ -287,7 +312,10 @@ def _parser() -> argparse.ArgumentParser:
             parts.append(f"one of: {_choices_text(f.name)}")
         parts.append(_default_text(f.name, f.default))
         helptext = "; ".join(x for x in parts if x).replace("%", "%%")
-        if f.type in ("bool",) or isinstance(f.default, bool):
+        if (f.type in ("bool",) or isinstance(f.default, bool)) and f.default is True:
+            # on by default: --no-NAME turns it off
+            section.add_argument(flag, action=argparse.BooleanOptionalAction, help=helptext)
+        elif f.type in ("bool",) or isinstance(f.default, bool):
             section.add_argument(flag, action="store_true", help=helptext)
         else:
             # Strings here; types are checked in one place (_coerce) for YAML and CLI alike.
@@ -422,7 +450,8 @@ def validate(cfg: Config, env: dict) -> None:
                     "eval_every", "stop_check_every", "log_every", "flush_every",
                     "flush_seconds", "max_steps", "synthetic_size", "eval_batch_size",
                     "image_size",
-                    "ranks_per_node", "easgd_tau"])
+                    "ranks_per_node", "easgd_tau", "outer_lr", "slowmo_every", "slowmo_alpha",
+                    "heldout_size"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
                     "collective_timeout", "consensus_every", "bn_recompute", "warmup_steps",
                     "data_workers"], strict=False)
@@ -457,6 +486,23 @@ def validate(cfg: Config, env: dict) -> None:
                                                f"got {cfg.local_steps!r}") from None
         if t < 1:
             raise ConfigError("--local-steps", f"must be >= 1 or auto, got {t}")
+    for name in ("outer_momentum", "slowmo_beta"):
+        v = getattr(cfg, name)
+        if not 0 <= v < 1:
+            raise ConfigError("--" + name.replace("_", "-"), f"must be in [0, 1), got {v}")
+    if cfg.algorithm in ("diloco", "slowmo") and cfg.local_steps == "auto":
+        raise ConfigError("--local-steps", f"auto is local SGD's; {cfg.algorithm} needs an "
+                                           "integer")
+    if cfg.algorithm == "slowmo" and cfg.slowmo_every % int(cfg.local_steps):
+        raise ConfigError("--slowmo-every", f"must be a multiple of --local-steps "
+                                            f"({cfg.slowmo_every} vs {cfg.local_steps})")
+    if cfg.leader_score not in LEADER_SCORES:
+        raise ConfigError("--leader-score", f"must be one of {', '.join(LEADER_SCORES)}")
+    if cfg.leader_score == "heldout" and cfg.algorithm != "lsgd":
+        why = ("lsgd-async elects at every probe, where a held-out evaluation would stall "
+               "the round machine" if cfg.algorithm == "lsgd-async"
+               else "only LSGD elects a leader")
+        raise ConfigError("--leader-score", f"heldout applies to --algorithm lsgd only ({why})")
     if cfg.local_steps_cost_ratio is not None and not cfg.local_steps_cost_ratio > 0:
         raise ConfigError("--local-steps-cost-ratio",
                           f"must be > 0, got {cfg.local_steps_cost_ratio}")

@@ -58,7 +58,7 @@ __all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUC
            "scatter_allgather_broadcast", "allreduce_time", "broadcast_time",
            "cluster_broadcast_time", "hierarchical_broadcast_time", "election_time",
            "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost",
-           "allreduce_sgd", "lsgd", "easgd", "local_sgd",
+           "allreduce_sgd", "lsgd", "easgd", "local_sgd", "diloco", "slowmo",
            "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES"]
 
 #: MPI.DOUBLE_INT (score, rank), padded: the payload of one MINLOC election
@@ -428,6 +428,35 @@ def local_sgd(w: Workload, c: Cluster, T: int, coll: Collectives = Collectives()
     return MethodCost("local-sgd", f"T {T}", w.compute_s, t / T, n / T)
 
 
+def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -> MethodCost:
+    """DiLoCo: every H steps one allreduce of the flat vector (the pseudo-gradient
+    x_prev - x_i and the BatchNorm statistics), like local SGD with T = H; the outer Nesterov
+    step adds passes: difference, gradient copy, momentum buffer, Nesterov sum, update, copy
+    back (7 in all with the statistics' copy)."""
+    if H < 1:
+        raise ValueError("H must be >= 1")
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost("diloco", f"H {H}", w.compute_s, 0.0, 0.0)
+    t = allreduce_time(n, c, coll) + _passes(n, c, 7)
+    return MethodCost("diloco", f"H {H}", w.compute_s, t / H, n / H)
+
+
+def slowmo(w: Workload, c: Cluster, T: int, every: int,
+           coll: Collectives = Collectives()) -> MethodCost:
+    """SlowMo over local SGD: every T steps local SGD's round (one allreduce of the flat
+    vector, 3 passes); every ``every`` steps (a multiple of T) the slow step, no
+    communication, 5 passes over the parameters (u: 3, x_old, copy back)."""
+    if T < 1 or every < 1 or every % T:
+        raise ValueError("T must be >= 1 and every a positive multiple of T")
+    n = w.flat_bytes
+    setting = f"T {T}, slow every {every}"
+    if c.ranks == 1:
+        return MethodCost("slowmo", setting, w.compute_s, 0.0, 0.0)
+    t = (allreduce_time(n, c, coll) + _passes(n, c, 3)) / T + _passes(n, c, 5) / every
+    return MethodCost("slowmo", setting, w.compute_s, t, n / T)
+
+
 def gossip(w: Workload, c: Cluster, topology: str,
            degrees: Optional[Sequence[Tuple[int, int]]] = None) -> MethodCost:
     """Every step one neighbour exchange over the topology (gossip_exchange) and the combine:
@@ -443,10 +472,11 @@ def gossip(w: Workload, c: Cluster, topology: str,
 
 
 def method_cost(method: str, w: Workload, c: Cluster, *, tau_local: int = 1, tau_global: int = 1,
-                T: int = 1, tau: int = 1, topology: str = "ring",
+                T: int = 1, tau: int = 1, topology: str = "ring", slowmo_every: int = 0,
                 coll: Collectives = Collectives(), overlap: float = 0.0,
                 bucket_bytes: float = 0.0) -> MethodCost:
-    """Dispatch by lsgd_hpc's method names (``--algorithm``)."""
+    """Dispatch by lsgd_hpc's method names (``--algorithm``). ``T`` is local SGD's and
+    SlowMo's period and DiLoCo's H; ``slowmo_every`` 0 means T (a slow step every round)."""
     if method == "allreduce":
         return allreduce_sgd(w, c, coll, overlap, bucket_bytes)
     if method == "lsgd":
@@ -455,6 +485,10 @@ def method_cost(method: str, w: Workload, c: Cluster, *, tau_local: int = 1, tau
         return easgd(w, c, tau, coll)
     if method == "local-sgd":
         return local_sgd(w, c, T, coll)
+    if method == "diloco":
+        return diloco(w, c, T, coll)
+    if method == "slowmo":
+        return slowmo(w, c, T, slowmo_every or T, coll)
     if method == "gossip":
         return gossip(w, c, topology)
     raise ValueError(f"unknown method {method!r}")

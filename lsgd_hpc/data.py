@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
-           "load_dataset", "loader_options", "random_crop_flip", "with_label_noise",
-           "verify_cifar10_md5", "write_cifar10_python", "main"]
+           "load_dataset", "loader_options", "split_heldout", "default_heldout_size",
+           "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
+           "main"]
 
 DATASETS = ("digits", "cifar10", "synthetic", "imagefolder")
 
@@ -37,6 +38,7 @@ _PERM_TAG = 0x5045524D
 _AUG_TAG = 0x41554721
 _SYNTH_TAG = 0x53594E54
 _NOISE_TAG = 0x4E4F4953
+_HELDOUT_TAG = 0x484F4C44
 
 
 class DataError(ValueError):
@@ -445,6 +447,30 @@ def with_label_noise(ds: Dataset, p: float, seed: int) -> Dataset:
     if not isinstance(ds, Dataset):    # an image folder: same files, other labels
         return ds.with_train_labels(y)
     return dataclasses.replace(ds, y_train=y)
+
+
+def default_heldout_size(n_train: int) -> int:
+    """--heldout-size when unset: 10% of the training set, at most 256, at least 1."""
+    return max(1, min(256, n_train // 10))
+
+
+def split_heldout(ds: Dataset, size: int, seed: int) -> Tuple[Dataset, torch.Tensor]:
+    """Take a held-out slice of ``size`` training samples out of the training set.
+
+    The slice is a uniformly random subset drawn from a generator seeded by ``seed`` alone,
+    so every rank of a run (same ``--seed``) holds out the same samples. Returns the data
+    set without them (training order otherwise kept; the test set untouched) and the sorted
+    indices of the slice in the original training set (``ds.x_train[idx]``).
+    """
+    n = ds.n_train
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < n:
+        raise DataError(f"--heldout-size must be in 1..{n - 1} for {ds.name} ({n} training "
+                        f"samples), got {size!r}")
+    perm = torch.randperm(n, generator=_generator(_HELDOUT_TAG, seed))
+    held, keep = perm[:size].sort().values, perm[size:].sort().values
+    train = dataclasses.replace(ds, x_train=ds.x_train[keep].contiguous(),
+                                y_train=ds.y_train[keep].contiguous())
+    return train, held
 
 
 # ----------------------------------------------------------------------------- augmentation

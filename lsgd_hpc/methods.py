@@ -27,13 +27,14 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from .algorithms import (AllreduceSGD as _AllreduceRule, AsyncLeaderSGD as _AsyncRule,
-                         EASGD as _EASGDRule, GossipSGD as _GossipRule,
-                         LeaderSGD as _LeaderRule, LocalSGD as _LocalRule, uncounted)
+from .algorithms import (EASGD as _EASGDRule, AllreduceSGD as _AllreduceRule,
+                         AsyncLeaderSGD as _AsyncRule, DiLoCo as _DiLoCoRule,
+                         GossipSGD as _GossipRule, LeaderSGD as _LeaderRule,
+                         LocalSGD as _LocalRule, SlowMo as _SlowMoRule, uncounted)
 from .comm import FlatParams
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
-           "GossipSGD", "METHODS", "method_class"]
+           "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
 
 
 def _check_int(name: str, value, low: int = 1) -> int:
@@ -375,15 +376,22 @@ class LeaderSGD(_LeaderOptions, Method):
     ``tau_local`` steps each worker is pulled toward its node's leader,
     ``x <- x - pull_local (x - x_l)``, and every ``tau_global`` steps toward the global
     leader, ``x <- x - pull_global (x - x_L)``; leaders have the lowest mean loss over their
-    last ``leader_window`` minibatches (so pass the loss to ``step``). The reported model is
-    the last elected global leader's."""
+    last ``leader_window`` minibatches (so pass the loss to ``step``), or, with
+    ``score_fn``, the lowest ``score_fn()`` evaluated at each election (for instance the loss
+    on a held-out slice of the training data: a leader that generalises; time it inside
+    ``uncounted(comm.world, probe=True)`` to keep it out of the training time). The reported
+    model is the last elected global leader's."""
 
     name = "lsgd"
     rule = _LeaderRule
-    defaults = {**_LeaderOptions.defaults, "lsgd_pull_every_step": False, "lsgd_bn": "keep"}
+    defaults = {**_LeaderOptions.defaults, "lsgd_pull_every_step": False, "lsgd_bn": "keep",
+                "score_fn": None}
 
     def validate(self, opts, comm) -> None:
         super().validate(opts, comm)
+        if opts["score_fn"] is not None and not callable(opts["score_fn"]):
+            raise ValueError(f"score_fn must be a callable returning a float, got "
+                             f"{type(opts['score_fn']).__name__}")
         from .algorithms.lsgd import BN_POLICIES
         if opts["lsgd_bn"] not in BN_POLICIES:
             raise ValueError(f"lsgd_bn must be one of {', '.join(BN_POLICIES)}, "
@@ -392,7 +400,8 @@ class LeaderSGD(_LeaderOptions, Method):
     def build(self, o):
         return _LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
                            o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
-                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"])
+                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
+                           score_fn=o["score_fn"])
 
     def reported_state(self) -> torch.Tensor:
         """The last elected global leader's parameters (elected now if none was yet):
@@ -527,6 +536,59 @@ class LocalSGD(Method):
                           cost_ratio=o["local_steps_cost_ratio"], log=self.log)
 
 
+class DiLoCo(Method):
+    """DiLoCo (Douillard et al. 2023): ``local_steps`` (H) steps of the user's optimizer (the
+    inner one; AdamW in the paper), then one outer step: the pseudo-gradient
+    ``delta = mean_i (x_prev - x_i)`` (one allreduce) is the gradient of an outer SGD with
+    ``outer_lr``, ``outer_momentum`` and Nesterov (``outer_nesterov``) from x_prev. With
+    outer lr 1 and momentum 0 it is local SGD with T = H. The inner optimizer's state stays
+    local; the outer state is in ``state_dict``."""
+
+    name = "diloco"
+    rule = _DiLoCoRule
+    defaults = {"local_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9,
+                "outer_nesterov": True}
+
+    def validate(self, opts, comm) -> None:
+        _check_int("local_steps", opts["local_steps"])
+        _check_float("outer_lr", opts["outer_lr"], 0, math.inf, low_open=True)
+        _check_float("outer_momentum", opts["outer_momentum"], 0, 1, high_open=True)
+
+    def build(self, o):
+        return _DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                           outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
+                           outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
+                           log=self.log)
+
+
+class SlowMo(Method):
+    """SlowMo (Wang et al. 2019): local SGD with period ``local_steps`` (T; 1 averages every
+    step) and, every ``slowmo_every`` steps (a multiple of T), an exact average followed by
+    the slow momentum step ``u <- beta u + (x_old - x) / lr``,
+    ``x_old <- x_old - alpha lr u``, x <- x_old, with lr the optimizer's current learning
+    rate (its first parameter group's). ``slowmo_beta`` 0 and ``slowmo_alpha`` 1 give back
+    local SGD."""
+
+    name = "slowmo"
+    rule = _SlowMoRule
+    defaults = {"local_steps": 1, "slowmo_every": 48, "slowmo_beta": 0.5, "slowmo_alpha": 1.0}
+
+    def validate(self, opts, comm) -> None:
+        _check_int("local_steps", opts["local_steps"])
+        _check_int("slowmo_every", opts["slowmo_every"])
+        if opts["slowmo_every"] % opts["local_steps"]:
+            raise ValueError(f"slowmo_every must be a multiple of local_steps "
+                             f"({opts['slowmo_every']} vs {opts['local_steps']})")
+        _check_float("slowmo_beta", opts["slowmo_beta"], 0, 1, high_open=True)
+        _check_float("slowmo_alpha", opts["slowmo_alpha"], 0, math.inf, low_open=True)
+
+    def build(self, o):
+        return _SlowMoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                           slowmo_every=o["slowmo_every"], slowmo_beta=o["slowmo_beta"],
+                           slowmo_alpha=o["slowmo_alpha"], optimizer=self.optimizer,
+                           log=self.log)
+
+
 class GossipSGD(Method):
     """Decentralised SGD: after each step ``x_i <- sum_j W_ij x_j`` over the neighbours of
     ``topology`` (a name of ``python -m lsgd_hpc.topology``), parameters sent to the
@@ -550,7 +612,8 @@ class GossipSGD(Method):
 
 #: every method by its CLI name (``--algorithm``)
 METHODS: Dict[str, type] = {cls.name: cls for cls in
-                            (LeaderSGD, AsyncLeaderSGD, AllreduceSGD, EASGD, LocalSGD, GossipSGD)}
+                            (LeaderSGD, AsyncLeaderSGD, AllreduceSGD, EASGD, LocalSGD, DiLoCo,
+                             SlowMo, GossipSGD)}
 
 
 def method_class(name: str) -> type:

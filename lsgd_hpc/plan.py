@@ -40,6 +40,8 @@ MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
 #: the trainer's default gradient bucket of allreduce SGD (--bucket-mb 1)
 TRAIN_BUCKET_BYTES = 2 ** 20
+#: SlowMo's slow period in the plan: fairscale's default slowmo_frequency (the trainer's too)
+SLOWMO_EVERY = 48
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
 TRAIN_FLOP_PER_MAC = 6
 
@@ -162,6 +164,13 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     rows.append(easgd_cost)
     T, local_cost = cm.smallest_period(lambda t: cm.local_sgd(w, c, t, coll), share)
     rows.append(local_cost)
+    # DiLoCo: the same amortised allreduce as local SGD, every H steps
+    H, diloco_cost = cm.smallest_period(lambda t: cm.diloco(w, c, t, coll), share)
+    rows.append(diloco_cost)
+    # SlowMo: local SGD's T, the slow step every fairscale's 48 steps (rounded up to a
+    # multiple of T)
+    slow_every = T * max(1, math.ceil(SLOWMO_EVERY / T))
+    rows.append(cm.slowmo(w, c, T, slow_every, coll))
 
     node_of = c.node_of()
     gossip_rows = []
@@ -193,7 +202,9 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
                          compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
                          bytes_per_step=r.bytes_per_step) for r in rows],
         "recommended": {"lsgd": {"tau_local": tau_l, "tau_global": tau_g},
-                        "easgd": {"tau": tau_e}, "local-sgd": {"T": T,
+                        "easgd": {"tau": tau_e}, "diloco": {"H": H},
+                        "slowmo": {"T": T, "every": slow_every},
+                        "local-sgd": {"T": T,
                                                               "cost_ratio": round_s / w.compute_s
                                                               if w.compute_s > 0 else math.inf},
                         "gossip": {"topology": best["topology"], "why": why}},
@@ -244,6 +255,8 @@ def format_plan(result: Dict) -> str:
         f"LSGD --tau-local {rec['lsgd']['tau_local']} --tau-global {rec['lsgd']['tau_global']}; "
         f"local SGD --local-steps {rec['local-sgd']['T']} (cost ratio of a round to a step "
         f"{rec['local-sgd']['cost_ratio']:.3g}; --local-steps auto refines it from the loss); "
+        f"DiLoCo --local-steps {rec['diloco']['H']}; SlowMo --local-steps "
+        f"{rec['slowmo']['T']} --slowmo-every {rec['slowmo']['every']}; "
         f"EASGD --easgd-tau {rec['easgd']['tau']}; gossip --topology {rec['gossip']['topology']} "
         f"({rec['gossip']['why']})",
         "",

@@ -289,6 +289,7 @@ class Trainer:
         self.rank, self.size = rank, size
         self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size,
                                      cfg.label_noise, **data.loader_options(cfg))
+        self.ds, self.heldout = _heldout_split(cfg, self.ds)   # --leader-score heldout
         self.sampler = data.ShardedBatches(self.ds, rank, size, cfg.batch_size, cfg.seed)
         self.spe = self.sampler.steps_per_epoch
         self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
@@ -355,7 +356,8 @@ class Trainer:
             self.model, self.opt, self.comm, max_steps=self.total_steps,
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
-            broadcast_initial=False, **method_options(cfg, self.spe))
+            broadcast_initial=False, **method_options(cfg, self.spe),
+            **({"score_fn": self._leader_score_fn()} if cfg.algorithm == "lsgd" else {}))
         self.flat, self.algo = self.method.flat, self.method.rule
         attrs = {
             "schema_version": SCHEMA_VERSION, "rank": self.rank, "world_size": self.size,
@@ -380,6 +382,13 @@ class Trainer:
                                      abort=lambda: world.abort(1),
                                      on_stall=lambda report: self.metrics.flush()).start()
         return self
+
+    def _leader_score_fn(self):
+        """LSGD's score at elections for --leader-score heldout, else None (the window)."""
+        if self.heldout is None:
+            return None
+        return heldout_score_fn(self.model, self.heldout, self.world, self.device,
+                                self.cfg.eval_batch_size)
 
     def _log(self, group: str, **row) -> None:
         self.metrics.log(group, **row)
@@ -662,6 +671,40 @@ class Trainer:
         self.metrics.load_existing(state["metrics_rows"])
 
 
+def _heldout_split(cfg, ds):
+    """``(training set, held-out slice)``: with --leader-score heldout, the slice (the same
+    samples on every rank, drawn from --seed) is taken out of the training set and returned
+    as normalized ``(x, y)``; otherwise ``(ds, None)``."""
+    if getattr(cfg, "leader_score", "train") != "heldout":
+        return ds, None
+    from .data import default_heldout_size, split_heldout
+    size = cfg.heldout_size if cfg.heldout_size is not None else default_heldout_size(ds.n_train)
+    train, idx = split_heldout(ds, size, cfg.seed)
+    return train, (ds.normalize(ds.x_train[idx]), ds.y_train[idx])
+
+
+def heldout_score_fn(model, heldout, world, device, batch_size: int):
+    """LSGD's election score under --leader-score heldout: the model's mean cross-entropy on
+    the held-out slice (eval mode, no gradient; BatchNorm statistics untouched). Its time is
+    booked as measurement (probe_seconds), left out of the training time."""
+    import torch
+    from .algorithms import uncounted
+    x, y = heldout[0].to(device), heldout[1].to(device)
+
+    def score() -> float:
+        with uncounted(world, probe=True), torch.no_grad():
+            was_training = model.training
+            model.eval()
+            total = 0.0
+            for i in range(0, len(y), batch_size):
+                out = model(x[i:i + batch_size])
+                total += float(torch.nn.functional.cross_entropy(out, y[i:i + batch_size],
+                                                                 reduction="sum"))
+            model.train(was_training)
+        return total / len(y)
+    return score
+
+
 def make_optimizer(cfg, params):
     """The worker's own optimizer over the model's parameters (the method steps it).
 
@@ -687,9 +730,10 @@ def method_options(cfg, steps_per_epoch: int) -> dict:
             if hasattr(cfg, k) and getattr(cfg, k) is not None}
     if cfg.algorithm == "easgd" and cfg.easgd_tau is None:
         opts["easgd_tau"] = cfg.tau_local               # the CLI's EASGD period: --tau-local
-    if cfg.algorithm == "local-sgd":
+    if cfg.algorithm in ("local-sgd", "diloco", "slowmo"):
         if opts["local_steps"] != "auto":
             opts["local_steps"] = int(opts["local_steps"])
+    if cfg.algorithm == "local-sgd":
         opts["local_steps_max"] = max(1, steps_per_epoch)   # auto: at most one epoch
     return opts
 

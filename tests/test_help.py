@@ -85,7 +85,7 @@ def test_closed_sets_of_values_are_listed(help_text):
     from lsgd_hpc.models import MODELS
     from lsgd_hpc.topology import TOPOLOGIES
     shown = parse_help(help_text)
-    assert "{lsgd,lsgd-async,allreduce,easgd,local-sgd,gossip}" in help_text
+    assert "{lsgd,lsgd-async,allreduce,easgd,local-sgd,diloco,slowmo,gossip}" in help_text
     assert "{constant,step,cosine}" in help_text
     assert "{mpi,horovod,torch}" in help_text and "{cpu,cuda}" in help_text
     for flag, values in (("--topology", TOPOLOGIES), ("--model", MODELS),

@@ -16,7 +16,7 @@ from test_reliability import _check_one_line
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
 BODIES = str(REPO / "tests" / "parallel" / "test_measurement_parallel.py")
-ALGS = ["lsgd", "easgd", "allreduce", "local-sgd", "gossip"]
+ALGS = ["lsgd", "easgd", "allreduce", "local-sgd", "diloco", "slowmo", "gossip"]
 
 
 def read(run_dir: Path, rank: int) -> dict:

@@ -71,6 +71,7 @@ def test_one_node_never_touches_the_network():
     slow, fast = cluster(1, 8, inter=cm.Link(1.0, 1.0)), cluster(1, 8, inter=FAST)
     for method, kw in (("allreduce", {}), ("lsgd", dict(tau_local=2, tau_global=4)),
                        ("easgd", dict(tau=4)), ("local-sgd", dict(T=4)),
+                       ("diloco", dict(T=4)), ("slowmo", dict(T=2, slowmo_every=8)),
                        ("gossip", dict(topology="exponential"))):
         a = cm.method_cost(method, w, slow, **kw)
         b = cm.method_cost(method, w, fast, **kw)
@@ -79,7 +80,7 @@ def test_one_node_never_touches_the_network():
 
 def test_one_rank_costs_nothing():
     w = cm.Workload(1000, 0, 0.02)
-    for method in ("allreduce", "lsgd", "easgd", "local-sgd", "gossip"):
+    for method in ("allreduce", "lsgd", "easgd", "local-sgd", "diloco", "slowmo", "gossip"):
         r = cm.method_cost(method, w, cluster(1, 1))
         assert r.comm_s == 0 and r.step_s == 0.02 and r.comm_share == 0, method
 
@@ -190,6 +191,8 @@ _RUN_METHODS = textwrap.dedent("""
     base = sys.argv[1]
     runs = {"allreduce": [], "lsgd": ["--tau-local", "2", "--tau-global", "4"],
             "easgd": ["--easgd-tau", "4"], "local-sgd": ["--local-steps", "4"],
+            "diloco": ["--local-steps", "4"],
+            "slowmo": ["--local-steps", "4", "--slowmo-every", "8"],
             "gossip": ["--topology", "ring"]}
     for name, opts in runs.items():
         d = f"{base}/{name}"
@@ -223,6 +226,7 @@ def test_model_bytes_equal_the_counted_bytes_of_a_real_run(tmp_path):
     predicted = {
         "allreduce": cm.allreduce_sgd(w, c), "lsgd": cm.lsgd(w, c, 2, 4),
         "easgd": cm.easgd(w, c, 4), "local-sgd": cm.local_sgd(w, c, 4),
+        "diloco": cm.diloco(w, c, 4), "slowmo": cm.slowmo(w, c, 4, 8),
         "gossip": cm.gossip(w, c, "ring")}
     # elections are counted too (16 bytes each): add them to the model's payload
     predicted_bytes = {k: v.bytes_per_step for k, v in predicted.items()}
@@ -251,7 +255,7 @@ def test_cli_prints_every_method_and_the_recommendations():
     out = p.stdout
     assert "269,722 parameters" in out          # the real ResNet-20
     assert "64 nodes x 8 ranks = 512 ranks" in out
-    for method in ("allreduce", "lsgd", "easgd", "local-sgd", "gossip"):
+    for method in ("allreduce", "lsgd", "easgd", "local-sgd", "diloco", "slowmo", "gossip"):
         assert any(line.startswith(method) for line in out.splitlines()), method
     for field in ("step ms", "comm share", "bytes/step/rank", "--tau-local", "--tau-global",
                   "--local-steps", "--topology"):
@@ -321,3 +325,19 @@ def test_measure_one_node_needs_the_network_figure_exit_2_printed_once():
     assert text.count("lsgd_hpc.plan: error:") == 1 and "--inter-gbps" in text
     ok = run_mpi(2, PLAN + ["--model", "mlp", "--measure", "--inter-gbps", "10"], timeout=300)
     assert "1 nodes x 2 ranks" in ok.stdout and "intra measured, inter given" in ok.stdout
+
+
+def test_diloco_and_slowmo_cost_one_model_allreduce_per_period():
+    w = cm.Workload(500_000, 2000, 0.05)
+    c = cluster(4, 4, cm.Link(2e-6, 1e-11), cm.Link(5e-6, 8e-11), mem_Bps=1e12)
+    # the same allreduce of the whole flat vector as local SGD, every H (DiLoCo) or T steps
+    assert cm.diloco(w, c, 16).bytes_per_step == pytest.approx(w.flat_bytes / 16)
+    assert cm.slowmo(w, c, 4, 48).bytes_per_step == pytest.approx(w.flat_bytes / 4)
+    assert cm.diloco(w, c, 16).comm_s == pytest.approx(cm.diloco(w, c, 1).comm_s / 16)
+    # the outer optimizer's and the slow step's passes come on top of local SGD's round
+    assert cm.diloco(w, c, 8).comm_s > cm.local_sgd(w, c, 8).comm_s
+    slow = cm.slowmo(w, c, 4, 48).comm_s - cm.local_sgd(w, c, 4).comm_s
+    assert slow == pytest.approx(5 * 2 * w.flat_bytes / 1e12 / 48)
+    with pytest.raises(ValueError):
+        cm.slowmo(w, c, 4, 6)
+    assert cm.method_cost("slowmo", w, c, T=4).setting == "T 4, slow every 4"

@@ -14,7 +14,7 @@ import yaml
 from mpi_util import REPO, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
-ALGS = ["lsgd", "allreduce", "easgd", "local-sgd", "gossip"]
+ALGS = ["lsgd", "allreduce", "easgd", "local-sgd", "diloco", "slowmo", "gossip"]
 ROOT_ATTRS = ["schema_version", "rank", "world_size", "local_rank", "node_index", "n_nodes",
               "hostname", "algorithm", "config", "lsgd_hpc_version", "git_sha",
               "torch_version", "mpi_library", "slurm_job_id", "start_time"]
@@ -126,6 +126,10 @@ BN_BYTES = 4 * DIGITS_BN_FLOATS
      lambda r: GRAD_BYTES + (BN_BYTES if r != 0 else 0)),
     # model allreduce every T = 8 steps
     ("local-sgd", 8, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
+    # DiLoCo: the pseudo-gradient and BatchNorm statistics every H = 8 steps; SlowMo: local
+    # SGD's model allreduce every T = 8 steps, the slow step sends nothing
+    ("diloco", 8, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
+    ("slowmo", 8, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
     # model allreduce every tau = 4 steps
     ("easgd", 4, lambda r: MODEL_BYTES, lambda r: MODEL_BYTES),
     # ring of 4: the model to and from 2 neighbours every step

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,6 +50,11 @@ class LeaderSGD(Algorithm):
             only the parameters are broadcast)
       copy  pull the parameters and take the leader's statistics as they are
       pull  pull the statistics like parameters (a convex mix of two workers' statistics)
+
+    ``score_fn`` (--leader-score heldout): when given, a worker's score at an election is
+    ``score_fn()`` (its loss on a held-out slice of the training set, the same slice on
+    every rank) instead of the window mean; it is called once per step that has an
+    election, and its value is the score elected on and logged in /leader.
     """
 
     name = "lsgd"
@@ -57,7 +62,7 @@ class LeaderSGD(Algorithm):
     def __init__(self, groups: NodeGroups, flat: FlatParams, tau_local: int, tau_global: int,
                  pull_local: float, pull_global: float, window: int,
                  log: Optional[MetricsSink] = None, pull_every_step: bool = False,
-                 bn: str = "keep"):
+                 bn: str = "keep", score_fn: Optional[Callable[[], float]] = None):
         super().__init__(groups, flat, log)
         if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
             raise ValueError("tau_global must be a positive multiple of tau_local")
@@ -78,15 +83,19 @@ class LeaderSGD(Algorithm):
         self.n_params = n
         self.multi_level = 1 < groups.n_nodes < groups.world.size
         self.last_global: Optional[Election] = None
+        self.score_fn = score_fn
 
     def score(self) -> float:
         return window_score(self.losses)
 
     def after_step(self, step: int, loss: float) -> None:
         self.losses.append(float(loss))
-        score = self.score()
         local_now = self.multi_level and step % self.tau_local == 0
         global_now = step % self.tau_global == 0
+        if self.score_fn is not None:
+            score = float(self.score_fn()) if (local_now or global_now) else math.nan
+        else:
+            score = self.score()
         if local_now:
             el = self.groups.node.elect(score)
             self._log(step, LOCAL, el, score)

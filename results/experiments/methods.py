@@ -63,9 +63,12 @@ METHODS = [
     ("EASGD", ["--algorithm", "easgd", "--ranks-per-node", "2"]),
     ("local SGD T=8", ["--algorithm", "local-sgd", "--local-steps", "8",
                        "--ranks-per-node", "2"]),
+    ("DiLoCo H=8", ["--algorithm", "diloco", "--local-steps", "8", "--ranks-per-node", "2"]),
+    ("SlowMo T=8", ["--algorithm", "slowmo", "--local-steps", "8", "--slowmo-every", "48",
+                    "--ranks-per-node", "2"]),
 ]
 LSGD_METHODS = ("LSGD 1 leader", "LSGD multi-leader", "async LSGD")
-BASELINES = ("allreduce SGD", "EASGD", "local SGD T=8")
+BASELINES = ("allreduce SGD", "EASGD", "local SGD T=8", "DiLoCo H=8", "SlowMo T=8")
 
 #: task -> (extra trainer options given --label-noise P, target test accuracy, description)
 TASKS = {

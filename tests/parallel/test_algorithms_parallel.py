@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.algorithms import EASGD, AllreduceSGD, GossipSGD, LeaderSGD, LocalSGD
+from lsgd_hpc.algorithms import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
+                                 SlowMo)
 from lsgd_hpc.comm import FlatParams
 from lsgd_hpc.topology import build_topology
 
@@ -266,3 +267,193 @@ def test_one_peer_exponential_exact_average_over_period(world, groups):
         algo.combine(step)
     want = torch.arange(8, dtype=torch.float64) * 0.25 + (n - 1) / 2
     assert torch.equal(flat.flat, want)      # dyadic weights: exact
+
+
+# ------------------------------------------------------------------- DiLoCo and SlowMo
+
+def inner_step(flat: FlatParams, step: int, rank: int) -> None:
+    """A stand-in for a worker's optimizer step: different on every rank and step, nonlinear,
+    so that an error in the averaging would show in the following steps."""
+    x = flat.params
+    x.sub_(0.05 * (rank + 1) * torch.sin(x + 0.3 * step))
+
+
+def bn_flat(dtype=torch.float64) -> FlatParams:
+    """Parameters followed by floating-point buffers (BatchNorm running statistics)."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).to(dtype)
+    return FlatParams(model)
+
+
+def set_rank_values(flat: FlatParams, rank: int) -> None:
+    flat.flat.copy_(torch.arange(flat.numel, dtype=flat.flat.dtype) * 0.25 + rank)
+
+
+def opt_holder(lr: float) -> torch.optim.Optimizer:
+    """An optimizer whose param group carries the learning rate (SlowMo reads it there)."""
+    return torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+#: x_prev - mean(x_prev - x_i) against mean(x_i): a few roundings of numbers of size < 10
+#: in float64 (eps 2.2e-16), accumulated over the 12 steps the tests run
+TOL64 = 1e-13
+
+
+@pytest.mark.parametrize("H", [1, 3])
+def test_diloco_outer_lr_1_momentum_0_is_local_sgd_step_for_step(world, groups, H):
+    a, b = bn_flat(), bn_flat()
+    for f in (a, b):
+        set_rank_values(f, 0)                    # the common x_0 ...
+    diloco = DiLoCo(groups, a, local_steps=H, outer_lr=1.0, outer_momentum=0.0,
+                    outer_nesterov=False)
+    local = LocalSGD(groups, b, local_steps=H)
+    for step in range(1, 13):
+        diloco.before_step(step)
+        local.before_step(step)
+        for f in (a, b):
+            if step == 1:
+                f.flat[f.n_params:].add_(world.rank)      # ... but statistics of their own
+            inner_step(f, step, world.rank)
+        diloco.after_step(step, 0.0)
+        local.after_step(step, 0.0)
+        assert torch.allclose(a.flat, b.flat, rtol=0, atol=TOL64), step
+    assert diloco.outer_steps == 12 // H
+
+
+def test_diloco_two_outer_steps_with_nesterov_against_the_formula(world, groups):
+    p, lr, mu = world.size, 0.7, 0.9
+    flat = bn_flat()
+    set_rank_values(flat, 0)
+    n = flat.n_params
+    x0 = flat.params.clone()
+    algo = DiLoCo(groups, flat, local_steps=2, outer_lr=lr, outer_momentum=mu,
+                  outer_nesterov=True)
+    algo.before_step(1)                                   # x_prev <- x_0
+    g1 = [torch.linspace(-1, 1, n, dtype=torch.float64) * (r + 1) for r in range(p)]
+    g2 = [torch.cos(torch.arange(n, dtype=torch.float64) + r) for r in range(p)]
+    stats = [torch.arange(flat.numel - n, dtype=torch.float64) + 10 * r for r in range(p)]
+    flat.params.copy_(x0 - g1[world.rank])
+    flat.flat[n:].copy_(stats[world.rank])
+    algo.after_step(1, 0.0)
+    assert torch.equal(flat.params, x0 - g1[world.rank])   # no outer step at step 1
+    algo.after_step(2, 0.0)
+    d1 = sum(g1) / p
+    b1 = d1                                               # torch: first buffer = gradient
+    x1 = x0 - lr * (d1 + mu * b1)                         # Nesterov
+    assert torch.allclose(flat.params, x1, rtol=0, atol=TOL64)
+    assert torch.allclose(flat.flat[n:], sum(stats) / p, rtol=0, atol=TOL64)   # averaged
+    assert torch.allclose(algo.prev.data, x1, rtol=0, atol=TOL64)
+    # a resumed copy continues exactly like the original
+    twin_flat = bn_flat()
+    twin_flat.flat.copy_(flat.flat)
+    twin = DiLoCo(groups, twin_flat, local_steps=2, outer_lr=lr, outer_momentum=mu)
+    twin.load_state_dict(algo.state_dict())
+    twin.before_step(3)                                   # must not re-anchor
+    for f, al in ((flat, algo), (twin_flat, twin)):
+        f.params.copy_(x1 - g2[world.rank])
+        al.after_step(3, 0.0)
+        al.after_step(4, 0.0)
+    d2 = sum(g2) / p
+    b2 = mu * b1 + d2
+    x2 = x1 - lr * (d2 + mu * b2)
+    assert torch.allclose(flat.params, x2, rtol=0, atol=TOL64)
+    assert torch.equal(twin_flat.flat, flat.flat)
+    everyone = world.allgather_object(flat.flat.tolist())
+    assert all(e == everyone[0] for e in everyone)        # identical replicas after a step
+
+
+def test_diloco_and_slowmo_refuse_bad_arguments(groups):
+    flat = tiny(0.0)
+    for kwargs, word in ((dict(outer_lr=-1.0), "outer_lr must be > 0, got -1"),
+                         (dict(outer_momentum=1.0), "outer_momentum"),
+                         (dict(local_steps=0), "local_steps")):
+        with pytest.raises(ValueError, match=word):
+            DiLoCo(groups, flat, **kwargs)
+    opt = opt_holder(0.1)
+    for kwargs, word in ((dict(local_steps=2, slowmo_every=3), "slowmo_every must be a multiple"),
+                         (dict(slowmo_beta=1.0), "slowmo_beta"),
+                         (dict(slowmo_alpha=0.0), "slowmo_alpha"),
+                         (dict(slowmo_every=0), "slowmo_every")):
+        with pytest.raises(ValueError, match=word):
+            SlowMo(groups, flat, optimizer=opt, **kwargs)
+    with pytest.raises(ValueError, match="optimizer"):
+        SlowMo(groups, flat)
+
+
+@pytest.mark.parametrize("T,every", [(1, 1), (2, 6)])
+def test_slowmo_beta_0_alpha_1_is_local_sgd_step_for_step(world, groups, T, every):
+    a, b = bn_flat(), bn_flat()
+    for f in (a, b):
+        set_rank_values(f, 0)
+    opt = opt_holder(0.1)
+    slow = SlowMo(groups, a, local_steps=T, slowmo_every=every, slowmo_beta=0.0,
+                  slowmo_alpha=1.0, optimizer=opt)
+    local = LocalSGD(groups, b, local_steps=T)
+    for step in range(1, 13):
+        opt.param_groups[0]["lr"] = 0.1 / step           # gamma changes every step
+        slow.before_step(step)
+        for f in (a, b):
+            if step == 1:
+                f.flat[f.n_params:].add_(world.rank)
+            inner_step(f, step, world.rank)
+        slow.after_step(step, 0.0)
+        local.after_step(step, 0.0)
+        assert torch.allclose(a.flat, b.flat, rtol=0, atol=TOL64), step
+
+
+def test_slowmo_slow_steps_against_the_formula(world, groups):
+    p, beta, alpha = world.size, 0.5, 0.8
+    flat = bn_flat()
+    set_rank_values(flat, 0)
+    n = flat.n_params
+    x0 = flat.params.clone()
+    opt = opt_holder(0.1)
+    algo = SlowMo(groups, flat, local_steps=1, slowmo_every=2, slowmo_beta=beta,
+                  slowmo_alpha=alpha, optimizer=opt)
+    algo.before_step(1)
+    ys = [torch.linspace(0, 1, n, dtype=torch.float64) * (r + 2) for r in range(p)]
+    zs = [torch.sin(torch.arange(n, dtype=torch.float64) * (r + 1)) for r in range(p)]
+    flat.params.copy_(x0 + ys[world.rank])
+    algo.after_step(1, 0.0)                               # the base averages, no slow step
+    assert torch.allclose(flat.params, x0 + sum(ys) / p, rtol=0, atol=TOL64)
+    flat.params.add_(ys[world.rank])
+    algo.after_step(2, 0.0)                               # average, then the slow step
+    g1 = 0.1
+    xbar = x0 + sum(ys) / p + sum(ys) / p
+    u1 = (x0 - xbar) / g1
+    old1 = x0 - alpha * g1 * u1
+    assert torch.allclose(flat.params, old1, rtol=0, atol=TOL64)
+    assert torch.allclose(algo.u, u1, rtol=0, atol=1e-12)
+    opt.param_groups[0]["lr"] = g2 = 0.05                 # gamma read at the slow step
+    flat.params.add_(zs[world.rank])
+    algo.after_step(3, 0.0)
+    flat.params.add_(zs[world.rank])
+    algo.after_step(4, 0.0)
+    xbar2 = old1 + 2 * sum(zs) / p
+    u2 = beta * u1 + (old1 - xbar2) / g2
+    old2 = old1 - alpha * g2 * u2
+    assert torch.allclose(flat.params, old2, rtol=0, atol=TOL64)
+    state = algo.state_dict()
+    assert torch.equal(state["old"], flat.params) and torch.allclose(state["u"], u2, atol=1e-12)
+
+
+def test_lsgd_score_fn_replaces_the_window_at_elections(groups):
+    world = groups.world
+    flat = tiny(0.0)
+    flat.flat.copy_(x_of(world.rank))
+    rows = Rows()
+    calls = []
+
+    def held_out_loss():
+        calls.append(1)
+        return 5.0 - world.rank if world.rank != 0 else 0.5    # rank 0 is best held out
+
+    algo = LeaderSGD(groups, flat, tau_local=4, tau_global=4, pull_local=0.0, pull_global=0.5,
+                     window=2, log=rows, score_fn=held_out_loss)
+    for step in range(1, 5):
+        algo.after_step(step, 1.0 / (1 + world.rank))    # the last rank is best in training
+    assert len(calls) == 1                                 # only at the election (step 4)
+    g = [r for r in rows.rows["leader"] if r["scope"] == 0]
+    assert len(g) == 1 and g[0]["leader_rank"] == 0
+    assert g[0]["score"] == held_out_loss()
+    assert torch.allclose(flat.flat, x_of(world.rank) - 0.5 * (x_of(world.rank) - x_of(0)),
+                          atol=1e-12)

@@ -147,7 +147,8 @@ def test_bad_option_raises_naming_it(comm):
 
 OPTIONS = {"lsgd": dict(tau_local=2, tau_global=4), "lsgd-async": dict(tau_local=2, tau_global=4),
            "allreduce": {}, "easgd": dict(easgd_tau=2), "local-sgd": dict(local_steps=4),
-           "gossip": dict(topology="ring")}
+           "gossip": dict(topology="ring"), "diloco": dict(local_steps=4, outer_lr=0.7),
+           "slowmo": dict(local_steps=2, slowmo_every=8)}
 
 
 @pytest.mark.parametrize("name", sorted(OPTIONS))
@@ -178,7 +179,7 @@ def test_every_method_trains_the_users_model(comm, name):
         assert steps == [60] * comm.size
 
 
-@pytest.mark.parametrize("name", ["lsgd", "easgd", "local-sgd"])
+@pytest.mark.parametrize("name", ["lsgd", "easgd", "local-sgd", "diloco", "slowmo"])
 def test_state_dict_resumes_exactly(comm, name):
     """Training 8 steps, saving, training 8 more equals restoring the saved state into a
     fresh model/optimizer/method and training the same 8 steps."""

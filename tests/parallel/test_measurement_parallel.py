@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.algorithms import EASGD, AllreduceSGD, GossipSGD, LeaderSGD, LocalSGD
+from lsgd_hpc.algorithms import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
+                                 SlowMo)
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
 from lsgd_hpc.train import make_optimizer
@@ -58,6 +59,9 @@ def make_methods(groups, flat, rows):
         "allreduce": AllreduceSGD(groups, flat, log=rows),
         "easgd": EASGD(groups, flat, alpha=0.5 / groups.world.size, tau=2, log=rows),
         "local-sgd": LocalSGD(groups, flat, local_steps=2, log=rows),
+        "diloco": DiLoCo(groups, flat, local_steps=2, log=rows),
+        "slowmo": SlowMo(groups, flat, local_steps=2, slowmo_every=4, log=rows,
+                         optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)),
         "gossip": GossipSGD(groups, flat, topo, log=rows),
     }
 
