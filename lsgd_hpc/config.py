@@ -19,6 +19,7 @@ BACKENDS = ("mpi", "horovod", "torch")
 LR_SCHEDULES = ("constant", "step", "cosine")
 OPTIMIZERS = ("sgd", "adamw")
 PRECISIONS = ("fp32", "bf16", "fp16")
+COMM_DTYPES = ("fp32", "bf16")
 LSGD_BN = ("keep", "copy", "pull")
 LEADER_SCORES = ("train", "heldout")
 
@@ -49,6 +50,7 @@ class Config:
     grad_clip: Optional[float] = None     # max global gradient norm; None: no clipping
     warmup_steps: int = 0                 # linear warmup of the learning rate
     precision: str = "fp32"
+    comm_dtype: str = "fp32"              # what the methods send: fp32, or bf16 (half the bytes)
     weight_decay: float = 1e-4
     seed: int = 0
     run_dir: Optional[str] = None
@@ -124,6 +126,8 @@ _HELP = {
     "batch_size": "per-rank minibatch", "lr": "learning rate eta",
     "lr_schedule": "constant, step (x0.1 at 50% and 75%) or cosine (to 0 at the end)",
     "momentum": "SGD momentum (adamw: beta1)",
+    "comm_dtype": "what the methods send (pulls, averages, pseudo-gradients, gradients): fp32, "
+                  "or bf16, half the bytes, rounded (see docs/algorithms.md)",
     "optimizer": "each worker's own optimizer: sgd (momentum, --nesterov) or adamw",
     "grad_clip": "clip the global gradient norm to this value (after any gradient averaging)",
     "warmup_steps": "linear learning-rate warmup over this many steps, then --lr-schedule",
@@ -189,7 +193,7 @@ _HELP = {
 }
 DEVICES = ("cpu", "cuda")
 _CHOICES = {"algorithm": ALGORITHMS, "backend": BACKENDS, "lr_schedule": LR_SCHEDULES,
-            "optimizer": OPTIMIZERS, "precision": PRECISIONS,
+            "optimizer": OPTIMIZERS, "precision": PRECISIONS, "comm_dtype": COMM_DTYPES,
             "device": DEVICES, "lsgd_bn": LSGD_BN, "leader_score": LEADER_SCORES}
 
 
@@ -203,7 +207,7 @@ _GROUP_OF = {
     "algorithm": "method", "epochs": "method", "batch_size": "method", "lr": "method",
     "lr_schedule": "method", "momentum": "method", "nesterov": "method",
     "optimizer": "method", "grad_clip": "method", "warmup_steps": "method",
-    "precision": "method",
+    "precision": "method", "comm_dtype": "cluster and backend",
     "weight_decay": "method", "seed": "method", "max_steps": "method",
     "tau_local": "LSGD", "tau_global": "LSGD", "pull_local": "LSGD", "pull_global": "LSGD",
     "leader_window": "LSGD", "max_staleness": "LSGD", "leader_score": "LSGD",
@@ -438,6 +442,11 @@ def validate(cfg: Config, env: dict) -> None:
             raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
     if cfg.optimizer not in OPTIMIZERS:
         raise ConfigError("--optimizer", f"must be one of {', '.join(OPTIMIZERS)}")
+    if cfg.comm_dtype not in COMM_DTYPES:
+        raise ConfigError("--comm-dtype", f"must be one of {', '.join(COMM_DTYPES)}")
+    if cfg.comm_dtype == "bf16" and cfg.backend == "horovod":
+        raise ConfigError("--comm-dtype", "bf16 needs --backend mpi or torch (Horovod has no "
+                                          "bfloat16 sum here)")
     if cfg.precision not in PRECISIONS:
         raise ConfigError("--precision", f"must be one of {', '.join(PRECISIONS)}")
     if cfg.grad_clip is not None and not (math.isfinite(cfg.grad_clip) and cfg.grad_clip > 0):

@@ -102,6 +102,9 @@ class Method:
     - ``consensus_every``: log the consensus distance every that many steps (0: never).
     - ``metrics``: a writer with ``log(group, **row)`` (``lsgd_hpc.MetricsWriter``) that
       receives the method's elections and consensus rows.
+    - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
+      pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
+      ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
     """
 
     #: the CLI's name of the method (``--algorithm``)
@@ -116,7 +119,7 @@ class Method:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
-                 broadcast_initial: bool = True, **options):
+                 comm_dtype: str = "fp32", broadcast_initial: bool = True, **options):
         unknown = sorted(set(options) - set(self.defaults))
         if unknown:
             known = ", ".join(sorted(self.defaults)) or "none"
@@ -128,6 +131,10 @@ class Method:
         _check_int("checkpoint_every", checkpoint_every, 0)
         _check_int("consensus_every", consensus_every, 0)
         _check_int("stop_check_every", stop_check_every)
+        from .comm.lowprec import COMM_DTYPES
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, "
+                             f"got {comm_dtype!r}")
         self.validate(opts, comm)
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
@@ -145,6 +152,11 @@ class Method:
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.options = opts
         self.world, self.groups = comm.world, comm.groups
+        self.comm_dtype = comm_dtype
+        if COMM_DTYPES[comm_dtype] is not None:   # what the method sends, in bfloat16
+            from .comm.lowprec import low_precision_groups
+            self.groups = low_precision_groups(comm.groups, COMM_DTYPES[comm_dtype])
+            self.world = self.groups.world
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
@@ -185,8 +197,8 @@ class Method:
         """Collective: every worker takes rank 0's parameters and buffers (the common x_0);
         the method's copies of x_0 (EASGD's centre) are taken from it. Done at construction;
         call it again after loading weights on rank 0 only."""
-        with uncounted(self.world):
-            self.world.broadcast_(self.flat.flat, 0)
+        with uncounted(self.comm.world):                # exact, whatever comm_dtype
+            self.comm.world.broadcast_(self.flat.flat, 0)
         for v in self.rule.eval_models().values():
             v.copy_(self.flat.flat)
 
@@ -411,7 +423,7 @@ class LeaderSGD(_LeaderOptions, Method):
             if el is None:
                 el = self.world.elect(self.rule.score())
             buf = self.flat.flat.clone()
-            self.groups.broadcast_from_(buf, el.world_rank)
+            self.comm.groups.broadcast_from_(buf, el.world_rank)     # exact
         return buf
 
 

@@ -111,6 +111,7 @@ class PlanInputs:
     mem_Bps: float
     max_comm_share: float
     allreduce: str = "auto"
+    comm_dtype: str = "fp32"   # what the methods send: fp32, or bf16 (2 bytes per element)
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -143,7 +144,8 @@ def _valid_topology(name: str, p: int) -> bool:
 def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     """Predicted cost of every method, with the recommended periods and topology."""
     c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
-    w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+    w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
+                    element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
     # allreduce SGD as the trainer runs it: --bucket-mb 1 buckets, no overlap counted (a CPU
@@ -358,6 +360,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="under mpirun/srun: measure links and step time first")
     p.add_argument("--measure-ranks-per-node", type=int,
                    help="with --measure: K consecutive ranks form a node (default: by host name)")
+    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="what the methods send (the trainer's --comm-dtype): bf16 halves bytes")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -424,7 +428,8 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
     return PlanInputs(args.model, facts.dataset, args.nodes or m.get("nodes"),
                       args.ranks_per_node or m.get("ranks_per_node"), links["intra"],
                       links["inter"], step_s, step_src, ", ".join(srcs), batch,
-                      args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce)
+                      args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
+                      args.comm_dtype)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

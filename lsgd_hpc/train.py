@@ -356,6 +356,7 @@ class Trainer:
             self.model, self.opt, self.comm, max_steps=self.total_steps,
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
+            comm_dtype=cfg.comm_dtype,
             broadcast_initial=False, **method_options(cfg, self.spe),
             **({"score_fn": self._leader_score_fn()} if cfg.algorithm == "lsgd" else {}))
         self.flat, self.algo = self.method.flat, self.method.rule

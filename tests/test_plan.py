@@ -341,3 +341,22 @@ def test_diloco_and_slowmo_cost_one_model_allreduce_per_period():
     with pytest.raises(ValueError):
         cm.slowmo(w, c, 4, 6)
     assert cm.method_cost("slowmo", w, c, T=4).setting == "T 4, slow every 4"
+
+
+def test_comm_dtype_bf16_halves_every_methods_bytes():
+    """The planner knows what --comm-dtype bf16 sends: two bytes per element."""
+    import json
+    import subprocess
+    import sys
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        proc = subprocess.run([sys.executable, "-m", "lsgd_hpc.plan", "--model", "resnet20",
+                               "--nodes", "4", "--ranks-per-node", "4", "--inter-gbps", "10",
+                               "--intra-gbps", "100", "--comm-dtype", dtype, "--json"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        out[dtype] = {(m["method"], m["setting"]): m["bytes_per_step"]
+                      for m in json.loads(proc.stdout)["methods"]}
+    for key, fp32 in out["fp32"].items():
+        if key in out["bf16"] and fp32 > 0:
+            assert abs(out["bf16"][key] / fp32 - 0.5) < 0.02, (key, fp32, out["bf16"][key])

@@ -96,10 +96,11 @@ class Algorithm:
         """
         x = self.flat.params
         mean = x.detach().clone()
-        with uncounted(self.world, probe=True):
-            self.world.allreduce_(mean, "mean")
+        world = getattr(self.world, "inner", self.world)    # exact, whatever --comm-dtype
+        with uncounted(world, probe=True):
+            world.allreduce_(mean, "mean")
             sq = (x.detach().double() - mean.double()).pow(2).sum().reshape(1).cpu()
-            self.world.allreduce_(sq, "mean")
+            world.allreduce_(sq, "mean")
         distance = float(sq.item())
         self.log("consensus", step=step, distance=distance)
         return distance

@@ -18,8 +18,9 @@ __all__ = ["CommStats", "Election", "Communicator", "CommError", "Pending", "Req
 #: dtypes the backends can move (mapped to MPI datatypes by the MPI backend).
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.uint8)
-#: dtypes an allreduce adds (half precision has no portable MPI sum)
-REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+#: dtypes an allreduce adds (bfloat16 through a sum of the backend's own: MPI has none;
+#: float16 is refused)
+REDUCIBLE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16)
 
 
 class CommError(ValueError):
@@ -305,7 +306,8 @@ class Communicator(abc.ABC):
         if op not in ("sum", "mean"):
             raise CommError(f"op must be 'sum' or 'mean', got {op!r}")
         if tensor.dtype not in REDUCIBLE_DTYPES:
-            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64")
+            raise CommError(f"allreduce of {tensor.dtype} is not supported; use float32/float64 "
+                            "(or bfloat16)")
 
     def _finish_mean(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """op='mean' is the sum divided by the group size on every backend (Horovod's Average

@@ -159,6 +159,12 @@ class HorovodCommunicator(Communicator):
         dtype = str(tensor.dtype).replace("torch.", "")
         return f"lsgd.{self._tag}.{kind}.{dtype}.{tensor.numel()}"
 
+    def _check_allreduce(self, tensor: torch.Tensor, op: str) -> None:
+        super()._check_allreduce(tensor, op)
+        if tensor.dtype == torch.bfloat16:
+            raise CommError("Horovod has no bfloat16 sum here; use --backend mpi or torch "
+                            "for bfloat16 communication")
+
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check_allreduce(tensor, op)
         if self.size == 1:

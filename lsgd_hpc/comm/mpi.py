@@ -41,6 +41,33 @@ VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 _DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
 
 
+def _bf16_sum(inbuf, inoutbuf, datatype) -> None:
+    """MPI has no bfloat16: a user-defined sum over raw 16-bit words. Each pair is widened to
+    float32 (exact), added, and rounded back to bfloat16 to nearest, ties to even (as torch
+    rounds), so every rank's result is the same bits."""
+    a = np.frombuffer(inbuf, dtype=np.uint16)
+    b = np.frombuffer(inoutbuf, dtype=np.uint16)
+    s = (a.astype(np.uint32) << 16).view(np.float32) + (b.astype(np.uint32) << 16).view(np.float32)
+    u = s.view(np.uint32)
+    nan = np.isnan(s)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    r[nan] = 0x7FC0
+    b[:] = r
+
+
+_BF16_SUM = None
+
+
+def _sum_op(tensor: torch.Tensor):
+    """MPI.SUM, or the bfloat16 sum for bfloat16 tensors (created once, on first use)."""
+    global _BF16_SUM
+    if tensor.dtype != torch.bfloat16:
+        return MPI.SUM
+    if _BF16_SUM is None:
+        _BF16_SUM = MPI.Op.Create(_bf16_sum, commute=True)
+    return _BF16_SUM
+
+
 def mpi_library() -> str:
     """First line of the MPI library's own version string (which MPI is really used)."""
     return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
@@ -192,7 +219,7 @@ class MPICommunicator(Communicator):
         buf = self._checked_buffer("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes), self._watch("allreduce_"):
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=_sum_op(tensor))
         return self._finish_mean(tensor, op)
 
     def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
@@ -200,7 +227,7 @@ class MPICommunicator(Communicator):
             self._agree("iallreduce_", tensor)
         if self.one_host or tensor.numel() * tensor.element_size() < NB_SEND_COPY_MIN_BYTES:
             # The memory stays alive while in flight: the Pending holds the tensor that owns it.
-            req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=MPI.SUM)
+            req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=_sum_op(tensor))
             return req.Wait, req.Test
         # Out of place from a copy: Open MPI's non-blocking allreduce (coll/libnbc) takes a
         # binomial tree (reduce to one rank, then broadcast: the whole buffer through one
@@ -217,7 +244,7 @@ class MPICommunicator(Communicator):
             if agreed:
                 self._send_copies[key] = send
         send.copy_(tensor)
-        req = self.comm.Iallreduce(_buffer(send), _buffer(tensor), op=MPI.SUM)
+        req = self.comm.Iallreduce(_buffer(send), _buffer(tensor), op=_sum_op(tensor))
 
         def wait(_send=send) -> None:      # the copy stays alive while in flight
             req.Wait()

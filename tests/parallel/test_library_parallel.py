@@ -241,3 +241,61 @@ def test_fp16_grad_scaler_skipped_steps_counted(comm):
     assert method.skipped_steps == 1
     assert not torch.equal(before[0], model.weight)
     assert len(set(comm.allgather_object(digest(model)))) == 1
+
+
+def test_bfloat16_allreduce_and_broadcast(comm):
+    """A bfloat16 sum is the same bits on every rank and within bfloat16 rounding of the
+    float32 sum (the MPI backend's own sum: MPI has no bfloat16)."""
+    world = comm.world
+    g = torch.Generator().manual_seed(world.rank)
+    x = torch.randn(1000, generator=g)
+    exact = x.clone()
+    world.allreduce_(exact, "sum")
+    low = x.to(torch.bfloat16)
+    before = world.stats.bytes_sent
+    world.allreduce_(low, "sum")
+    if world.size > 1:
+        assert world.stats.bytes_sent - before == 2000
+    assert len(set(comm.allgather_object(digest_tensor(low)))) == 1
+    # each of the size-1 additions rounds once (relative 2^-8)
+    tol = 2 ** -8 * world.size * exact.abs().max().item() + 1e-6
+    assert (low.float() - exact).abs().max().item() <= tol
+    b = torch.full((300,), float(world.rank) + 0.123, dtype=torch.bfloat16)
+    world.broadcast_(b, 0)
+    assert torch.equal(b, torch.full((300,), 0.123, dtype=torch.bfloat16))
+
+
+def digest_tensor(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(),
+                           digest_size=16).hexdigest()
+
+
+@pytest.mark.parametrize("name", ["lsgd", "allreduce", "easgd", "local-sgd", "diloco", "gossip"])
+def test_comm_dtype_bf16_halves_the_bytes_and_still_trains(comm, name):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to send anything")
+    sent = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype,
+                               **OPTIONS[name])
+        x, y = rank_data(comm.rank, 256)
+        s0 = comm.stats.bytes_sent
+        while not method.done:
+            i = (method.steps % 8) * 32
+            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+            opt.zero_grad()
+            loss.backward()
+            method.step(loss)
+        sent[dtype] = comm.stats.bytes_sent - s0
+        xt, yt = rank_data(10_000, 512)
+        with method.reported_model() as m, torch.no_grad():
+            acc = float((m(xt).argmax(1) == yt).float().mean())
+        assert acc > 0.75, (name, dtype, acc)
+        method.close()
+    total = comm.allgather_object(sent)
+    fp32, bf16 = sum(t["fp32"] for t in total), sum(t["bf16"] for t in total)
+    # model traffic halves; elections and scalars (a few bytes) do not
+    assert 0.45 <= bf16 / fp32 <= 0.56, (name, fp32, bf16)
