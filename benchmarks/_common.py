@@ -177,14 +177,14 @@ def check_layout(what: str, node_of, nodes: int, probe: Optional[dict] = None,
 
 def probe_main(out: str) -> int:
     """Every rank of an MPI job: group the ranks into nodes by host name and probe the links
-    (lsgd_hpc.netprobe); rank 0 writes {"node_of", "probe"} to ``out``, what check_layout
+    (lsgd_hpc.planning.netprobe); rank 0 writes {"node_of", "probe"} to ``out``, what check_layout
     takes. ``python benchmarks/_common.py --probe OUT`` under the benchmark's own mpirun
     options, for benchmarks whose jobs have no probe of their own."""
     from mpi4py import MPI
 
     from lsgd_hpc.comm import NodeGroups
     from lsgd_hpc.comm.mpi import MPICommunicator
-    from lsgd_hpc.netprobe import probe_groups
+    from lsgd_hpc.planning.netprobe import probe_groups
     groups = NodeGroups.build(MPICommunicator(MPI.COMM_WORLD))
     probe = probe_groups(groups)
     if MPI.COMM_WORLD.Get_rank() == 0:

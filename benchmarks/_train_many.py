@@ -9,7 +9,7 @@ import sys
 def main() -> int:
     with open(sys.argv[1]) as fh:
         argvs = json.load(fh)
-    from lsgd_hpc import train
+    from lsgd_hpc.cli import train
     for argv in argvs:
         code = train.main(argv)
         if code != 0:

@@ -29,7 +29,7 @@ def models():
     """name -> a model of about 1 M and about 11 M parameters."""
     import torchvision
 
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.models.zoo import build_model
     return {"mlp (0.86 M)": lambda: build_model("mlp", 10, (3, 32, 32)),
             "resnet18 (11.2 M)": lambda: torchvision.models.resnet18(num_classes=10)}
 

@@ -26,7 +26,7 @@ def main(argv=None) -> int:
 
     from lsgd_hpc.comm import CommStats, FlatParams, NodeGroups
     from lsgd_hpc.comm.mpi import MPICommunicator
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.models.zoo import build_model
 
     torch.set_num_threads(1)
     world = MPICommunicator()

@@ -39,8 +39,8 @@ def plain_loop(skip: int, steps: int) -> float:
     """Seconds of steps skip+1..steps of a hand-written PyTorch loop."""
     import torch
 
-    from lsgd_hpc.data import ShardedBatches, load_dataset
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+    from lsgd_hpc.models.zoo import build_model
     ds = load_dataset(DATASET, None, SEED)
     sampler = ShardedBatches(ds, 0, 1, BATCH, SEED)
     torch.manual_seed(SEED)
@@ -70,7 +70,7 @@ def trainer_loop(skip: int, steps: int, run_dir: str) -> float:
     """Seconds of steps skip+1..steps of lsgd_hpc.train on one rank (its /train wall_time)."""
     import h5py
 
-    from lsgd_hpc import train
+    from lsgd_hpc.cli import train
     code = train.main(["--algorithm", "allreduce", "--dataset", DATASET, "--model", MODEL,
                        "--batch-size", str(BATCH), "--lr", str(LR), "--seed", str(SEED),
                        "--epochs", "1000", "--max-steps", str(steps),
@@ -87,8 +87,8 @@ def library_loop(skip: int, steps: int, run_dir: str) -> float:
     import torch
 
     import lsgd_hpc
-    from lsgd_hpc.data import ShardedBatches, load_dataset
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+    from lsgd_hpc.models.zoo import build_model
     comm = _COMM["comm"] or lsgd_hpc.init(backend="mpi", device="cpu")
     _COMM["comm"] = comm
     ds = load_dataset(DATASET, None, SEED)

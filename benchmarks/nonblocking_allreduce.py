@@ -51,8 +51,8 @@ def worker(out: str, quick: bool, nodes: int = 0, rate: Optional[str] = None) ->
     from lsgd_hpc.comm import FlatParams, NodeGroups
     from lsgd_hpc.comm.buckets import bucket_bounds
     from lsgd_hpc.comm.mpi import MPICommunicator
-    from lsgd_hpc.models import build_model
-    from lsgd_hpc.netprobe import probe_groups
+    from lsgd_hpc.models.zoo import build_model
+    from lsgd_hpc.planning.netprobe import probe_groups
     world = MPICommunicator(MPI.COMM_WORLD)
     # The layout and link this job claims (--nodes, --rate), from its own node grouping and
     # link probe, before anything is timed: a wrong one writes no figures.

@@ -54,7 +54,7 @@ CLUSTER = dict(name="bpeers", subnet="10.79.0", nodes=2, ranks_per_node=2)
 
 # ------------------------------------------------------------------------------ the jobs
 def _data(rank: int, size: int):
-    from lsgd_hpc.data import ShardedBatches, load_dataset
+    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
     ds = load_dataset("synthetic", None, SEED, 4096)
     return ShardedBatches(ds, rank, size, BATCH, SEED)
 
@@ -96,7 +96,7 @@ def plain_step(model, opt, loss_fn, xb, yb) -> float:
 
 def _model():
     import torch
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.models.zoo import build_model
     torch.manual_seed(SEED)
     return build_model(MODEL, 10, (3, 32, 32))
 
@@ -153,7 +153,7 @@ def job_horovod(comm, skip: int, steps: int) -> float:
 def job_lsgd_hpc(comm, skip: int, steps: int, run_dir: str, extra: List[str]) -> float:
     """The real trainer; seconds of steps skip..steps from the wall_time of its /train rows."""
     import h5py
-    from lsgd_hpc import train
+    from lsgd_hpc.cli import train
     argv = ["--algorithm", "allreduce", "--dataset", "synthetic", "--model", MODEL,
             "--batch-size", str(BATCH), "--lr", str(LR), "--seed", str(SEED),
             "--epochs", "1000", "--max-steps", str(steps), "--eval-every", str(steps),

@@ -49,7 +49,7 @@ import time_to_accuracy as tta  # noqa: E402
 from _common import median, row, write_result  # noqa: E402
 from mpi_util import mpi_env, mpirun_cmd, mpirun_path, run_group  # noqa: E402
 
-from lsgd_hpc import costmodel as cm  # noqa: E402
+from lsgd_hpc.planning import costmodel as cm
 
 STEPS = 30
 TARGET_ERROR = 0.25
@@ -191,7 +191,7 @@ def _link(probe_link: Optional[Dict], fallback: cm.Link) -> cm.Link:
 
 def points_of(settings: Dict[str, Dict]) -> List[Dict]:
     """Every measured (setting, method) with what the model needs."""
-    from lsgd_hpc.plan import model_facts
+    from lsgd_hpc.planning.plan import model_facts
     facts = model_facts(tta.MODEL, "digits")
     pts = []
     for name, s in settings.items():
@@ -271,7 +271,7 @@ def fit(pts: List[Dict], mem_Bps: float) -> Dict:
 
 # -- prediction -----------------------------------------------------------------------------------
 def predict(gpu: Dict, coll: cm.Collectives) -> Dict:
-    from lsgd_hpc.plan import model_facts
+    from lsgd_hpc.planning.plan import model_facts
     facts = model_facts(gpu["model"])
     w = cm.Workload(facts.n_params, facts.n_buffers, gpu["step_ms"] / 1e3)
     curves = {label: {"ranks": [], "step_s": [], "comm_share": []} for label, _, _ in PREDICT}
@@ -331,7 +331,7 @@ def run(quick: bool = False, timeout: float = 600, log=print, gpu: Optional[Dict
     settings = measure(quick, timeout, log)
     errors = {k: s["error"] for k, s in settings.items() if s.get("error")}
     pts = points_of(settings)
-    from lsgd_hpc.plan import model_facts
+    from lsgd_hpc.planning.plan import model_facts
     mem = memory_bandwidth(cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
     fitted = fit(pts, mem) if pts else None
     # the GPU cluster's library (NCCL-like) picks its algorithm by size and topology: "auto",

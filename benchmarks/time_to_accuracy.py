@@ -10,7 +10,7 @@ The cluster is scripts/cluster.sh's (network namespaces on a bridge, one host na
 tc tbf limit on what each node sends), under a name and subnet of its own, without SLURM, and is
 always taken down afterwards. Per link rate, one mpirun job runs every (seed, method) training
 one after another (seed-major, so that a slow spell of the machine hits every method alike),
-after a network probe (lsgd_hpc.netprobe) of the same nodes.
+after a network probe (lsgd_hpc.planning.netprobe) of the same nodes.
 
 Methods: LSGD and lsgd_hpc's baselines (METHODS), and PyTorch DistributedDataParallel (gloo,
 gradient buckets overlapped with backward; its process group as benchmarks/peers.py makes it),
@@ -109,7 +109,7 @@ GPU_CASES = [
 
 def gpu_case_ratios() -> List[Dict]:
     """compute : one allreduce of the gradients, by lsgd_hpc.costmodel, for each GPU case."""
-    from lsgd_hpc import costmodel as cm
+    from lsgd_hpc.planning import costmodel as cm
     out = []
     for label, params, step_s, nodes, q, intra, inter in GPU_CASES:
         c = cm.Cluster(nodes, q, cm.Link.from_gbps(intra, 2.0), cm.Link.from_gbps(inter, 5.0))
@@ -120,7 +120,7 @@ def gpu_case_ratios() -> List[Dict]:
 
 def consensus_off() -> List[str]:
     """--consensus-every 0 where the trainer accepts it; else a period past the run's end."""
-    from lsgd_hpc.config import ConfigError, parse_config
+    from lsgd_hpc.cli.config import ConfigError, parse_config
     try:
         parse_config(["--consensus-every", "0"], env={})
         return ["--consensus-every", "0"]
@@ -176,7 +176,7 @@ def job(spec_path: str) -> int:
     from mpi4py import MPI
     from lsgd_hpc.comm import NodeGroups
     from lsgd_hpc.comm.mpi import MPICommunicator
-    from lsgd_hpc.netprobe import probe_groups
+    from lsgd_hpc.planning.netprobe import probe_groups
     world = MPICommunicator(MPI.COMM_WORLD)
     groups = NodeGroups.build(world, spec.get("ranks_per_node"))
     probe = probe_groups(groups)
@@ -198,7 +198,7 @@ def job(spec_path: str) -> int:
         if world.rank == 0:
             print(f"time_to_accuracy: {error}", file=sys.stderr, flush=True)
         return 3
-    from lsgd_hpc import train
+    from lsgd_hpc.cli import train
     for item in spec["argvs"]:
         # a trainer command line, or {"ddp": the allreduce run's command line}
         argv = item["ddp"] if isinstance(item, dict) else item
@@ -225,9 +225,10 @@ def ddp_train(argv: List[str], comm) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lsgd_hpc import data, models
-    from lsgd_hpc.config import parse_config
-    from lsgd_hpc.metrics import SCHEMA_VERSION, MetricsWriter, rank_file
+    from lsgd_hpc.data import datasets as data
+    from lsgd_hpc.models import zoo as models
+    from lsgd_hpc.cli.config import parse_config
+    from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, MetricsWriter, rank_file
     from peers import gloo_group, plain_step
     cfg = parse_config(argv, env={})
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -355,7 +356,7 @@ def read_run(run_dir: Path, target: Optional[float] = None) -> Dict:
 def _leader_accuracy(run_dir: Path) -> Dict[int, float]:
     """LSGD's model: per evaluation step, the test accuracy of the rank elected by the last
     global election (lsgd_hpc.aggregate's leader figure, as the LSGD paper reports it)."""
-    from lsgd_hpc import aggregate
+    from lsgd_hpc.analysis import aggregate
     table = aggregate.eval_table(aggregate.read_run(run_dir, warn=lambda msg: None))
     return {int(s): float(a) for s, a in zip(table["step"], table["acc_leader"]) if a == a}
 

@@ -123,7 +123,7 @@ def cmd_facts(_a) -> int:
         from mpi4py import MPI
         facts["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
         # 'yes', 'no' or 'unknown', as the doctor asks the loaded libmpi
-        from lsgd_hpc.doctor import cuda_aware_mpi
+        from lsgd_hpc.cli.doctor import cuda_aware_mpi
         facts["mpix_query_cuda_support"] = cuda_aware_mpi()
     except Exception as exc:
         facts["mpi_error"] = f"{type(exc).__name__}: {exc}"

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from lsgd_hpc import aggregate as agg
-from lsgd_hpc import summary
+from lsgd_hpc.analysis import aggregate as agg
+from lsgd_hpc.analysis import summary
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lsgd_hpc import aggregate as agg
-from lsgd_hpc import predictions as pred
+from lsgd_hpc.analysis import aggregate as agg
+from lsgd_hpc.analysis import predictions as pred
 from test_aggregate import REPO
 from test_aggregate import runs_root  # noqa: F401 (the fake runs: a module fixture)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lsgd_hpc import aggregate as agg
+from lsgd_hpc.analysis import aggregate as agg
 
 BASE = dict(algorithm="lsgd", dataset="digits", model="digits_cnn", epochs=8, batch_size=32,
             lr=0.05, lr_schedule="constant", momentum=0.9, weight_decay=1e-4, tau_local=4,

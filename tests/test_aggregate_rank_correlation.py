@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 
-from lsgd_hpc.aggregate import rank_correlation
+from lsgd_hpc.analysis.aggregate import rank_correlation
 
 
 def test_spearman_without_ties():

@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from lsgd_hpc import aggregate as agg
+from lsgd_hpc.analysis import aggregate as agg
 from mpi_util import REPO, run_mpi
 
 pytestmark = pytest.mark.mpi

@@ -8,10 +8,10 @@ import pytest
 import torch
 import yaml
 
-from lsgd_hpc.batchnorm import batchnorm_layers, int_buffers, recompute_bn_stats
+from lsgd_hpc.models.batchnorm import batchnorm_layers, int_buffers, recompute_bn_stats
 from lsgd_hpc.comm import FlatParams
-from lsgd_hpc.data import ShardedBatches, load_dataset
-from lsgd_hpc.models import build_model
+from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+from lsgd_hpc.models.zoo import build_model
 from mpi_util import REPO, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")

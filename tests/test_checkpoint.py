@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lsgd_hpc import checkpoint as ck
-from lsgd_hpc.metrics import TIME_COLUMNS
+from lsgd_hpc.runtime import checkpoint as ck
+from lsgd_hpc.runtime.metrics import TIME_COLUMNS
 from mpi_util import run_mpi
 
 WORLD = 2

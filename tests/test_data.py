@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from lsgd_hpc import data as D
-from lsgd_hpc.data import (DataError, ShardedBatches, check_data_dir, load_dataset,
-                           random_crop_flip, write_cifar10_python)
+from lsgd_hpc.data import datasets as D
+from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset, random_crop_flip, write_cifar10_python)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -348,7 +347,7 @@ def test_label_noise_depends_on_the_seed_only(digits):
 
 @pytest.mark.parametrize("bad", ["1", "-0.1", "nan"])
 def test_label_noise_outside_0_1_is_a_usage_error(bad):
-    from lsgd_hpc.config import ConfigError, parse_config
+    from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match="--label-noise"):
         parse_config(["--label-noise", bad], env={})
     assert parse_config(["--label-noise", "0.25"], env={}).label_noise == 0.25

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from lsgd_hpc.data import write_cifar10_python
-from lsgd_hpc.doctor import evaluate, launch_method
+from lsgd_hpc.data.datasets import write_cifar10_python
+from lsgd_hpc.cli.doctor import evaluate, launch_method
 from mpi_util import run_mpi
 
 DOCTOR = [sys.executable, "-m", "lsgd_hpc.doctor"]

@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from lsgd_hpc.config import DATASET_DEFAULTS, Config, option_group
+from lsgd_hpc.cli.config import DATASET_DEFAULTS, Config, option_group
 from mpi_util import REPO, mpi_env
 
 SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
@@ -82,7 +82,7 @@ def test_every_option_shows_its_default(help_text):
 
 
 def test_closed_sets_of_values_are_listed(help_text):
-    from lsgd_hpc.models import MODELS
+    from lsgd_hpc.models.zoo import MODELS
     from lsgd_hpc.topology import TOPOLOGIES
     shown = parse_help(help_text)
     assert "{lsgd,lsgd-async,allreduce,easgd,local-sgd,diloco,slowmo,gossip}" in help_text

@@ -11,9 +11,9 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from lsgd_hpc import data
-from lsgd_hpc.data import DataError, ShardedBatches, check_data_dir, load_dataset
-from lsgd_hpc.imagefolder import ImageFolderBatches, ImageFolderData
+from lsgd_hpc.data import datasets as data
+from lsgd_hpc.data.datasets import DataError, ShardedBatches, check_data_dir, load_dataset
+from lsgd_hpc.data.imagefolder import ImageFolderBatches, ImageFolderData
 from mpi_util import run_mpi
 
 CLASSES = ("circle", "square", "triangle")
@@ -218,8 +218,8 @@ def test_check_command(folder, capsys):
 
 
 def test_config_options():
-    from lsgd_hpc.config import ConfigError, parse_config
-    from lsgd_hpc.models import default_model
+    from lsgd_hpc.cli.config import ConfigError, parse_config
+    from lsgd_hpc.models.zoo import default_model
     assert default_model("imagefolder") == "resnet20"
     with pytest.raises(ConfigError, match="--data-dir: --dataset imagefolder needs --data-dir"):
         parse_config(["--dataset", "imagefolder"], env={})

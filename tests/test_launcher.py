@@ -1,10 +1,9 @@
-"""lsgd_hpc.launcher: what torchrun, mpirun and srun tell a rank, read from an env dict."""
+"""lsgd_hpc.runtime.launcher: what torchrun, mpirun and srun tell a rank, read from an env dict."""
 
 import pytest
 
-from lsgd_hpc import launcher
-from lsgd_hpc.launcher import (LaunchInfo, detect, env_rank, expand_hostlist, launched_alone,
-                               launcher_world_size, slurm_master, world_on_one_host)
+from lsgd_hpc.runtime import launcher
+from lsgd_hpc.runtime.launcher import (LaunchInfo, detect, env_rank, expand_hostlist, launched_alone, launcher_world_size, slurm_master, world_on_one_host)
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",
@@ -112,7 +111,7 @@ def test_launch_method_names_torchrun():
 def test_module_imports_no_communication_library():
     import subprocess
     import sys
-    code = ("import sys, lsgd_hpc.launcher; "
+    code = ("import sys, lsgd_hpc.runtime.launcher; "
             "print(any(m in sys.modules for m in ('torch', 'mpi4py')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)

@@ -64,7 +64,7 @@ def test_training_time_leaves_out_a_slow_evaluation(tmp_path):
             # --consensus-every 0: no probe at all, for every method
             assert len(m["consensus"]["step"]) == 0 and np.all(t["probe_seconds"] == 0)
     # aggregate puts accuracy against the training time by default, and reports it
-    from lsgd_hpc import aggregate as agg
+    from lsgd_hpc.analysis import aggregate as agg
     res = agg.aggregate([tmp_path / f"r-{alg}" for alg in ALGS], tmp_path / "agg",
                         warn=lambda m: None)
     assert next(iter(agg.PLOTS)) == "test_acc_vs_training_time.png"

@@ -4,7 +4,7 @@ and a file that cannot give them is an error naming the file and the group."""
 import h5py
 import pytest
 
-from lsgd_hpc.metrics import MetricsWriter
+from lsgd_hpc.runtime.metrics import MetricsWriter
 
 
 def writer(path, n_train=5):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm.flat import FlatParams
-from lsgd_hpc.data import ShardedBatches, load_dataset
-from lsgd_hpc.models import MODELS, build_model, count_parameters, default_model
+from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+from lsgd_hpc.models.zoo import MODELS, build_model, count_parameters, default_model
 
 CIFAR = (3, 32, 32)
 SHAPES = {"digits_cnn": (1, 8, 8), "cnn7": CIFAR, "vgg16": CIFAR, "resnet20": CIFAR, "mlp": CIFAR,

@@ -70,7 +70,7 @@ def test_bad_values_one_line_exit_2(tmp_path, args, option):
 
 
 def test_config_parses_the_new_options():
-    from lsgd_hpc.config import parse_config
+    from lsgd_hpc.cli.config import parse_config
     cfg = parse_config(["--algorithm", "diloco", "--no-outer-nesterov", "--outer-lr", "0.5"],
                        env={})
     assert (cfg.outer_nesterov, cfg.outer_lr, cfg.outer_momentum) == (False, 0.5, 0.9)
@@ -81,7 +81,7 @@ def test_config_parses_the_new_options():
 
 
 def test_heldout_slice_is_fixed_by_seed_and_never_in_a_training_batch():
-    from lsgd_hpc.data import ShardedBatches, default_heldout_size, load_dataset, split_heldout
+    from lsgd_hpc.data.datasets import ShardedBatches, default_heldout_size, load_dataset, split_heldout
     ds = load_dataset("synthetic", seed=1, synthetic_size=600)
     train, held = split_heldout(ds, 60, seed=4)
     again, held2 = split_heldout(load_dataset("synthetic", seed=1, synthetic_size=600), 60, 4)
@@ -110,10 +110,10 @@ def test_heldout_leader_score_in_a_real_run(tmp_path):
     election scores the held-out loss (the leader, whom the election's pull does not move,
     scores exactly the loss of its model in the checkpoint of that step), and the evaluation
     time is measurement (probe_seconds, out of the training time)."""
-    from lsgd_hpc import checkpoint as ck
+    from lsgd_hpc.runtime import checkpoint as ck
     from lsgd_hpc.comm import FlatParams
-    from lsgd_hpc.data import load_dataset, split_heldout
-    from lsgd_hpc.models import build_model
+    from lsgd_hpc.data.datasets import load_dataset, split_heldout
+    from lsgd_hpc.models.zoo import build_model
     run = tmp_path / "ho"
     seed, size = 6, 100
     run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from lsgd_hpc import costmodel as cm
+from lsgd_hpc.planning import costmodel as cm
 from mpi_util import REPO, mpi_env, run_mpi
 
 A, B = 1e-6, 1e-9                  # 1 us, 1 GB/s
@@ -186,7 +186,7 @@ _RUN_METHODS = textwrap.dedent("""
     import json, sys
     import h5py
     from mpi4py import MPI
-    from lsgd_hpc import train
+    from lsgd_hpc.cli import train
     out = {}
     base = sys.argv[1]
     runs = {"allreduce": [], "lsgd": ["--tau-local", "2", "--tau-global", "4"],
@@ -219,7 +219,7 @@ def test_model_bytes_equal_the_counted_bytes_of_a_real_run(tmp_path):
     proc = run_mpi(4, [sys.executable, str(script), str(tmp_path)], timeout=600)
     line = next(l for l in proc.stdout.splitlines() if l.startswith("BYTES "))
     measured = json.loads(line[6:])
-    from lsgd_hpc.plan import model_facts
+    from lsgd_hpc.planning.plan import model_facts
     facts = model_facts("digits_cnn", "digits")
     w = cm.Workload(facts.n_params, facts.n_buffers, 0.0)
     c = cluster(2, 2)

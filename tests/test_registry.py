@@ -1,7 +1,7 @@
 """One registry of methods: the CLI's choices, the public classes and the docs agree."""
 
 import lsgd_hpc
-from lsgd_hpc import config
+from lsgd_hpc.cli import config
 from lsgd_hpc.methods import METHODS
 
 

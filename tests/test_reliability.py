@@ -10,7 +10,7 @@ import h5py
 import numpy as np
 import pytest
 
-from lsgd_hpc.metrics import TIME_COLUMNS
+from lsgd_hpc.runtime.metrics import TIME_COLUMNS
 from mpi_util import REPO, mpi_env, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
@@ -151,7 +151,7 @@ def test_bad_yaml_keys_and_values(tmp_path):
 
 
 def test_yaml_config_and_command_line_precedence(tmp_path):
-    from lsgd_hpc.config import parse_config
+    from lsgd_hpc.cli.config import parse_config
     path = tmp_path / "c.yaml"
     path.write_text("algorithm: easgd\nlr: 0.02\ntau-local: 2\ntau_global: 6\n")
     cfg = parse_config(["--config", str(path), "--lr", "0.03"], env={})

@@ -34,7 +34,7 @@ def test_ddp_run_matches_lsgd_hpc_allreduce_on_the_same_configuration(tmp_path, 
     assert acc_ours[-1] > acc_ours[0] + 0.05          # it learns: the match is not trivial
     for a, b in zip(acc_ours, acc_ddp):
         assert abs(a - b) <= 2 / 360 + 1e-9, (acc_ours, acc_ddp)
-    from lsgd_hpc.models import build_model, count_parameters
+    from lsgd_hpc.models.zoo import build_model, count_parameters
     n_params = count_parameters(build_model(tta.MODEL, 10, (1, 8, 8)))
     assert ddp["bytes_sent_per_step"] == 4 * n_params
     times = [p["time"] for p in ddp["curve"]]

@@ -192,7 +192,7 @@ def test_consensus_logged_on_the_same_steps_for_every_method(all_runs):
 @pytest.mark.mpi
 def test_allreduce_replicas_bit_identical(all_runs):
     import torch
-    from lsgd_hpc.checkpoint import latest_checkpoint, load_rank
+    from lsgd_hpc.runtime.checkpoint import latest_checkpoint, load_rank
     # the final checkpoint holds each rank's flat parameters
     run_dir = None
     for r in all_runs["allreduce"]:
@@ -249,7 +249,7 @@ def test_horovod_backend_same_leaders_and_accuracies(all_runs, tmp_path):
     ("kill -TERM $$", True, "scontrol requeue 7: sent; SLURM ended this step (signal 15)"),
 ])
 def test_requeue_reports_what_scontrol_did(tmp_path, monkeypatch, capsys, script, ok, says):
-    from lsgd_hpc import train as train_mod
+    from lsgd_hpc.cli import train as train_mod
     fake = tmp_path / "scontrol"
     fake.write_text(f"#!/bin/sh\n[ \"$1 $2\" = \"requeue 7\" ] || exit 9\n{script}\n")
     fake.chmod(0o755)

@@ -24,8 +24,8 @@ from typing import List, Tuple
 
 import torch
 
-from .base import CommError, Communicator, Pending
-from .flat import FlatParams
+from lsgd_hpc.comm.base import CommError, Communicator, Pending
+from lsgd_hpc.comm.flat import FlatParams
 
 __all__ = ["GradBuckets", "bucket_bounds"]
 

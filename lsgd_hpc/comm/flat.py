@@ -11,7 +11,7 @@ from typing import List, Tuple
 import torch
 from torch import nn
 
-from .memory import host_zeros
+from lsgd_hpc.comm.memory import host_zeros
 
 __all__ = ["FlatParams"]
 

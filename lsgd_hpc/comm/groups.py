@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
-from .base import CommError, Communicator
+from lsgd_hpc.comm.base import CommError, Communicator
 
 __all__ = ["NodeGroups", "node_layout", "RANKS_PER_NODE_ENV"]
 

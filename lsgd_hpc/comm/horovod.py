@@ -35,8 +35,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .base import CommError, CommStats, Communicator, Election, Request, check_tensor
-from .mpi import MPICommunicator  # mpi4py first: it puts libmpi in the process
+from lsgd_hpc.comm.base import CommError, CommStats, Communicator, Election, Request, check_tensor
+from lsgd_hpc.comm.mpi import MPICommunicator  # mpi4py first: it puts libmpi in the process
 
 __all__ = ["HorovodCommunicator", "horovod_available", "NOT_INSTALLED"]
 

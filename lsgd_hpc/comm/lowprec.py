@@ -21,8 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .base import Communicator
-from .groups import NodeGroups
+from lsgd_hpc.comm.base import Communicator
+from lsgd_hpc.comm.groups import NodeGroups
 
 __all__ = ["LowPrecision", "low_precision_groups", "COMM_DTYPES", "MIN_ELEMENTS"]
 

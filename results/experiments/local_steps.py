@@ -83,7 +83,7 @@ def t_values(max_t: int) -> List[int]:
 
 def averaging_steps(rank_data: dict) -> np.ndarray:
     """Steps after which this rank averaged: those where its counted bytes grew."""
-    from lsgd_hpc.aggregate import col
+    from lsgd_hpc.analysis.aggregate import col
     steps = col(rank_data, "train", "step", np.int64)
     sent = col(rank_data, "train", "comm_bytes_sent")
     grew = np.diff(np.concatenate([[0.0], sent])) > 0
@@ -93,7 +93,7 @@ def averaging_steps(rank_data: dict) -> np.ndarray:
 def measure_run(run_dir: Path, target: float) -> dict:
     """Rounds, steps and training time to the target loss of the averaged model; cost ratio;
     the decay segments (before the target) for the fit; the auto columns of the last row."""
-    from lsgd_hpc.aggregate import col, read_run
+    from lsgd_hpc.analysis.aggregate import col, read_run
 
     run = read_run(run_dir)
     ranks = [run.ranks[r] for r in sorted(run.ranks)]
@@ -158,9 +158,7 @@ def measure_run(run_dir: Path, target: float) -> dict:
 
 def predict(runs: List[tuple], t_max: int) -> dict:
     """The seed's T* from the pooled decay of the fixed-T runs and the median cost ratio."""
-    from lsgd_hpc.algorithms.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER,
-                                                 DecayStatistics, choose_local_steps,
-                                                 decay_statistics, decide)
+    from lsgd_hpc.methods.rules.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER, DecayStatistics, choose_local_steps, decay_statistics, decide)
     total = np.zeros(7)
     for T, m in runs:
         if T != "auto" and T >= 2:
@@ -258,7 +256,7 @@ def best_t_per_seed(per_run: List[dict]) -> List[int]:
 
 
 def findings(table, auto, pred, target, per_run, spe) -> List[str]:
-    from lsgd_hpc.algorithms.local_steps import LAW_NAMES
+    from lsgd_hpc.methods.rules.local_steps import LAW_NAMES
 
     out = []
     fixed = [r for r in table if r["T"] != "auto"]
@@ -377,7 +375,7 @@ def run(out, quick: bool = False, log=print, max_t: Optional[int] = None,
         log(f"{NAME}: {len(argvs)} local SGD runs on {budget['ranks']} ranks in "
             f"{time.perf_counter() - t0:.0f} s")
     runs = {key: measure_run(d, target_loss) for key, d in dirs.items()}
-    from lsgd_hpc.aggregate import read_run
+    from lsgd_hpc.analysis.aggregate import read_run
     spe = int(read_run(dirs[1, 0]).config.get("steps_per_epoch", 0))
     pred = predict([(T, m) for (T, _), m in runs.items()], budget["max_t"])
     table = [summarize(T, [runs[T, s] for s in seed_list]) for T in labels]

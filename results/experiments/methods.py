@@ -49,7 +49,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _shared import new_figure, raw_dir, save_figure, train_many, write_csv  # noqa: E402
 
-from lsgd_hpc import aggregate  # noqa: E402
+from lsgd_hpc.analysis import aggregate
 
 NAME = "methods"
 TITLE = "Methods: LSGD against allreduce SGD, EASGD and local SGD"

@@ -7,7 +7,7 @@ As root. The measurement is benchmarks/time_to_accuracy.py's (imported, not copi
 nodes x 2 ranks (scripts/cluster.sh: network namespaces, each node's link limited by tc tbf to
 1 Gbit/s, then to 10 Gbit/s; here under a cluster name and subnet of its own, always taken
 down), mlp_wide on digits, batch 32 per rank, one mpirun job per rate running every (seed,
-method) training seed-major after a link probe (lsgd_hpc.netprobe). Methods: sync LSGD (tau_L
+method) training seed-major after a link probe (lsgd_hpc.planning.netprobe). Methods: sync LSGD (tau_L
 4, tau_G 8), async LSGD (the same periods), allreduce SGD (overlapped buckets), EASGD (tau 4),
 local SGD (T 8), gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's configuration.
 Time to accuracy = the training time (wall time less evaluations and probes, slowest rank) of
@@ -374,7 +374,7 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
         base["findings"] = [f"not plotted: {exc}"]
         base["seconds"] = time.perf_counter() - t0
         return base
-    from lsgd_hpc.plan import model_facts
+    from lsgd_hpc.planning.plan import model_facts
     mem = scale_model.memory_bandwidth(
         scale_model.cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
     pred = predict(results, mem)

@@ -114,7 +114,7 @@ def measure_run(run_dir: Path, target: float) -> dict:
     """Consensus distance, steps and training time to the target loss of one gossip run: the
     aggregator's figures (lsgd_hpc.aggregate: consensus_figures, and time_to_loss over a
     trailing LOSS_WINDOW, the slowest rank's training time)."""
-    from lsgd_hpc.aggregate import col, consensus_figures, read_run, time_to_loss, train_table
+    from lsgd_hpc.analysis.aggregate import col, consensus_figures, read_run, time_to_loss, train_table
 
     run = read_run(run_dir)
     r0 = run.ranks[min(run.ranks)]
@@ -154,7 +154,7 @@ def train_all(raw: Path, ranks: Sequence[int], seeds: int, steps: int, consensus
 def agreement(pred: Sequence[float], measured: Sequence[float]) -> float:
     """-rho_Spearman(predictor, measured): +1 when a larger predictor always means a smaller
     measured value (the predictor orders the topologies as measured)."""
-    from lsgd_hpc.aggregate import rank_correlation
+    from lsgd_hpc.analysis.aggregate import rank_correlation
 
     rho = rank_correlation(pred, measured, "spearman")
     return -rho if math.isfinite(rho) else math.nan
@@ -163,7 +163,7 @@ def agreement(pred: Sequence[float], measured: Sequence[float]) -> float:
 def correlation_rows(table: List[dict], per_seed: Dict[int, List[dict]],
                      ranks: Sequence[int]) -> List[dict]:
     """One row per (rank count or 'all', measure, predictor): rho, agreement, per-seed range."""
-    from lsgd_hpc.aggregate import rank_correlation
+    from lsgd_hpc.analysis.aggregate import rank_correlation
 
     rows = []
     scopes = [(str(n), [n]) for n in ranks] + ([("all", list(ranks))] if len(ranks) > 1 else [])
@@ -298,7 +298,7 @@ def findings(table, corr, ranks, seeds, target) -> List[str]:
                    + f". So {verdict}.")
     # does gamma matter?
     for n in ranks:
-        from lsgd_hpc.aggregate import rank_correlation
+        from lsgd_hpc.analysis.aggregate import rank_correlation
         sel = [r for r in table if r["ranks"] == n]
         ref = [round(r[enn_column(GAMMA)], 9) for r in sel]    # torus = hypercube: a tie
         same = all(rank_correlation(ref, [round(r[enn_column(g)], 9) for r in sel]) > 1 - 1e-9

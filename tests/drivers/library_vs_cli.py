@@ -10,7 +10,8 @@ import sys
 import torch
 
 import lsgd_hpc
-from lsgd_hpc import data, models
+from lsgd_hpc.data import datasets as data
+from lsgd_hpc.models import zoo as models
 
 out, algorithm, steps, rpn = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 seed, lr, batch = 0, 0.05, 32

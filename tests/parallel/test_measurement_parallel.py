@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.algorithms import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
-                                 SlowMo)
+from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD, SlowMo)
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
-from lsgd_hpc.train import make_optimizer
+from lsgd_hpc.cli.train import make_optimizer
 
 @pytest.fixture(scope="module")
 def flat_groups(world):
@@ -105,7 +104,7 @@ def test_iallreduce_completes_later_with_the_allreduce_result(world, op):
 
 
 def test_stop_agreement_same_step_on_every_rank(world):
-    from lsgd_hpc.stopping import StopAgreement
+    from lsgd_hpc.runtime.stopping import StopAgreement
     agree = StopAgreement(world, every=3)
     decided = []
     for step in range(1, 16):

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from lsgd_hpc.comm import NodeGroups, make_world, node_layout
-from lsgd_hpc.netprobe import probe_groups, probe_network
+from lsgd_hpc.planning.netprobe import probe_groups, probe_network
 
 SIZES = (8, 4096, 65536)
 

@@ -10,10 +10,10 @@ import os
 import pytest
 import torch
 
-from lsgd_hpc.algorithms import AllreduceSGD
+from lsgd_hpc.methods.rules import AllreduceSGD
 from lsgd_hpc.comm import CommError, FlatParams, GradBuckets, NodeGroups, make_world
 from lsgd_hpc.comm.buckets import bucket_bounds
-from lsgd_hpc.models import build_model
+from lsgd_hpc.models.zoo import build_model
 
 
 @pytest.fixture(scope="module")

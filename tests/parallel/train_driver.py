@@ -14,12 +14,12 @@ import signal
 import sys
 import time
 
-from lsgd_hpc import train
-from lsgd_hpc.algorithms.base import Algorithm
+from lsgd_hpc.cli import train
+from lsgd_hpc.methods.rules.base import Algorithm
 
 
 def inject(kind: str, rank: int, step: int) -> None:
-    from lsgd_hpc.launcher import env_rank      # mpirun's, srun's or torchrun's rank
+    from lsgd_hpc.runtime.launcher import env_rank      # mpirun's, srun's or torchrun's rank
     if env_rank() != rank:
         return
     for cls in Algorithm.__subclasses__():

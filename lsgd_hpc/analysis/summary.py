@@ -1,0 +1,104 @@
+"""Short human summary of one run: ``python -m lsgd_hpc.summary RUN_DIR``.
+
+Prints where the metrics files are, one line per rank (node, final training loss, final
+test accuracy, times elected global leader, bytes sent), then the final global leader
+and its test accuracy and the mean test accuracy over ranks. The leader rule is the one of
+``lsgd_hpc.aggregate`` (EASGD: the centre; methods without elections: rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import numpy as np
+
+from lsgd_hpc.analysis.aggregate import (AggregateError, Run, col, eval_table, global_elections, leader_counts, leader_rule, read_run)
+
+PROG = "lsgd_hpc.summary"
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024.0
+    return f"{n} B"  # pragma: no cover
+
+
+def _acc(a: float) -> str:
+    return "-" if a is None or math.isnan(a) else f"{100.0 * a:.2f}%"
+
+
+def _num(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.4f}"
+
+
+def format_summary(run: Run) -> str:
+    lines = []
+    files = sorted({d["path"] for d in run.ranks.values()} | {p for p, _ in run.skipped})
+    skipped = f", {len(run.skipped)} skipped" if run.skipped else ""
+    lines.append(f"metrics: {run.path / 'metrics'}/rank*.h5 ({len(files)} files{skipped})")
+    lines.append(f"run {run.name}: algorithm {run.algorithm}, {run.world_size} ranks on "
+                 f"{run.n_nodes} node(s)")
+    counts = leader_counts(run)
+    tab = eval_table(run)
+    lines.append(f"{'rank':>5} {'node':>5} {'train_loss':>11} {'test_acc':>9} "
+                 f"{'times_leader':>14} {'bytes_sent':>12}")
+    for r in sorted(run.ranks):
+        d = run.ranks[r]
+        loss = col(d, "train", "loss")
+        acc = col(d, "eval", "test_accuracy")
+        sent = col(d, "train", "comm_bytes_sent")
+        node = d["attrs"].get("node_index", "?")
+        lines.append(f"{r:>5} {node!s:>5} {_num(loss[-1] if len(loss) else math.nan):>11} "
+                     f"{_acc(acc[-1] if len(acc) else math.nan):>9} "
+                     f"{counts.get(r, 0):>14} {_bytes(sent[-1] if len(sent) else 0):>12}")
+    use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
+    rule = leader_rule(run)
+    if not use.any():
+        lines.append("final global leader: none (no evaluations logged)")
+        return "\n".join(lines)
+    step = int(tab["step"][use][-1])
+    lacc = float(tab["acc_leader"][use][-1])
+    if rule == "elected":
+        el_steps, _ = global_elections(run)
+        lr = int(tab["leader_rank"][use][-1])
+        lines.append(f"final global leader: rank {lr} (elected {counts.get(lr, 0)} times, "
+                     f"{len(el_steps)} global elections), test accuracy {_acc(lacc)} "
+                     f"at step {step}")
+    elif rule == "centre":
+        lines.append(f"final global leader: none ({run.algorithm or 'EASGD'} reports its "
+                     f"centre model), centre test accuracy {_acc(lacc)} at step {step}")
+    else:
+        lines.append(f"final global leader: none ({run.algorithm} has no elections; rank 0 "
+                     f"reports), rank 0 test accuracy {_acc(lacc)} at step {step}")
+    lines.append(f"mean test accuracy: {_acc(float(tab['acc_mean'][use][-1]))} over "
+                 f"{int(tab['n_ranks'][use][-1])} ranks, best worker "
+                 f"{_acc(float(tab['acc_best'][use][-1]))}")
+    return "\n".join(lines)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog="python -m lsgd_hpc.summary",
+                description="Print a short summary of one lsgd_hpc run.")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    args = p.parse_args(argv)
+    try:
+        run = read_run(args.run_dir,
+                       warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
+    except AggregateError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_summary(run))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""python -m lsgd_hpc.data: stage and check data sets (see lsgd_hpc/data/datasets.py)."""
+
+import sys
+
+from lsgd_hpc.data.datasets import main
+
+if __name__ == "__main__":
+    sys.exit(main())

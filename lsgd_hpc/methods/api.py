@@ -1,0 +1,632 @@
+"""The methods as users call them from their own training loop.
+
+    method = lsgd_hpc.LeaderSGD(model, optimizer, comm, tau_local=4, tau_global=16)
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        method.step(loss)          # in place of optimizer.step()
+
+Each class wraps one update rule of :mod:`lsgd_hpc.methods.rules` (where the maths is) around
+the user's own model and ``torch.optim`` optimizer. At construction the model's parameters
+and floating-point buffers are moved into one flat buffer (the tensors the optimizer holds
+stay the same objects), every rank checks that it can handle the model, and rank 0's state
+is broadcast so every worker starts from the same x_0. ``step`` is the optimizer step plus
+the method's communication.
+
+:data:`METHODS` is the one registry of methods: the CLI, the planner and the docs read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from typing import Any, Dict, Iterator, Optional
+
+import torch
+from torch import nn
+
+from lsgd_hpc.methods.rules import (EASGD as _EASGDRule, AllreduceSGD as _AllreduceRule, AsyncLeaderSGD as _AsyncRule, DiLoCo as _DiLoCoRule, GossipSGD as _GossipRule, LeaderSGD as _LeaderRule, LocalSGD as _LocalRule, SlowMo as _SlowMoRule, uncounted)
+from lsgd_hpc.comm import FlatParams
+
+__all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
+           "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
+
+
+def _check_int(name: str, value, low: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def _check_float(name: str, value, low: float, high: float, low_open=False,
+                 high_open=False) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    bad = (v <= low if low_open else v < low) or (v >= high if high_open else v > high)
+    if math.isnan(v) or bad:
+        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
+        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
+    return v
+
+
+def _model_problem(model, optimizer) -> Optional[str]:
+    """Why this rank cannot run a method on (model, optimizer), or None."""
+    if not isinstance(model, nn.Module):
+        return f"model must be a torch.nn.Module, got {type(model).__name__}"
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return ("model is wrapped in DistributedDataParallel/DataParallel; pass the plain "
+                "module (the method does the communication)")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+    params = list(model.parameters())
+    if not params:
+        return "model has no parameters"
+    tensors = params + [b for b in model.buffers() if b.is_floating_point()]
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:
+        return (f"model has parameters or buffers on {len(devices)} devices "
+                f"({', '.join(devices)}); a method needs the whole model on one device")
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+    if len(dtypes) > 1:
+        return (f"model mixes parameter/buffer dtypes ({', '.join(dtypes)}); keep the "
+                "weights in one dtype (fp32 master weights; use autocast for bf16/fp16)")
+    if not params[0].is_floating_point():
+        return f"model parameters must be floating point, got {dtypes[0]}"
+    ids = {id(p) for p in params}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in ids)
+    if foreign:
+        return (f"optimizer holds {foreign} tensor(s) that are not parameters of the model; "
+                "build it over model.parameters() (or a subset)")
+    return None
+
+
+class Method:
+    """A training method in the user's own loop (see the module docstring).
+
+    Options common to every method:
+
+    - ``max_steps``: this rank's step budget; ``done`` turns True when it is spent
+      (AsyncLeaderSGD: when all ranks together have taken the sum of their budgets).
+    - ``checkpoint_every``: ``checkpoint_due`` turns True every that many steps (for
+      AsyncLeaderSGD at agreed moments), so the loop knows when to save.
+    - ``stop``: anything with a ``raised`` attribute (``lsgd_hpc.StopSignals``); the ranks
+      agree on it at a step boundary without a blocking collective per step, and
+      ``stopping`` then turns True on every rank after the same step.
+    - ``consensus_every``: log the consensus distance every that many steps (0: never).
+    - ``metrics``: a writer with ``log(group, **row)`` (``lsgd_hpc.MetricsWriter``) that
+      receives the method's elections and consensus rows.
+    - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
+      pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
+      ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
+    """
+
+    #: the CLI's name of the method (``--algorithm``)
+    name = "base"
+    #: the internal update rule (``lsgd_hpc.methods.rules``)
+    rule: type = object
+    #: the method's own options (CLI names) and their defaults
+    defaults: Dict[str, Any] = {}
+    #: True when the method averages gradients (so it must see them in the flat buffer)
+    averages_gradients = False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
+                 max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
+                 consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
+                 comm_dtype: str = "fp32", broadcast_initial: bool = True, **options):
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            known = ", ".join(sorted(self.defaults)) or "none"
+            raise ValueError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)} "
+                             f"(its options: {known})")
+        opts = {**self.defaults, **options}
+        if max_steps is not None:
+            _check_int("max_steps", max_steps)
+        _check_int("checkpoint_every", checkpoint_every, 0)
+        _check_int("consensus_every", consensus_every, 0)
+        _check_int("stop_check_every", stop_check_every)
+        from lsgd_hpc.comm.lowprec import COMM_DTYPES
+        if comm_dtype not in COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, "
+                             f"got {comm_dtype!r}")
+        self.validate(opts, comm)
+        # Every rank checks its own model; all agree before anything else, so a model one
+        # rank cannot handle stops every rank with the same message.
+        problem = _model_problem(model, optimizer)
+        n = sum(p.numel() for p in model.parameters()) if problem is None else -1
+        shapes = comm.world.allgather_object((problem, n))
+        bad = [r for r, (p, _) in enumerate(shapes) if p]
+        if bad:
+            where = "" if len(bad) == len(shapes) else f" (on rank {bad[0]} of {len(shapes)})"
+            raise ValueError(f"{type(self).__name__}: {shapes[bad[0]][0]}{where}")
+        if len({s for _, s in shapes}) > 1:
+            raise ValueError(f"{type(self).__name__}: the ranks' models differ in size "
+                             f"({sorted({s for _, s in shapes})} parameters); every rank must "
+                             "build the same model")
+        self.model, self.optimizer, self.comm = model, optimizer, comm
+        self.options = opts
+        self.world, self.groups = comm.world, comm.groups
+        self.comm_dtype = comm_dtype
+        if COMM_DTYPES[comm_dtype] is not None:   # what the method sends, in bfloat16
+            from lsgd_hpc.comm.lowprec import low_precision_groups
+            self.groups = low_precision_groups(comm.groups, COMM_DTYPES[comm_dtype])
+            self.world = self.groups.world
+        self.flat = FlatParams(model)
+        self.log = metrics.log if metrics is not None else (lambda group, **row: None)
+        self.rule = self.build(opts)
+        self.rule.consensus_every = consensus_every
+        self.consensus_every = consensus_every
+        self.max_steps, self.checkpoint_every = max_steps, checkpoint_every
+        self.stop_signals = stop
+        self.steps = 0
+        self.skipped_steps = 0      # fp16 steps a GradScaler skipped (inf/NaN gradients)
+        self.done = False
+        self.stopping = False
+        self.checkpoint_due = False
+        self._synced = False
+        params = [p for p in model.parameters()]
+        self._grad_views = [(p, self.flat.grad[off:off + n].view_as(p))
+                            for p, (_, off, n) in zip(params, self.flat.slices) if p.requires_grad]
+        if self.rule.owns_schedule:
+            if max_steps is None:
+                raise ValueError(f"{type(self).__name__}: max_steps is required (its ranks take "
+                                 "uneven numbers of steps and agree on when to end)")
+            self.rule.set_schedule(max_steps, checkpoint_every)
+            self._agreement = None
+        else:
+            from lsgd_hpc.runtime.stopping import StopAgreement
+            self._agreement = StopAgreement(self.world, stop_check_every) if stop else None
+        if broadcast_initial:
+            self.broadcast_initial()
+
+    # -- what subclasses define --------------------------------------------------------------
+    def validate(self, opts: Dict[str, Any], comm) -> None:
+        """Raise ValueError naming the option for a bad value (the same on every rank)."""
+
+    def build(self, opts: Dict[str, Any]):
+        raise NotImplementedError
+
+    # -- set-up ------------------------------------------------------------------------------
+    def broadcast_initial(self) -> None:
+        """Collective: every worker takes rank 0's parameters and buffers (the common x_0);
+        the method's copies of x_0 (EASGD's centre) are taken from it. Done at construction;
+        call it again after loading weights on rank 0 only."""
+        with uncounted(self.comm.world):                # exact, whatever comm_dtype
+            self.comm.world.broadcast_(self.flat.flat, 0)
+        for v in self.rule.eval_models().values():
+            v.copy_(self.flat.flat)
+
+    def set_metrics(self, metrics) -> None:
+        """Send the method's rows (elections, consensus) to ``metrics.log``."""
+        self.log = self.rule.log = metrics.log
+
+    # -- the step ----------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        """Zero every gradient in place in one operation over the fused gradient buffer (a
+        faster equivalent of ``optimizer.zero_grad(set_to_none=False)``; either works)."""
+        for p, view in self._grad_views:
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+        self.flat.grad.zero_()
+
+    def _gradients_into_buffer(self) -> None:
+        """Put every trainable parameter's gradient into the flat gradient buffer (where the
+        averaging reads it): ``optimizer.zero_grad()`` sets ``.grad`` to None and backward
+        then allocates a new tensor. A parameter without a gradient this step contributes
+        zeros, and gets the averaged gradient like the others (as DDP does)."""
+        for p, view in self._grad_views:
+            g = p.grad
+            if g is None:
+                view.zero_()
+            elif g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            else:
+                continue
+            p.grad = view
+
+    def synchronize(self) -> None:
+        """Finish this step's gradient communication now (gradient-averaging methods; a no-op
+        for the others). Call it after backward and before anything that reads or changes
+        the gradients, such as ``clip_grad_norm_`` or ``GradScaler.unscale_``; ``step``
+        then does not communicate the gradients again."""
+        if self._synced:
+            return
+        if self.averages_gradients and self.world.size > 1:   # (alone: nothing to average)
+            self._gradients_into_buffer()
+        self.rule.before_step(self.steps + 1)
+        self._synced = True
+
+    def step(self, loss=None, scaler: Optional["torch.amp.GradScaler"] = None) -> None:
+        """The optimizer step and the method's communication of this step.
+
+        ``loss``: this minibatch's loss (a tensor or a float); leader methods score workers
+        by it. ``scaler``: a ``torch.amp.GradScaler`` for fp16 training: the step is then
+        ``scaler.step(optimizer)`` and ``scaler.update()``; a step it skips for inf/NaN
+        gradients is counted in ``skipped_steps``.
+        """
+        if self.done:
+            raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
+        self.synchronize()
+        self._synced = False
+        if scaler is not None:
+            scale = scaler.get_scale()
+            scaler.step(self.optimizer)
+            scaler.update()
+            if scaler.get_scale() < scale:
+                self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+        self.steps += 1
+        value = self._loss_value(loss)
+        if self.consensus_every and not self.rule.owns_schedule \
+                and self.steps % self.consensus_every == 0:
+            self.rule.measure_consensus(self.steps)
+        self.rule.after_step(self.steps, value)
+        self.after_rule(self.steps)
+        self._control()
+
+    def after_rule(self, step: int) -> None:
+        """Hook after the rule's communication of ``step``."""
+
+    def _loss_value(self, loss) -> float:
+        if loss is None:
+            return math.nan
+        if isinstance(loss, torch.Tensor):
+            return float(loss.detach())
+        return float(loss)
+
+    def _control(self) -> None:
+        raised = bool(self.stop_signals is not None and self.stop_signals.raised)
+        if self.rule.owns_schedule:
+            action = self.rule.control(raised)
+            self.checkpoint_due = action == "checkpoint"
+            self.stopping = action == "stop"
+            self.done = action == "end"
+            return
+        self.checkpoint_due = bool(self.checkpoint_every and self.steps % self.checkpoint_every == 0)
+        if self._agreement is not None and self._agreement.check(self.steps, raised):
+            self.stopping = True
+        if self.max_steps is not None and self.steps >= self.max_steps:
+            self.done = True
+        if self.done or self.stopping:
+            self.drain()
+
+    def drain(self) -> None:
+        """Complete any control request in flight (before a checkpoint's barriers or exit)."""
+        if self._agreement is not None:
+            self._agreement.drain()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside this context only accumulate gradients (for accumulation
+        over several microbatches with overlapped gradient averaging); the averaging runs
+        for the last backward, outside it. Without buckets it changes nothing."""
+        buckets = getattr(self.rule, "buckets", None)
+        if buckets is None:
+            yield
+            return
+        buckets.enabled = False
+        try:
+            yield
+        finally:
+            buckets.enabled = True
+
+    # -- the model the method reports ----------------------------------------------------------
+    def reported_state(self) -> torch.Tensor:
+        """The flat vector (parameters then floating-point buffers) of the model this method
+        reports; collective for the methods whose model lives on another rank."""
+        return self.flat.flat
+
+    @contextlib.contextmanager
+    def reported_model(self) -> Iterator[nn.Module]:
+        """Collective context: inside it ``self.model`` holds the model this method reports
+        (LSGD: the global leader's; EASGD: the centre; otherwise the worker's own); the
+        worker's own parameters are put back afterwards."""
+        vec = self.reported_state()
+        if vec is self.flat.flat:
+            yield self.model
+            return
+        saved = self.flat.flat.clone()
+        self.flat.flat.copy_(vec)
+        try:
+            yield self.model
+        finally:
+            self.flat.flat.copy_(saved)
+
+    # -- state -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The method's own state (its step counter and rule state; not the model's or the
+        optimizer's, which the user saves as usual)."""
+        self.drain()
+        return {"method": self.name, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                "rule": self.rule.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("method") != self.name:
+            raise ValueError(f"state is of method {state.get('method')!r}, not {self.name!r}")
+        self.steps = int(state["steps"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.rule.load_state_dict(state["rule"])
+        self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
+                         and self.steps >= self.max_steps)
+
+    def close(self) -> None:
+        """Finish what is in flight and release hooks (the communicators stay the user's)."""
+        self.drain()
+        buckets = getattr(self.rule, "buckets", None)
+        if buckets is not None:
+            buckets.remove()
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        return f"{type(self).__name__}({opts})"
+
+
+class _LeaderOptions:
+    defaults = {"tau_local": 64, "tau_global": 128, "pull_local": 0.1, "pull_global": 0.1,
+                "leader_window": 10}
+
+    def validate(self, opts, comm) -> None:
+        _check_int("tau_local", opts["tau_local"])
+        _check_int("tau_global", opts["tau_global"])
+        if opts["tau_global"] % opts["tau_local"]:
+            raise ValueError(f"tau_global must be a multiple of tau_local "
+                             f"({opts['tau_global']} vs {opts['tau_local']})")
+        _check_float("pull_local", opts["pull_local"], 0, 1)
+        _check_float("pull_global", opts["pull_global"], 0, 1)
+        _check_int("leader_window", opts["leader_window"])
+
+
+class LeaderSGD(_LeaderOptions, Method):
+    """Leader SGD (Teng et al. 2019), synchronous, single- or multi-leader: every
+    ``tau_local`` steps each worker is pulled toward its node's leader,
+    ``x <- x - pull_local (x - x_l)``, and every ``tau_global`` steps toward the global
+    leader, ``x <- x - pull_global (x - x_L)``; leaders have the lowest mean loss over their
+    last ``leader_window`` minibatches (so pass the loss to ``step``), or, with
+    ``score_fn``, the lowest ``score_fn()`` evaluated at each election (for instance the loss
+    on a held-out slice of the training data: a leader that generalises; time it inside
+    ``uncounted(comm.world, probe=True)`` to keep it out of the training time). The reported
+    model is the last elected global leader's."""
+
+    name = "lsgd"
+    rule = _LeaderRule
+    defaults = {**_LeaderOptions.defaults, "lsgd_pull_every_step": False, "lsgd_bn": "keep",
+                "score_fn": None}
+
+    def validate(self, opts, comm) -> None:
+        super().validate(opts, comm)
+        if opts["score_fn"] is not None and not callable(opts["score_fn"]):
+            raise ValueError(f"score_fn must be a callable returning a float, got "
+                             f"{type(opts['score_fn']).__name__}")
+        from lsgd_hpc.methods.rules.lsgd import BN_POLICIES
+        if opts["lsgd_bn"] not in BN_POLICIES:
+            raise ValueError(f"lsgd_bn must be one of {', '.join(BN_POLICIES)}, "
+                             f"got {opts['lsgd_bn']!r}")
+
+    def build(self, o):
+        return _LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
+                           o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
+                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
+                           score_fn=o["score_fn"])
+
+    def reported_state(self) -> torch.Tensor:
+        """The last elected global leader's parameters (elected now if none was yet):
+        one broadcast from it, crossing node boundaries once per node."""
+        el = self.rule.last_global
+        with uncounted(self.world, probe=True):
+            if el is None:
+                el = self.world.elect(self.rule.score())
+            buf = self.flat.flat.clone()
+            self.comm.groups.broadcast_from_(buf, el.world_rank)     # exact
+        return buf
+
+
+class AsyncLeaderSGD(_LeaderOptions, Method):
+    """Leader SGD without per-step coupling: rounds are counted in the total work of the
+    workers and decided by non-blocking probes, and no worker waits for another one's step
+    (``max_staleness`` bounds how far ahead a worker runs past a request it posted; default
+    ``tau_global``). Ranks take different numbers of steps: ``max_steps`` is required, and
+    the loop ends when ``done`` turns True (agreed by every rank)."""
+
+    name = "lsgd-async"
+    rule = _AsyncRule
+    defaults = {**_LeaderOptions.defaults, "max_staleness": None}
+
+    def validate(self, opts, comm) -> None:
+        super().validate(opts, comm)
+        if opts["max_staleness"] is not None:
+            _check_int("max_staleness", opts["max_staleness"], 0)
+
+    def build(self, o):
+        staleness = o["max_staleness"] if o["max_staleness"] is not None else o["tau_global"]
+        return _AsyncRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
+                          o["pull_local"], o["pull_global"], o["leader_window"], staleness,
+                          log=self.log)
+
+    def reported_state(self) -> torch.Tensor:
+        # between rounds no leader is pinned down on every rank: the worker's own model
+        return self.flat.flat
+
+
+class AllreduceSGD(Method):
+    """Synchronous data parallel SGD (as DDP and Horovod): gradients averaged over all
+    workers every step, every replica takes the same step. ``bucket_mb > 0`` averages the
+    gradient in buckets of that size started during backward (overlap); then call
+    ``synchronize()`` before reading the gradients (clipping, ``GradScaler.unscale_``) and
+    use ``no_sync()`` for all but the last backward when accumulating. Every
+    ``check_replicas_every`` steps the replicas are checked to be bit-identical (one small
+    object allgather; 0: never): a divergence raises on every rank instead of going on."""
+
+    name = "allreduce"
+    rule = _AllreduceRule
+    defaults = {"bucket_mb": 0.0, "check_replicas_every": 100}
+    averages_gradients = True
+
+    def validate(self, opts, comm) -> None:
+        _check_float("bucket_mb", opts["bucket_mb"], 0, math.inf)
+        _check_int("check_replicas_every", opts["check_replicas_every"], 0)
+
+    def build(self, o):
+        rule = _AllreduceRule(self.groups, self.flat, log=self.log,
+                              bucket_bytes=int(float(o["bucket_mb"]) * 2**20))
+        if rule.buckets is not None:
+            rule.buckets.adopt_gradients = True     # copy a fresh .grad in from its hook
+        return rule
+
+    def after_rule(self, step: int) -> None:
+        every = self.options["check_replicas_every"]
+        if every and step % every == 0:
+            self.check_replicas(step)
+
+    def check_replicas(self, step: Optional[int] = None) -> None:
+        """Collective: raise RuntimeError on every rank unless every replica holds the same
+        parameters and buffers, bit for bit."""
+        digest = hashlib.blake2b(self.flat.flat.detach().cpu().numpy().tobytes(),
+                                 digest_size=16).hexdigest()
+        with uncounted(self.world):
+            digests = self.world.allgather_object(digest)
+        if len(set(digests)) > 1:
+            groups: Dict[str, list] = {}
+            for r, d in enumerate(digests):
+                groups.setdefault(d, []).append(r)
+            raise RuntimeError(
+                f"AllreduceSGD: replicas diverged by step {self.steps if step is None else step}: "
+                f"{len(groups)} different parameter sets among the ranks "
+                f"({'; '.join(str(v) for v in groups.values())}). Were gradients read or "
+                "changed while their averaging was in flight? Call method.synchronize() "
+                "before clipping or unscaling them")
+
+
+class EASGD(Method):
+    """Elastic averaging SGD (Zhang et al. 2015), synchronous, without a parameter server:
+    every ``easgd_tau`` steps ``d_i = alpha (x_i - c)``, ``x_i <- x_i - d_i``,
+    ``c <- c + sum_i d_i`` (one allreduce), the centre c held identically on every rank.
+    ``easgd_alpha`` defaults to 0.9 / world size. The reported model is the centre."""
+
+    name = "easgd"
+    rule = _EASGDRule
+    defaults = {"easgd_alpha": None, "easgd_tau": 4}
+
+    def validate(self, opts, comm) -> None:
+        if opts["easgd_alpha"] is not None:
+            _check_float("easgd_alpha", opts["easgd_alpha"], 0, 1, low_open=True, high_open=True)
+        _check_int("easgd_tau", opts["easgd_tau"])
+
+    def build(self, o):
+        alpha = o["easgd_alpha"] if o["easgd_alpha"] is not None else 0.9 / self.world.size
+        return _EASGDRule(self.groups, self.flat, alpha, o["easgd_tau"], log=self.log)
+
+    def reported_state(self) -> torch.Tensor:
+        return self.rule.center
+
+
+class LocalSGD(Method):
+    """Local SGD (periodic averaging): every ``local_steps`` steps ``x <- mean_j x_j`` (one
+    allreduce). ``local_steps="auto"`` measures the cost of a round against a local step
+    and the local loss decay, and picks T at run time (at most ``local_steps_max``)."""
+
+    name = "local-sgd"
+    rule = _LocalRule
+    defaults = {"local_steps": 8, "local_steps_cost_ratio": None, "local_steps_max": 1024}
+
+    def validate(self, opts, comm) -> None:
+        if opts["local_steps"] != "auto":
+            _check_int("local_steps", opts["local_steps"])
+        if opts["local_steps_cost_ratio"] is not None:
+            _check_float("local_steps_cost_ratio", opts["local_steps_cost_ratio"], 0, math.inf,
+                         low_open=True)
+        _check_int("local_steps_max", opts["local_steps_max"])
+
+    def build(self, o):
+        return _LocalRule(self.groups, self.flat, o["local_steps"], t_max=o["local_steps_max"],
+                          cost_ratio=o["local_steps_cost_ratio"], log=self.log)
+
+
+class DiLoCo(Method):
+    """DiLoCo (Douillard et al. 2023): ``local_steps`` (H) steps of the user's optimizer (the
+    inner one; AdamW in the paper), then one outer step: the pseudo-gradient
+    ``delta = mean_i (x_prev - x_i)`` (one allreduce) is the gradient of an outer SGD with
+    ``outer_lr``, ``outer_momentum`` and Nesterov (``outer_nesterov``) from x_prev. With
+    outer lr 1 and momentum 0 it is local SGD with T = H. The inner optimizer's state stays
+    local; the outer state is in ``state_dict``."""
+
+    name = "diloco"
+    rule = _DiLoCoRule
+    defaults = {"local_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9,
+                "outer_nesterov": True}
+
+    def validate(self, opts, comm) -> None:
+        _check_int("local_steps", opts["local_steps"])
+        _check_float("outer_lr", opts["outer_lr"], 0, math.inf, low_open=True)
+        _check_float("outer_momentum", opts["outer_momentum"], 0, 1, high_open=True)
+
+    def build(self, o):
+        return _DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                           outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
+                           outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
+                           log=self.log)
+
+
+class SlowMo(Method):
+    """SlowMo (Wang et al. 2019): local SGD with period ``local_steps`` (T; 1 averages every
+    step) and, every ``slowmo_every`` steps (a multiple of T), an exact average followed by
+    the slow momentum step ``u <- beta u + (x_old - x) / lr``,
+    ``x_old <- x_old - alpha lr u``, x <- x_old, with lr the optimizer's current learning
+    rate (its first parameter group's). ``slowmo_beta`` 0 and ``slowmo_alpha`` 1 give back
+    local SGD."""
+
+    name = "slowmo"
+    rule = _SlowMoRule
+    defaults = {"local_steps": 1, "slowmo_every": 48, "slowmo_beta": 0.5, "slowmo_alpha": 1.0}
+
+    def validate(self, opts, comm) -> None:
+        _check_int("local_steps", opts["local_steps"])
+        _check_int("slowmo_every", opts["slowmo_every"])
+        if opts["slowmo_every"] % opts["local_steps"]:
+            raise ValueError(f"slowmo_every must be a multiple of local_steps "
+                             f"({opts['slowmo_every']} vs {opts['local_steps']})")
+        _check_float("slowmo_beta", opts["slowmo_beta"], 0, 1, high_open=True)
+        _check_float("slowmo_alpha", opts["slowmo_alpha"], 0, math.inf, low_open=True)
+
+    def build(self, o):
+        return _SlowMoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                           slowmo_every=o["slowmo_every"], slowmo_beta=o["slowmo_beta"],
+                           slowmo_alpha=o["slowmo_alpha"], optimizer=self.optimizer,
+                           log=self.log)
+
+
+class GossipSGD(Method):
+    """Decentralised SGD: after each step ``x_i <- sum_j W_ij x_j`` over the neighbours of
+    ``topology`` (a name of ``python -m lsgd_hpc.topology``), parameters sent to the
+    neighbours only, never an allreduce."""
+
+    name = "gossip"
+    rule = _GossipRule
+    defaults = {"topology": "ring"}
+
+    def validate(self, opts, comm) -> None:
+        from lsgd_hpc.topology import TOPOLOGIES
+        if opts["topology"] not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(sorted(TOPOLOGIES))}, "
+                             f"got {opts['topology']!r}")
+
+    def build(self, o):
+        from lsgd_hpc.topology import build_topology
+        topo = build_topology(o["topology"], self.world.size, node_of=self.groups.node_of)
+        return _GossipRule(self.groups, self.flat, topo, log=self.log)
+
+
+#: every method by its CLI name (``--algorithm``)
+METHODS: Dict[str, type] = {cls.name: cls for cls in
+                            (LeaderSGD, AsyncLeaderSGD, AllreduceSGD, EASGD, LocalSGD, DiLoCo,
+                             SlowMo, GossipSGD)}
+
+
+def method_class(name: str) -> type:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None

@@ -1,0 +1,106 @@
+"""What every training method shares: a step hook over the communication interface."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+
+from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups
+
+__all__ = ["Algorithm", "uncounted", "MetricsSink"]
+
+#: log(group, **row): the trainer's metrics writer (or a list-appender in tests)
+MetricsSink = Callable[..., None]
+
+
+@contextmanager
+def uncounted(comm: Communicator, probe: bool = False) -> Iterator[None]:
+    """Measurement and control traffic (consensus probes, stop flags) is not the method's
+    communication: restore the counters afterwards so comm_* report only the algorithm, and
+    book the time as control overhead (``overhead_seconds``, still training time) or, with
+    ``probe``, as measurement (``probe_seconds``, left out of the training time)."""
+    saved = comm.stats.snapshot()
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        comm.stats.load_state_dict(saved.state_dict())
+        if probe:
+            comm.stats.probe_seconds += time.perf_counter() - t0
+        else:
+            comm.stats.overhead_seconds += time.perf_counter() - t0
+
+
+class Algorithm:
+    """A training method is a hook around each worker's own optimizer step.
+
+    The trainer calls ``before_step`` after backward (gradients in ``flat.grad``) and
+    ``after_step`` after the optimizer step with the number of completed steps and the
+    minibatch loss. Anything a method keeps across steps is in ``state_dict``.
+    """
+
+    name = "base"
+    #: extra columns this method adds to the metric groups, e.g. {"eval": {"center_test_accuracy": "f8"}}
+    extra_columns: Dict[str, Dict[str, str]] = {}
+    #: extra HDF5 file attributes this method adds, e.g. the meaning of a code column
+    file_attrs: Dict[str, str] = {}
+    #: True for a method that decides itself when training ends, stops and checkpoints
+    #: (ranks take different numbers of steps): see AsyncLeaderSGD.control
+    owns_schedule = False
+    #: --consensus-every, set by the trainer: a method that owns its schedule measures the
+    #: consensus distance at its own agreed moments when this is non-zero (0: never)
+    consensus_every = 0
+
+    def __init__(self, groups: NodeGroups, flat: FlatParams, log: Optional[MetricsSink] = None):
+        self.groups = groups
+        self.world = groups.world
+        self.flat = flat
+        self.log = log or (lambda group, **row: None)
+        # the flat buffers' shapes are agreed on once here, not before every collective
+        self.world.agree_buffers(flat.flat, flat.params, flat.grad, flat.flat[flat.n_params:])
+
+    def before_step(self, step: int) -> None:
+        """Gradients of this step are in flat.grad; the optimizer has not stepped yet."""
+
+    def after_step(self, step: int, loss: float) -> None:
+        """``step`` optimizer steps are done; the last minibatch loss was ``loss``."""
+
+    def eval_models(self) -> Dict[str, torch.Tensor]:
+        """Extra flat parameter vectors to evaluate beside the worker's own (name -> vector)."""
+        return {}
+
+    def train_columns(self) -> Dict[str, float]:
+        """Values of this method's extra /train columns for the current row."""
+        return {}
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # -- shared pieces ----------------------------------------------------------------------
+    def measure_consensus(self, step: int) -> float:
+        """Log and return the consensus distance of the trainable parameters,
+
+            D = (1/p) sum_i ||x_i - xbar||^2,   xbar = (1/p) sum_j x_j,
+
+        over the parameters only (BatchNorm running statistics are not trained, and would
+        otherwise dominate D). The same code for every method; the trainer calls it at the
+        same point of every method's cycle: after the local optimizer step, before the
+        method's communication of that step. Two uncounted allreduces (the mean, then the
+        mean of the squared deviations), booked as measurement (probe_seconds).
+        """
+        x = self.flat.params
+        mean = x.detach().clone()
+        world = getattr(self.world, "inner", self.world)    # exact, whatever --comm-dtype
+        with uncounted(world, probe=True):
+            world.allreduce_(mean, "mean")
+            sq = (x.detach().double() - mean.double()).pow(2).sum().reshape(1).cpu()
+            world.allreduce_(sq, "mean")
+        distance = float(sq.item())
+        self.log("consensus", step=step, distance=distance)
+        return distance

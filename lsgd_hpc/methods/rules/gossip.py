@@ -1,0 +1,47 @@
+"""Decentralized (gossip) SGD: neighbour-only exchange over a graph, no global collective."""
+
+from __future__ import annotations
+
+import torch
+
+from lsgd_hpc.comm import FlatParams, NodeGroups
+from lsgd_hpc.topology import Topology
+from lsgd_hpc.methods.rules.base import Algorithm
+
+__all__ = ["GossipSGD"]
+
+
+class GossipSGD(Algorithm):
+    """Adapt-then-combine decentralized SGD over a mixing matrix W:
+        x_i <- sum_j W_ij (x_j - eta g_j)
+    (the optimizer step is the "adapt"; this hook is the "combine"). Only neighbours
+    exchange parameters, through the communicator's neighbour allgather on an MPI
+    distributed-graph communicator (one per distinct graph; a time-varying topology
+    cycles through its period). W doubly stochastic keeps the global mean of x.
+    """
+
+    name = "gossip"
+
+    def __init__(self, groups: NodeGroups, flat: FlatParams, topology: Topology, log=None):
+        super().__init__(groups, flat, log)
+        if topology.n != self.world.size:
+            raise ValueError(f"topology has {topology.n} nodes, world has {self.world.size}")
+        self.topology = topology
+        self._recv = {}
+
+    def after_step(self, step: int, loss: float) -> None:
+        self.combine(step)
+
+    def combine(self, step: int) -> None:
+        me, topo, x = self.world.rank, self.topology, self.flat.flat
+        src, dst = topo.in_neighbors(me, step), topo.out_neighbors(me, step)
+        w_self, w = topo.weights(me, step)
+        recv = self._recv.get(len(src))
+        if recv is None:
+            recv = self._recv[len(src)] = torch.empty((len(src), x.numel()), dtype=x.dtype,
+                                                      device=x.device)
+        key = (topo.name, step % topo.period)   # names the whole graph on every rank
+        self.world.neighbor_allgather(x, src, dst, out=recv, graph_key=key)
+        x.mul_(w_self)
+        for k, j in enumerate(src):
+            x.add_(recv[k], alpha=w[j])

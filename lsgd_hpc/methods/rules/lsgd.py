@@ -1,0 +1,154 @@
+"""Leader SGD: each worker is pulled toward the best worker, its node's and the global one."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Callable, Optional
+
+import torch
+
+from lsgd_hpc.comm import Election, FlatParams, NodeGroups
+from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+
+__all__ = ["LeaderSGD", "BN_POLICIES", "window_score"]
+
+GLOBAL, LOCAL = 0, 1
+
+
+def window_score(losses) -> float:
+    """A worker's score: the mean of its last K minibatch losses (+inf before any)."""
+    return sum(losses) / len(losses) if losses else math.inf
+
+
+#: BatchNorm policies of a pull: running statistics pulled like parameters, kept local,
+#: or copied from the leader
+BN_POLICIES = ("pull", "keep", "copy")
+
+
+class LeaderSGD(Algorithm):
+    """Multi-leader LSGD (Teng et al.), synchronous.
+
+    Every ``tau_local`` steps, inside each node:   x_i <- x_i - c_L (x_i - x_l(node))
+    Every ``tau_global`` steps, over all workers:   x_i <- x_i - c_G (x_i - x_L)
+    where a leader is the member with the lowest score (mean of its last K minibatch
+    losses), elected with one MINLOC reduction; the leader's own pull is zero. When both
+    fall on one step the local pull comes first. With one node, or one rank per node, the
+    local level is the global one and only the global pull runs (single-leader LSGD).
+    The global leader's parameters cross node boundaries once per node
+    (NodeGroups.broadcast_from_). Momentum buffers are the worker's own and are not pulled.
+
+    ``pull_every_step`` (the reference implementation's proximal term): at every step on
+    which a level does not communicate, each worker is also pulled toward the copy of that
+    level's leader it received last, with the strength spread over the period,
+        x_i <- x_i - (c_L / tau_L)(x_i - x~_l) - (c_G / tau_G)(x_i - x~_L),
+    (the last leader included: its copy is its own past self, a proximal anchor).
+
+    ``bn`` says what a pull does to the floating-point buffers (BatchNorm running
+    statistics), which the flat buffer holds after the parameters:
+      keep  pull the parameters only; each worker keeps its own statistics (the reference;
+            only the parameters are broadcast)
+      copy  pull the parameters and take the leader's statistics as they are
+      pull  pull the statistics like parameters (a convex mix of two workers' statistics)
+
+    ``score_fn`` (--leader-score heldout): when given, a worker's score at an election is
+    ``score_fn()`` (its loss on a held-out slice of the training set, the same slice on
+    every rank) instead of the window mean; it is called once per step that has an
+    election, and its value is the score elected on and logged in /leader.
+    """
+
+    name = "lsgd"
+
+    def __init__(self, groups: NodeGroups, flat: FlatParams, tau_local: int, tau_global: int,
+                 pull_local: float, pull_global: float, window: int,
+                 log: Optional[MetricsSink] = None, pull_every_step: bool = False,
+                 bn: str = "keep", score_fn: Optional[Callable[[], float]] = None):
+        super().__init__(groups, flat, log)
+        if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
+            raise ValueError("tau_global must be a positive multiple of tau_local")
+        if bn not in BN_POLICIES:
+            raise ValueError(f"bn must be one of {BN_POLICIES}, got {bn!r}")
+        self.tau_local, self.tau_global = tau_local, tau_global
+        self.pull_local, self.pull_global = pull_local, pull_global
+        self.pull_every_step, self.bn = pull_every_step, bn
+        self.losses: deque = deque(maxlen=window)
+        n = flat.n_params
+        # what crosses the wire (the statistics only when a pull uses them) and what is pulled
+        self.sent = flat.params if bn == "keep" else flat.flat
+        self.pulled = flat.flat if bn == "pull" else flat.params
+        # the last received copy of each level's leader (x~_l, x~_L)
+        self.copies = {LOCAL: torch.empty_like(self.sent), GLOBAL: torch.empty_like(self.sent)}
+        self.world.agree_buffers(*self.copies.values())
+        self.have_copy = {LOCAL: False, GLOBAL: False}
+        self.n_params = n
+        self.multi_level = 1 < groups.n_nodes < groups.world.size
+        self.last_global: Optional[Election] = None
+        self.score_fn = score_fn
+
+    def score(self) -> float:
+        return window_score(self.losses)
+
+    def after_step(self, step: int, loss: float) -> None:
+        self.losses.append(float(loss))
+        local_now = self.multi_level and step % self.tau_local == 0
+        global_now = step % self.tau_global == 0
+        if self.score_fn is not None:
+            score = float(self.score_fn()) if (local_now or global_now) else math.nan
+        else:
+            score = self.score()
+        if local_now:
+            el = self.groups.node.elect(score)
+            self._log(step, LOCAL, el, score)
+            self._pull(LOCAL, el.world_rank, self.pull_local,
+                       lambda t: self.groups.node.broadcast_(t, el.rank))
+        if global_now:
+            el = self.groups.world.elect(score)
+            self.last_global = el
+            self._log(step, GLOBAL, el, score)
+            self._pull(GLOBAL, el.world_rank, self.pull_global,
+                       lambda t: self.groups.broadcast_from_(t, el.world_rank))
+        if self.pull_every_step:
+            if self.multi_level and not local_now:
+                self._proximal(LOCAL, self.pull_local / self.tau_local)
+            if not global_now:
+                self._proximal(GLOBAL, self.pull_global / self.tau_global)
+
+    def _pull(self, level: int, leader: int, c: float, broadcast) -> None:
+        x, xl = self.sent, self.copies[level]
+        is_leader = self.world.world_rank == leader
+        if is_leader:
+            xl.copy_(x)
+        broadcast(xl)
+        self.have_copy[level] = True
+        if is_leader:
+            return
+        n = self.pulled.numel()
+        if c > 0:
+            self.pulled.sub_(self.pulled - xl[:n], alpha=c)      # x <- x - c (x - x_L)
+        if self.bn == "copy":
+            self.flat.flat[self.n_params:].copy_(xl[self.n_params:])
+
+    def _proximal(self, level: int, strength: float) -> None:
+        if not self.have_copy[level] or strength <= 0:
+            return
+        n = self.pulled.numel()
+        self.pulled.sub_(self.pulled - self.copies[level][:n], alpha=strength)
+
+    def _log(self, step: int, scope: int, el: Election, score: float) -> None:
+        self.log("leader", step=step, scope=scope, leader_rank=el.world_rank, score=score)
+
+    def state_dict(self) -> dict:
+        state = {"losses": list(self.losses)}
+        if self.pull_every_step:      # the copies the next steps pull toward
+            for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
+                if self.have_copy[level]:
+                    state[f"{name}_copy"] = self.copies[level].clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.losses.clear()
+        self.losses.extend(float(v) for v in state["losses"])
+        for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
+            if f"{name}_copy" in state:
+                self.copies[level].copy_(state[f"{name}_copy"])
+                self.have_copy[level] = True

@@ -1,0 +1,109 @@
+"""SlowMo: local SGD with a slow momentum step on the averaged model."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from lsgd_hpc.comm import FlatParams, NodeGroups
+from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+
+__all__ = ["SlowMo"]
+
+
+class SlowMo(Algorithm):
+    """Slow momentum (Wang, Tantia, Ballas, Rabbat 2019; fairscale's
+    SlowMoDistributedDataParallel), over local SGD.
+
+    Base: local SGD with period ``local_steps`` (T): every T steps x_i <- (1/p) sum_j x_j
+    (one allreduce of the whole flat buffer, BatchNorm statistics included; T = 1 averages
+    every step). Every ``slowmo_every`` steps (a multiple of T, so the base has just averaged),
+    with gamma the learning rate of the optimizer's (first) param group and x_old the
+    parameters after the last slow step (x_0 at the start):
+
+        u     <- beta u + (x_old - x) / gamma
+        x_old <- x_old - alpha gamma u
+        x     <- x_old
+
+    on the parameters (the averaged BatchNorm statistics stay as they are). u is computed in
+    fairscale's order, u.mul_(beta).sub_(x, alpha=1/gamma).add_(x_old, alpha=1/gamma).
+    With beta = 0 and alpha = 1 this is the base, up to rounding. The slow step needs no
+    communication of its own. u and x_old are in ``state_dict``.
+    """
+
+    name = "slowmo"
+    extra_columns = {"train": {"slowmo_u_norm": "f8"}}
+
+    def __init__(self, groups: NodeGroups, flat: FlatParams, local_steps: int = 1,
+                 slowmo_every: int = 48, slowmo_beta: float = 0.5, slowmo_alpha: float = 1.0,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 log: Optional[MetricsSink] = None):
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
+        if isinstance(slowmo_every, bool) or not isinstance(slowmo_every, int) or slowmo_every < 1:
+            raise ValueError(f"slowmo_every must be an integer >= 1, got {slowmo_every!r}")
+        if slowmo_every % local_steps:
+            raise ValueError(f"slowmo_every must be a multiple of local_steps, got "
+                             f"{slowmo_every} and {local_steps}")
+        if not (math.isfinite(slowmo_beta) and 0 <= slowmo_beta < 1):
+            raise ValueError(f"slowmo_beta must be in [0, 1), got {slowmo_beta}")
+        if not (math.isfinite(slowmo_alpha) and slowmo_alpha > 0):
+            raise ValueError(f"slowmo_alpha must be > 0, got {slowmo_alpha}")
+        if optimizer is None or not getattr(optimizer, "param_groups", None):
+            raise ValueError("optimizer must be the workers' optimizer (SlowMo reads the "
+                             "learning rate gamma from its param group), got "
+                             f"{optimizer!r}")
+        super().__init__(groups, flat, log)
+        self.T, self.every = local_steps, slowmo_every
+        self.beta, self.alpha = float(slowmo_beta), float(slowmo_alpha)
+        self.optimizer = optimizer
+        self.scratch = torch.empty_like(flat.flat)
+        self.world.agree_buffers(self.scratch)
+        self.old = flat.params.detach().clone()          # x_old
+        self.u = torch.zeros_like(self.old)               # slow momentum buffer
+        #: x_old is taken again before the first step (the trainer broadcasts x_0 after
+        #: building the method; a resumed run loads it from the checkpoint instead)
+        self._anchor_pending = True
+        self.last_u_norm = math.nan
+
+    def gamma(self) -> float:
+        """The learning rate of the step just taken (the trainer sets it before each step)."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def before_step(self, step: int) -> None:
+        if self._anchor_pending:
+            self.old.copy_(self.flat.params)
+            self._anchor_pending = False
+
+    def after_step(self, step: int, loss: float) -> None:
+        if step % self.T:
+            return
+        self._anchor_pending = False
+        x, mean = self.flat.flat, self.scratch
+        mean.copy_(x)
+        self.world.allreduce_(mean, "mean")               # the base: local SGD
+        x.copy_(mean)
+        if step % self.every:
+            return
+        gamma = self.gamma()
+        if not gamma > 0:
+            raise ValueError(f"SlowMo needs a learning rate > 0 at its slow step, got {gamma}")
+        xp = self.flat.params
+        self.u.mul_(self.beta).sub_(xp, alpha=1 / gamma).add_(self.old, alpha=1 / gamma)
+        self.old.sub_(self.u, alpha=self.alpha * gamma)
+        xp.copy_(self.old)
+        self.last_u_norm = float(self.u.double().norm())
+
+    def train_columns(self):
+        return {"slowmo_u_norm": self.last_u_norm}
+
+    def state_dict(self) -> dict:
+        return {"old": self.old.clone(), "u": self.u.clone(), "u_norm": self.last_u_norm}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.old.copy_(state["old"])
+        self.u.copy_(state["u"])
+        self.last_u_norm = float(state.get("u_norm", math.nan))
+        self._anchor_pending = False

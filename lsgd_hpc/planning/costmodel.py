@@ -1,0 +1,506 @@
+"""An alpha-beta cost model of one training step per method: compute plus its communication.
+
+Every function here is pure (numbers in, numbers out): no MPI, no torch, so the model can be
+tested on constructed inputs and evaluated for clusters far larger than the one at hand.
+
+Links (Hockney). Sending m bytes over a link costs ``alpha + m * beta`` seconds: alpha is the
+per-message latency, beta = 1 / bandwidth. A cluster has two kinds of link: inside a node
+(shared memory, NVLink: ``intra``) and between nodes (the network: ``inter``). p = N * q ranks,
+N nodes of q ranks, consecutive ranks on one node (as ``NodeGroups`` lays them out). All of a
+node's traffic to other nodes shares its one network link.
+
+Collectives over g ranks on one kind of link (n bytes):
+
+    ring allreduce          2 (g-1) alpha + 2 (g-1)/g n beta
+    recursive doubling      ceil(log2 g) (alpha + n beta)
+    binomial broadcast      ceil(log2 g) (alpha + n beta)
+    scatter + allgather     (ceil(log2 g) + g - 1) alpha + 2 (g-1)/g n beta   (broadcast)
+
+and over a whole cluster (1 < N, 1 < q), where each algorithm's slowest hop sets its pace:
+
+    flat ring               2 (p-1) alpha_e + 2 (p-1)/p n beta_e
+                            (every step waits for a hop between nodes; one rank per node
+                            sends across, so the node link carries 2 (p-1)/p n)
+    hierarchical ring       2 (q-1) alpha_i + 2 (q-1)/q n beta_i + 2 (N-1) alpha_e
+                            + 2 (N-1)/N n beta_e   (reduce-scatter inside, q rings of n/q
+                            between nodes sharing the node link, allgather inside)
+    recursive doubling      log2 q (alpha_i + n beta_i) + log2 N (alpha_e + q n beta_e)
+                            (in the steps between nodes all q ranks of a node send n at once)
+    binomial broadcast      log2 N (alpha_e + n beta_e) + log2 q (alpha_i + n beta_i)
+                            (largest distance first: one sender per node crosses)
+
+A library picks its algorithm by message size; ``Collectives(algorithm="auto")`` takes the
+fastest of them (a well-tuned library), or a named one (``ring``, ``hierarchical``,
+``doubling``) to describe a library that always uses it.
+
+Per method, the communication per step is the cost of one communication round divided by the
+period (tau, T) that amortises it, plus elementwise passes over the model (the pulls and
+averages read and write the whole flat vector: ``mem_Bps``), plus a software cost per
+collective call (``call_overhead_s``: the Python path, and lsgd_hpc's agreement check, a
+48-byte allreduce before every collective unless LSGD_HPC_COMM_VALIDATE=0). Step time is
+
+    t_step = t_compute + t_comm            (no overlap; ``overlap`` hides up to that fraction
+                                            of compute behind allreduce SGD's communication)
+
+Bytes per step are lsgd_hpc's logical payload per rank, as /train/comm_bytes_sent counts them
+(allreduce of n: n sent; broadcast: n sent by its root only; neighbour exchange: n per
+out-neighbour), averaged over ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUCE_ALGORITHMS",
+           "ring_allreduce", "doubling_allreduce", "binomial_broadcast",
+           "scatter_allgather_broadcast", "allreduce_time", "broadcast_time",
+           "cluster_broadcast_time", "hierarchical_broadcast_time", "election_time",
+           "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost",
+           "allreduce_sgd", "lsgd", "easgd", "local_sgd", "diloco", "slowmo",
+           "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES"]
+
+#: MPI.DOUBLE_INT (score, rank), padded: the payload of one MINLOC election
+ELECTION_BYTES = 16
+#: lsgd_hpc's agreement check before each collective: (numel, dtype, root) and their negatives
+CHECK_BYTES = 48
+FLOAT_BYTES = 4
+ALLREDUCE_ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")
+
+
+def _log2(g: int) -> int:
+    return int(math.ceil(math.log2(g))) if g > 1 else 0
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: latency ``alpha_s`` (seconds per message), ``beta_s`` (seconds per
+    byte, 1 / bandwidth; 0 means infinite bandwidth)."""
+
+    alpha_s: float
+    beta_s: float
+
+    @classmethod
+    def from_gbps(cls, gbit_per_s: float, latency_us: float) -> "Link":
+        """A link of ``gbit_per_s`` Gbit/s (inf for infinite) and ``latency_us`` microseconds."""
+        beta = 0.0 if math.isinf(gbit_per_s) else 8.0 / (gbit_per_s * 1e9)
+        return cls(latency_us * 1e-6, beta)
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha_s + nbytes * self.beta_s
+
+    @property
+    def gbps(self) -> float:
+        return math.inf if self.beta_s == 0 else 8.0 / self.beta_s / 1e9
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` x ``ranks_per_node`` ranks; ``intra`` and ``inter`` links; software costs.
+
+    ``mem_Bps``: bytes per second of an elementwise pass over the model (memory bandwidth of
+    the device that holds it; inf: free). ``call_overhead_s``: fixed software cost of each
+    collective call. ``checks``: lsgd_hpc's agreement check precedes every collective.
+    """
+
+    nodes: int
+    ranks_per_node: int
+    intra: Link
+    inter: Link
+    mem_Bps: float = math.inf
+    call_overhead_s: float = 0.0
+    checks: bool = False
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self) -> List[int]:
+        return [r // self.ranks_per_node for r in range(self.ranks)]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model and its step: ``n_params`` trainable parameters, ``n_buffers`` floating-point
+    buffer elements (BatchNorm statistics), ``compute_s`` seconds of one local step
+    (forward, backward, optimizer) on one rank."""
+
+    n_params: int
+    n_buffers: int
+    compute_s: float
+    element_bytes: int = FLOAT_BYTES
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.n_params * self.element_bytes
+
+    @property
+    def flat_bytes(self) -> int:
+        """The fused vector every averaging method moves: parameters and buffers."""
+        return (self.n_params + self.n_buffers) * self.element_bytes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.n_buffers * self.element_bytes
+
+
+# -- collectives on one kind of link -----------------------------------------------------------
+def ring_allreduce(nbytes: float, g: int, link: Link) -> float:
+    """2 (g-1) alpha + 2 (g-1)/g n beta (reduce-scatter, then allgather, around a ring)."""
+    if g <= 1:
+        return 0.0
+    return 2 * (g - 1) * link.alpha_s + 2 * (g - 1) / g * nbytes * link.beta_s
+
+
+def doubling_allreduce(nbytes: float, g: int, link: Link) -> float:
+    """ceil(log2 g) (alpha + n beta): recursive doubling, every step a full exchange."""
+    return _log2(g) * link.time(nbytes)
+
+
+def binomial_broadcast(nbytes: float, g: int, link: Link) -> float:
+    """ceil(log2 g) (alpha + n beta)."""
+    return _log2(g) * link.time(nbytes)
+
+
+def scatter_allgather_broadcast(nbytes: float, g: int, link: Link) -> float:
+    """(ceil(log2 g) + g - 1) alpha + 2 (g-1)/g n beta (van de Geijn: binomial scatter of n/g
+    pieces, then a ring allgather)."""
+    if g <= 1:
+        return 0.0
+    return (_log2(g) + g - 1) * link.alpha_s + 2 * (g - 1) / g * nbytes * link.beta_s
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Which allreduce algorithm the library uses: ``auto`` (the fastest of ring, hierarchical
+    and recursive doubling at each size), or one of them always. Broadcasts take the faster
+    of binomial and scatter-allgather."""
+
+    algorithm: str = "auto"
+
+    def __post_init__(self):
+        if self.algorithm not in ALLREDUCE_ALGORITHMS:
+            raise ValueError(f"allreduce algorithm must be one of {', '.join(ALLREDUCE_ALGORITHMS)}"
+                             f", got {self.algorithm!r}")
+
+
+def _allreduce_candidates(nbytes: float, c: Cluster) -> Dict[str, float]:
+    N, q = c.nodes, c.ranks_per_node
+    p = N * q
+    if p <= 1:
+        return {"ring": 0.0, "hierarchical": 0.0, "doubling": 0.0}
+    if N == 1 or q == 1:
+        link = c.intra if N == 1 else c.inter
+        ring = ring_allreduce(nbytes, p, link)
+        return {"ring": ring, "hierarchical": ring, "doubling": doubling_allreduce(nbytes, p, link)}
+    a_i, b_i, a_e, b_e = c.intra.alpha_s, c.intra.beta_s, c.inter.alpha_s, c.inter.beta_s
+    flat_ring = 2 * (p - 1) * max(a_e, a_i) + 2 * (p - 1) / p * nbytes * max(b_e, b_i)
+    hier = ring_allreduce(nbytes, q, c.intra) + (2 * (N - 1) * a_e + 2 * (N - 1) / N * nbytes * b_e)
+    doubling = _log2(q) * c.intra.time(nbytes) + _log2(N) * (a_e + q * nbytes * b_e)
+    return {"ring": flat_ring, "hierarchical": hier, "doubling": doubling}
+
+
+def allreduce_time(nbytes: float, c: Cluster, coll: Collectives = Collectives()) -> float:
+    """Seconds of one allreduce of ``nbytes`` over every rank of the cluster."""
+    cand = _allreduce_candidates(nbytes, c)
+    t = min(cand.values()) if coll.algorithm == "auto" else cand[coll.algorithm]
+    return t + _call_cost(c)
+
+
+def broadcast_time(nbytes: float, g: int, link: Link) -> float:
+    """Seconds of one broadcast over g ranks on one kind of link (the faster algorithm)."""
+    if g <= 1:
+        return 0.0
+    return min(binomial_broadcast(nbytes, g, link), scatter_allgather_broadcast(nbytes, g, link))
+
+
+def cluster_broadcast_time(nbytes: float, c: Cluster) -> float:
+    """One broadcast over the whole cluster by the library's own algorithm (no node
+    awareness): binomial (largest distance first) or scatter-allgather, the faster."""
+    N, q = c.nodes, c.ranks_per_node
+    if N == 1 or q == 1:
+        return broadcast_time(nbytes, N * q, c.intra if N == 1 else c.inter)
+    p = N * q
+    binomial = _log2(N) * c.inter.time(nbytes) + _log2(q) * c.intra.time(nbytes)
+    sag = (_log2(p) + p - 1) * max(c.inter.alpha_s, c.intra.alpha_s) \
+        + 2 * (p - 1) / p * nbytes * max(c.inter.beta_s, c.intra.beta_s)
+    return min(binomial, sag)
+
+
+def hierarchical_broadcast_time(nbytes: float, c: Cluster) -> float:
+    """LSGD's global broadcast, crossing node boundaries once per node: inside the leader's
+    node first when the leader is not its node's root (probability 1 - 1/q, leader uniform),
+    then among the N node roots, then inside every node:
+
+        (1 - 1/q) B_intra(q) + B_inter(N) + B_intra(q)
+    """
+    N, q = c.nodes, c.ranks_per_node
+    b_in = broadcast_time(nbytes, q, c.intra)
+    in_node, roots = _call_cost(_node(c)), _call_cost(_roots(c))
+    return ((1 - 1 / q) * (b_in + in_node) + broadcast_time(nbytes, N, c.inter) + roots
+            + b_in + in_node)
+
+
+def election_time(c: Cluster, scope: str = "world") -> float:
+    """One MINLOC election (16 bytes): recursive doubling, log2 q steps inside the node and
+    log2 N between nodes; ``scope='node'``: inside one node only."""
+    on = _node(c) if scope == "node" else c
+    return min(_allreduce_candidates(ELECTION_BYTES, on).values()) + _call_cost(on)
+
+
+def _call_cost(c: Cluster) -> float:
+    """Software cost of one collective call on the (sub-)cluster ``c``: the fixed overhead,
+    and the agreement check (48 bytes, latency-bound) when on. Nothing for one rank."""
+    if c.ranks <= 1:
+        return 0.0
+    check = min(_allreduce_candidates(CHECK_BYTES, c).values()) if c.checks else 0.0
+    return c.call_overhead_s + check
+
+
+def _node(c: Cluster) -> Cluster:
+    """The sub-cluster of one node (a node communicator)."""
+    return replace(c, nodes=1)
+
+
+def _roots(c: Cluster) -> Cluster:
+    """The sub-cluster of the node roots (one rank per node)."""
+    return replace(c, ranks_per_node=1)
+
+
+def _passes(nbytes: float, c: Cluster, k: float) -> float:
+    """k elementwise passes (read + write) over nbytes of model."""
+    return 0.0 if math.isinf(c.mem_Bps) else k * 2 * nbytes / c.mem_Bps
+
+
+# -- gossip ----------------------------------------------------------------------------------
+def neighbor_degrees(out_neighbors: Sequence[Sequence[int]], ranks_per_node: int
+                     ) -> List[Tuple[int, int]]:
+    """(out-neighbours on the rank's own node, out-neighbours on other nodes) of every rank."""
+    q = ranks_per_node
+    out = []
+    for i, outs in enumerate(out_neighbors):
+        d_inter = sum(1 for j in outs if j // q != i // q)
+        out.append((len(outs) - d_inter, d_inter))
+    return out
+
+
+def gossip_exchange(degrees: Sequence[Tuple[int, int]], nbytes: float,
+                    c: Cluster) -> Tuple[float, float, int]:
+    """One neighbour exchange: every rank sends its n bytes to each out-neighbour at once.
+
+    ``degrees[i]`` = (d_intra, d_inter) of rank i (neighbor_degrees). A rank's sends inside
+    its node share its own link (d_intra n beta_i); a node's sends to other nodes share the
+    node's network link (sum over its ranks of d_inter n beta_e); the slower of the two sets
+    the pace, plus one latency of the slowest kind of hop used:
+
+        t = alpha + max(max_i d_intra(i) n beta_i,  max_node sum_{i in node} d_inter(i) n beta_e)
+
+    Returns (seconds, mean bytes sent per rank, largest degree).
+    """
+    q, p = c.ranks_per_node, len(degrees)
+    if p <= 1:
+        return 0.0, 0.0, 0
+    node_inter: Dict[int, int] = {}
+    for i, (_, d_inter) in enumerate(degrees):
+        node_inter[i // q] = node_inter.get(i // q, 0) + d_inter
+    worst_intra = max(d for d, _ in degrees)
+    has_inter = any(d for _, d in degrees)
+    alpha = max(c.inter.alpha_s if has_inter else 0.0, c.intra.alpha_s if worst_intra else 0.0)
+    bw = max(worst_intra * nbytes * c.intra.beta_s,
+             max(node_inter.values()) * nbytes * c.inter.beta_s)
+    # the agreement check over a graph: two neighbour allgathers of a few bytes
+    calls = c.call_overhead_s + (2 * alpha if c.checks else 0.0)
+    sent = sum(a + b for a, b in degrees) * nbytes / p
+    return alpha + bw + calls, sent, max(a + b for a, b in degrees)
+
+
+def topology_degrees(name: str, c: Cluster) -> List[Tuple[int, int]]:
+    """(d_intra, d_inter) of every rank in lsgd_hpc's topology ``name`` (at step 0), ranks laid
+    out node by node. The complete graph is counted directly (it has p^2 edges)."""
+    p, q = c.ranks, c.ranks_per_node
+    if name == "complete":
+        return [(q - 1, p - q)] * p
+    from lsgd_hpc.topology import build_topology
+    topo = build_topology(name, p, node_of=c.node_of())
+    return neighbor_degrees([topo.out_neighbors(i, 0) for i in range(p)], q)
+
+
+# -- methods -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MethodCost:
+    """Predicted cost of one step: ``comm_s`` is communication (and the update passes it
+    needs) per step, amortised over the method's period; ``bytes_per_step`` the payload a
+    rank sends per step (mean over ranks)."""
+
+    method: str
+    setting: str
+    compute_s: float
+    comm_s: float
+    bytes_per_step: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def allreduce_sgd(w: Workload, c: Cluster, coll: Collectives = Collectives(),
+                  overlap: float = 0.0, bucket_bytes: float = 0.0) -> MethodCost:
+    """Every step: allreduce of the gradients (mean: one pass), broadcast of the buffers from
+    rank 0. With ``bucket_bytes`` > 0 the gradients go in k = ceil(n / bucket) allreduces of
+    n / k bytes (k latencies and call costs). ``overlap`` in [0, 1]: fraction of compute that
+    can hide communication (buckets started during backward): comm counts only
+    max(0, t_comm - overlap t_compute)."""
+    p = c.ranks
+    if p == 1:
+        return MethodCost("allreduce", "every step", w.compute_s, 0.0, 0.0)
+    k = max(1, math.ceil(w.grad_bytes / bucket_bytes)) if bucket_bytes > 0 else 1
+    t = k * allreduce_time(w.grad_bytes / k, c, coll) + _passes(w.grad_bytes, c, 1)
+    sent = float(w.grad_bytes)
+    if w.n_buffers:
+        t += cluster_broadcast_time(w.buffer_bytes, c) + _call_cost(c)
+        sent += w.buffer_bytes / p
+    t = max(0.0, t - overlap * w.compute_s)
+    setting = "every step" + (f", {k} buckets" if k > 1 else "")
+    return MethodCost("allreduce", setting, w.compute_s, t, sent)
+
+
+def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
+         bn: str = "keep") -> MethodCost:
+    """Every tau_L steps (multi-leader: 1 < N < p): elect the node's leader and broadcast
+    inside the node; every tau_G steps: elect the global leader and broadcast it
+    hierarchically (hierarchical_broadcast_time). One node or one rank per node: single
+    leader, one flat broadcast every tau_G. Each pull: copy + difference + update, 3 passes.
+    ``bn`` is the trainer's --lsgd-bn: with ``keep`` (its default) the leader sends its
+    parameters only, with ``copy`` or ``pull`` the BatchNorm buffers too.
+
+        t_comm = (E_node + B_intra(q) + pull) / tau_L + (E_world + B_hier + pull) / tau_G
+    """
+    if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
+        raise ValueError("tau_global must be a positive multiple of tau_local")
+    if bn not in ("keep", "copy", "pull"):
+        raise ValueError(f"bn must be keep, copy or pull, got {bn!r}")
+    N, q, p = c.nodes, c.ranks_per_node, c.ranks
+    n = w.grad_bytes if bn == "keep" else w.flat_bytes
+    if p == 1:
+        return MethodCost("lsgd", f"tau {tau_global}", w.compute_s, 0.0, 0.0)
+    pull = _passes(n, c, 3)
+    multi = 1 < N < p
+    if multi:
+        local = (election_time(c, "node") + broadcast_time(n, q, c.intra)
+                 + _call_cost(_node(c)) + pull)
+        glob = election_time(c) + hierarchical_broadcast_time(n, c) + pull
+        # bytes: the node broadcast's root sends n; the hierarchical one sends n in the
+        # leader's node, n among roots and n inside every other node: (N + 1) n in all
+        sent = n / q / tau_local + (N + 1) * n / p / tau_global
+        setting = f"tau_L {tau_local}, tau_G {tau_global}"
+        return MethodCost("lsgd", setting, w.compute_s, local / tau_local + glob / tau_global, sent)
+    link = c.intra if N == 1 else c.inter
+    glob = election_time(c) + broadcast_time(n, p, link) + _call_cost(c) + pull
+    return MethodCost("lsgd", f"tau {tau_global} (single leader)", w.compute_s,
+                      glob / tau_global, n / p / tau_global)
+
+
+def easgd(w: Workload, c: Cluster, tau: int, coll: Collectives = Collectives()) -> MethodCost:
+    """Every tau steps one allreduce of the elastic differences d_i (the flat vector) and six
+    elementwise passes (d, x, deviation, centre)."""
+    if tau < 1:
+        raise ValueError("tau must be >= 1")
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost("easgd", f"tau {tau}", w.compute_s, 0.0, 0.0)
+    t = allreduce_time(n, c, coll) + _passes(n, c, 6)
+    return MethodCost("easgd", f"tau {tau}", w.compute_s, t / tau, n / tau)
+
+
+def local_sgd(w: Workload, c: Cluster, T: int, coll: Collectives = Collectives()) -> MethodCost:
+    """Every T steps one allreduce of the flat vector (copy in, mean, copy back: 3 passes)."""
+    if T < 1:
+        raise ValueError("T must be >= 1")
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost("local-sgd", f"T {T}", w.compute_s, 0.0, 0.0)
+    t = allreduce_time(n, c, coll) + _passes(n, c, 3)
+    return MethodCost("local-sgd", f"T {T}", w.compute_s, t / T, n / T)
+
+
+def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -> MethodCost:
+    """DiLoCo: every H steps one allreduce of the flat vector (the pseudo-gradient
+    x_prev - x_i and the BatchNorm statistics), like local SGD with T = H; the outer Nesterov
+    step adds passes: difference, gradient copy, momentum buffer, Nesterov sum, update, copy
+    back (7 in all with the statistics' copy)."""
+    if H < 1:
+        raise ValueError("H must be >= 1")
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost("diloco", f"H {H}", w.compute_s, 0.0, 0.0)
+    t = allreduce_time(n, c, coll) + _passes(n, c, 7)
+    return MethodCost("diloco", f"H {H}", w.compute_s, t / H, n / H)
+
+
+def slowmo(w: Workload, c: Cluster, T: int, every: int,
+           coll: Collectives = Collectives()) -> MethodCost:
+    """SlowMo over local SGD: every T steps local SGD's round (one allreduce of the flat
+    vector, 3 passes); every ``every`` steps (a multiple of T) the slow step, no
+    communication, 5 passes over the parameters (u: 3, x_old, copy back)."""
+    if T < 1 or every < 1 or every % T:
+        raise ValueError("T must be >= 1 and every a positive multiple of T")
+    n = w.flat_bytes
+    setting = f"T {T}, slow every {every}"
+    if c.ranks == 1:
+        return MethodCost("slowmo", setting, w.compute_s, 0.0, 0.0)
+    t = (allreduce_time(n, c, coll) + _passes(n, c, 3)) / T + _passes(n, c, 5) / every
+    return MethodCost("slowmo", setting, w.compute_s, t, n / T)
+
+
+def gossip(w: Workload, c: Cluster, topology: str,
+           degrees: Optional[Sequence[Tuple[int, int]]] = None) -> MethodCost:
+    """Every step one neighbour exchange over the topology (gossip_exchange) and the combine:
+    one pass per neighbour plus one. ``degrees`` defaults to lsgd_hpc's own graph of that
+    name (topology_degrees)."""
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost("gossip", topology, w.compute_s, 0.0, 0.0)
+    if degrees is None:
+        degrees = topology_degrees(topology, c)
+    t, sent, dmax = gossip_exchange(degrees, n, c)
+    return MethodCost("gossip", topology, w.compute_s, t + _passes(n, c, dmax + 1), sent)
+
+
+def method_cost(method: str, w: Workload, c: Cluster, *, tau_local: int = 1, tau_global: int = 1,
+                T: int = 1, tau: int = 1, topology: str = "ring", slowmo_every: int = 0,
+                coll: Collectives = Collectives(), overlap: float = 0.0,
+                bucket_bytes: float = 0.0) -> MethodCost:
+    """Dispatch by lsgd_hpc's method names (``--algorithm``). ``T`` is local SGD's and
+    SlowMo's period and DiLoCo's H; ``slowmo_every`` 0 means T (a slow step every round)."""
+    if method == "allreduce":
+        return allreduce_sgd(w, c, coll, overlap, bucket_bytes)
+    if method == "lsgd":
+        return lsgd(w, c, tau_local, tau_global)
+    if method == "easgd":
+        return easgd(w, c, tau, coll)
+    if method == "local-sgd":
+        return local_sgd(w, c, T, coll)
+    if method == "diloco":
+        return diloco(w, c, T, coll)
+    if method == "slowmo":
+        return slowmo(w, c, T, slowmo_every or T, coll)
+    if method == "gossip":
+        return gossip(w, c, topology)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def smallest_period(cost_at, max_share: float, periods: Sequence[int] = tuple(2 ** k for k in
+                                                                               range(0, 13))):
+    """The smallest period (from ``periods``) whose MethodCost ``cost_at(period)`` has a
+    communication share <= max_share; the largest period when none has."""
+    best = None
+    for t in periods:
+        best = (t, cost_at(t))
+        if best[1].comm_share <= max_share:
+            return best
+    return best

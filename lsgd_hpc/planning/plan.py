@@ -1,0 +1,466 @@
+"""Plan a run before spending an allocation: predicted step time, communication share and bytes per
+step of every method on a stated cluster, with a recommended tau (LSGD), T (local SGD) and gossip
+topology, from the alpha-beta cost model (lsgd_hpc.planning.costmodel).
+
+    python -m lsgd_hpc.plan --model resnet20 --nodes 64 --ranks-per-node 8 \\
+        --inter-gbps 100 --intra-gbps 600 [--step-ms 45]
+    mpirun -np 4 python -m lsgd_hpc.plan --model resnet20 --measure [--nodes 64 ...]
+
+Parameter and buffer counts come from the real model (lsgd_hpc.models). Without --step-ms the
+compute time of one step is estimated from the model's multiply-adds (training ~ 3 x forward,
+2 FLOP per multiply-add) at --tflops achieved TFLOP/s. With --measure (under mpirun or srun,
+one process per rank) the job first measures latency and bandwidth inside and between its
+nodes (lsgd_hpc.planning.netprobe) and the step time of the model on its own devices, then plans with
+those figures for --nodes x --ranks-per-node (default: the job's own layout).
+
+Recommendations: the smallest period (powers of two) whose predicted communication share is at
+most --max-comm-share (tau_G first, then the smallest tau_L dividing it); for gossip, among the
+topologies within that share, the one with the largest spectral gap per step (the cheapest one
+when none is within it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lsgd_hpc.planning import costmodel as cm
+
+__all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
+           "DATASET_SHAPES"]
+
+#: (classes, input shape) of lsgd_hpc.data's data sets, and the data set each model is run on
+DATASET_SHAPES = {"digits": (10, (1, 8, 8)), "cifar10": (10, (3, 32, 32)),
+                  "synthetic": (10, (3, 32, 32))}
+MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
+                 "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
+#: the trainer's default gradient bucket of allreduce SGD (--bucket-mb 1)
+TRAIN_BUCKET_BYTES = 2 ** 20
+#: SlowMo's slow period in the plan: fairscale's default slowmo_frequency (the trainer's too)
+SLOWMO_EVERY = 48
+#: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
+TRAIN_FLOP_PER_MAC = 6
+
+
+class UsageError(ValueError):
+    """A user's mistake: one line, exit status 2."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    model: str
+    dataset: str
+    n_params: int
+    n_buffers: int          # floating-point buffer elements (BatchNorm statistics)
+    macs_per_sample: int    # forward multiply-adds of convolutions and linear layers
+
+
+def model_facts(model: str, dataset: Optional[str] = None) -> ModelFacts:
+    """Counts of the real model of lsgd_hpc.models on its data set's input shape."""
+    import torch
+    from torch import nn
+    from lsgd_hpc.models.zoo import build_model
+    dataset = dataset or MODEL_DATASET.get(model, "cifar10")
+    if dataset not in DATASET_SHAPES:
+        raise UsageError(f"--dataset: unknown data set {dataset!r}; choose from "
+                         f"{', '.join(DATASET_SHAPES)}")
+    classes, shape = DATASET_SHAPES[dataset]
+    try:
+        net = build_model(model, classes, shape)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    macs = [0]
+
+    def count(mod, inp, out):
+        if isinstance(mod, nn.Conv2d):
+            k = mod.kernel_size[0] * mod.kernel_size[1] * mod.in_channels // mod.groups
+            macs[0] += out[0].numel() * k
+        elif isinstance(mod, nn.Linear):
+            macs[0] += mod.in_features * mod.out_features
+
+    hooks = [m.register_forward_hook(count) for m in net.modules()
+             if isinstance(m, (nn.Conv2d, nn.Linear))]
+    net.eval()
+    with torch.no_grad():
+        net(torch.zeros(1, *shape))
+    for h in hooks:
+        h.remove()
+    n_params = sum(p.numel() for p in net.parameters())
+    n_buffers = sum(b.numel() for b in net.buffers() if b.is_floating_point())
+    return ModelFacts(model, dataset, n_params, n_buffers, macs[0])
+
+
+@dataclass
+class PlanInputs:
+    """Everything a plan depends on (printed with the plan, and in --json)."""
+
+    model: str
+    dataset: str
+    nodes: int
+    ranks_per_node: int
+    intra: cm.Link
+    inter: cm.Link
+    step_s: float
+    step_source: str        # "given", "estimated ..." or "measured ..."
+    link_source: str
+    batch_size: int
+    mem_Bps: float
+    max_comm_share: float
+    allreduce: str = "auto"
+    comm_dtype: str = "fp32"   # what the methods send: fp32, or bf16 (2 bytes per element)
+
+
+def _topologies() -> Tuple[str, ...]:
+    from lsgd_hpc.topology import TOPOLOGIES
+    return TOPOLOGIES
+
+
+def _per_step_gap(name: str, p: int, node_of: Sequence[int]) -> float:
+    """Spectral gap of one step: 1 - (1 - gap over one period)^(1/period) (time-varying graphs
+    mix over their period); nan when the analyser cannot tell."""
+    from lsgd_hpc.topology import build_topology, spectral_gap
+    try:
+        topo = build_topology(name, p, node_of=node_of)
+        gap = spectral_gap(topo)
+    except (ValueError, NotImplementedError, MemoryError):
+        return math.nan
+    period = max(1, int(getattr(topo, "period", 1)))
+    return 1.0 - max(0.0, 1.0 - gap) ** (1.0 / period)
+
+
+def _valid_topology(name: str, p: int) -> bool:
+    from lsgd_hpc.topology import build_topology
+    try:
+        build_topology(name, min(p, 16) if name != "hypercube" else p, node_of=None)
+    except ValueError:
+        return False
+    return True
+
+
+def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
+    """Predicted cost of every method, with the recommended periods and topology."""
+    c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
+    w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
+                    element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
+    coll = cm.Collectives(inp.allreduce)
+    share = inp.max_comm_share
+    # allreduce SGD as the trainer runs it: --bucket-mb 1 buckets, no overlap counted (a CPU
+    # MPI progresses non-blocking collectives only inside MPI calls)
+    rows: List[cm.MethodCost] = [cm.allreduce_sgd(w, c, coll, bucket_bytes=TRAIN_BUCKET_BYTES)]
+    multi = 1 < c.nodes < c.ranks
+
+    # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
+    tau_g, _ = cm.smallest_period(lambda t: cm.lsgd(w, c, t, t), share)
+    tau_l = tau_g
+    if multi:
+        for t in (2 ** k for k in range(0, int(math.log2(tau_g)) + 1)):
+            if cm.lsgd(w, c, t, tau_g).comm_share <= share:
+                tau_l = t
+                break
+    rows.append(cm.lsgd(w, c, tau_l, tau_g))
+    tau_e, easgd_cost = cm.smallest_period(lambda t: cm.easgd(w, c, t, coll), share)
+    rows.append(easgd_cost)
+    T, local_cost = cm.smallest_period(lambda t: cm.local_sgd(w, c, t, coll), share)
+    rows.append(local_cost)
+    # DiLoCo: the same amortised allreduce as local SGD, every H steps
+    H, diloco_cost = cm.smallest_period(lambda t: cm.diloco(w, c, t, coll), share)
+    rows.append(diloco_cost)
+    # SlowMo: local SGD's T, the slow step every fairscale's 48 steps (rounded up to a
+    # multiple of T)
+    slow_every = T * max(1, math.ceil(SLOWMO_EVERY / T))
+    rows.append(cm.slowmo(w, c, T, slow_every, coll))
+
+    node_of = c.node_of()
+    gossip_rows = []
+    for name in _topologies():
+        if name == "hypercube" and c.ranks & (c.ranks - 1):
+            continue
+        try:
+            cost = cm.gossip(w, c, name)
+        except ValueError:
+            continue
+        gossip_rows.append({"topology": name, "step_s": cost.step_s, "comm_share": cost.comm_share,
+                            "bytes_per_step": cost.bytes_per_step,
+                            "gap_per_step": _per_step_gap(name, c.ranks, node_of), "cost": cost})
+    within = [g for g in gossip_rows
+              if g["comm_share"] <= share and not math.isnan(g["gap_per_step"])]
+    if within:
+        best = max(within, key=lambda g: (g["gap_per_step"], -g["step_s"]))
+        why = f"largest spectral gap per step with comm share <= {share:.0%}"
+    else:
+        best = min(gossip_rows, key=lambda g: g["step_s"])
+        why = f"no topology within {share:.0%} comm share: the cheapest"
+    rows.append(best["cost"])
+
+    # cost ratio r of one averaging round to one local step (what local SGD's auto T measures)
+    round_s = cm.local_sgd(w, c, 1, coll).comm_s
+    return {
+        "inputs": _inputs_dict(inp, facts),
+        "methods": [dict(method=r.method, setting=r.setting, step_s=r.step_s,
+                         compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
+                         bytes_per_step=r.bytes_per_step) for r in rows],
+        "recommended": {"lsgd": {"tau_local": tau_l, "tau_global": tau_g},
+                        "easgd": {"tau": tau_e}, "diloco": {"H": H},
+                        "slowmo": {"T": T, "every": slow_every},
+                        "local-sgd": {"T": T,
+                                                              "cost_ratio": round_s / w.compute_s
+                                                              if w.compute_s > 0 else math.inf},
+                        "gossip": {"topology": best["topology"], "why": why}},
+        "gossip": [{k: v for k, v in g.items() if k != "cost"} for g in gossip_rows],
+    }
+
+
+def _inputs_dict(inp: PlanInputs, facts: ModelFacts) -> Dict:
+    d = {k: v for k, v in asdict(inp).items() if k not in ("intra", "inter")}
+    for name, link in (("intra", inp.intra), ("inter", inp.inter)):
+        d[name] = {"gbps": link.gbps, "latency_us": link.alpha_s * 1e6}
+    d.update(ranks=inp.nodes * inp.ranks_per_node, n_params=facts.n_params,
+             n_buffers=facts.n_buffers, macs_per_sample=facts.macs_per_sample,
+             model_bytes=(facts.n_params + facts.n_buffers) * cm.FLOAT_BYTES)
+    return d
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.3g}"
+
+
+def format_plan(result: Dict) -> str:
+    i, rec = result["inputs"], result["recommended"]
+    lines = [
+        f"model {i['model']} ({i['dataset']}): {i['n_params']:,} parameters + {i['n_buffers']:,} "
+        f"buffer elements = {_fmt_bytes(i['model_bytes'])} per model exchange",
+        f"cluster: {i['nodes']} nodes x {i['ranks_per_node']} ranks = {i['ranks']} ranks; "
+        f"inside a node {i['intra']['gbps']:.4g} Gbit/s, {i['intra']['latency_us']:.3g} us; "
+        f"between nodes {i['inter']['gbps']:.4g} Gbit/s, {i['inter']['latency_us']:.3g} us "
+        f"({i['link_source']})",
+        f"compute per step: {_fmt_ms(i['step_s'])} ms ({i['step_source']})",
+        "",
+        f"{'method':<10} {'setting':<30} {'step ms':>9} {'comm share':>10} {'bytes/step/rank':>16}",
+    ]
+    for m in result["methods"]:
+        lines.append(f"{m['method']:<10} {m['setting']:<30} {_fmt_ms(m['step_s']):>9} "
+                     f"{100 * m['comm_share']:>9.1f}% {_fmt_bytes(m['bytes_per_step']):>16}")
+    lines += [
+        "",
+        f"recommended (comm share <= {i['max_comm_share']:.0%}): "
+        f"LSGD --tau-local {rec['lsgd']['tau_local']} --tau-global {rec['lsgd']['tau_global']}; "
+        f"local SGD --local-steps {rec['local-sgd']['T']} (cost ratio of a round to a step "
+        f"{rec['local-sgd']['cost_ratio']:.3g}; --local-steps auto refines it from the loss); "
+        f"DiLoCo --local-steps {rec['diloco']['H']}; SlowMo --local-steps "
+        f"{rec['slowmo']['T']} --slowmo-every {rec['slowmo']['every']}; "
+        f"EASGD --easgd-tau {rec['easgd']['tau']}; gossip --topology {rec['gossip']['topology']} "
+        f"({rec['gossip']['why']})",
+        "",
+        f"gossip topologies: {'topology':<22} {'step ms':>9} {'comm share':>10} {'gap/step':>9}",
+    ]
+    for g in result["gossip"]:
+        gap = "n/a" if math.isnan(g["gap_per_step"]) else f"{g['gap_per_step']:.3g}"
+        lines.append(f"{'':<19}{g['topology']:<22} {_fmt_ms(g['step_s']):>9} "
+                     f"{100 * g['comm_share']:>9.1f}% {gap:>9}")
+    return "\n".join(lines)
+
+
+# -- --measure -----------------------------------------------------------------------------------
+def measure_step_seconds(model: str, dataset: str, batch: int, steps: int = 5,
+                         warmup: int = 2) -> float:
+    """Median seconds of one local SGD step (forward, backward, update) of the real model on
+    a random batch of its input shape, on this process's CPU."""
+    import time
+    import torch
+    from lsgd_hpc.models.zoo import build_model
+    classes, shape = DATASET_SHAPES[dataset]
+    torch.manual_seed(0)
+    net = build_model(model, classes, shape)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch, *shape), torch.randint(0, classes, (batch,))
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_job(facts: ModelFacts, batch: int, ranks_per_node: Optional[int] = None):
+    """Collective over MPI.COMM_WORLD: node layout (host names, or K consecutive ranks), links
+    inside and between nodes (lsgd_hpc.planning.netprobe), and the step time (every rank at once, as in
+    training; the slowest rank's median). Returns (figures, rank, problem): the same figures
+    and problem (None or one line) on every rank."""
+    from mpi4py import MPI
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.comm.mpi import MPICommunicator
+    from lsgd_hpc.planning.netprobe import probe_groups
+    world = MPICommunicator(MPI.COMM_WORLD)
+    groups = NodeGroups.build(world, ranks_per_node)
+    rank, p, N = world.rank, world.size, groups.n_nodes
+    sizes = [groups.node_of.count(n) for n in range(N)]
+    layout = f"{N} node(s) of {'/'.join(map(str, sorted(set(sizes))))} rank(s)"
+    if len(set(sizes)) > 1:
+        groups.free()
+        return None, rank, f"--measure: nodes hold different numbers of ranks ({layout})"
+    probe = probe_groups(groups)
+    step = measure_step_seconds(facts.model, facts.dataset, batch)
+    step = MPI.COMM_WORLD.allreduce(step, op=MPI.MAX)
+    groups.free()
+    out = {"nodes": N, "ranks_per_node": p // N, "layout": layout, "step_s": step,
+           "step_source": f"measured: slowest of {p} rank(s), batch {batch}, this job's CPUs",
+           "probe": probe}
+    for kind in ("intra", "inter"):
+        link = probe.get(kind)
+        if link is not None:
+            out[kind] = cm.Link(float(link["alpha_s"]), float(link["beta_s_per_byte"]))
+    return out, rank, None
+
+
+# -- command line --------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):     # one line, exit 2
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    from lsgd_hpc.models.zoo import MODELS
+    p = _Parser(prog="python -m lsgd_hpc.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, choices=MODELS, help="network (lsgd_hpc.models)")
+    p.add_argument("--dataset", choices=tuple(DATASET_SHAPES),
+                   help="data set whose input shape the model takes (default: the model's own)")
+    p.add_argument("--nodes", type=int, help="compute nodes (default with --measure: the job's)")
+    p.add_argument("--ranks-per-node", type=int, help="ranks (GPUs) per node")
+    p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, Gbit/s per node")
+    p.add_argument("--intra-gbps", type=float, help="bandwidth inside a node, Gbit/s per rank")
+    p.add_argument("--inter-latency-us", type=float, default=5.0,
+                   help="latency between nodes, microseconds (default 5: InfiniBand)")
+    p.add_argument("--intra-latency-us", type=float, default=2.0,
+                   help="latency inside a node, microseconds (default 2: NVLink)")
+    p.add_argument("--step-ms", type=float, help="compute time of one local step, ms")
+    p.add_argument("--batch-size", type=int, help="per-rank minibatch (default: the data set's)")
+    p.add_argument("--tflops", type=float, default=10.0,
+                   help="achieved TFLOP/s per rank for the estimate without --step-ms (default 10)")
+    p.add_argument("--mem-gbytes-per-s", type=float, default=1500.0,
+                   help="device memory bandwidth for the pulls' elementwise passes, GB/s")
+    p.add_argument("--max-comm-share", type=float, default=0.1,
+                   help="target communication share for the recommended periods (default 0.1)")
+    p.add_argument("--allreduce", choices=cm.ALLREDUCE_ALGORITHMS, default="auto",
+                   help="allreduce algorithm the library uses (auto: the fastest)")
+    p.add_argument("--measure", action="store_true",
+                   help="under mpirun/srun: measure links and step time first")
+    p.add_argument("--measure-ranks-per-node", type=int,
+                   help="with --measure: K consecutive ranks form a node (default: by host name)")
+    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="what the methods send (the trainer's --comm-dtype): bf16 halves bytes")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _check(args) -> None:
+    """Every check that needs no MPI, so that every rank fails alike before any collective."""
+    def positive(name, v, integer=False):
+        if v is None:
+            return
+        if not (v > 0) or math.isinf(v) and integer:
+            raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {v}")
+
+    for name in ("nodes", "ranks_per_node", "batch_size", "measure_ranks_per_node"):
+        positive(name, getattr(args, name), integer=True)
+    for name in ("inter_gbps", "intra_gbps", "step_ms", "tflops", "mem_gbytes_per_s"):
+        positive(name, getattr(args, name))
+    for name in ("inter_latency_us", "intra_latency_us"):
+        v = getattr(args, name)
+        if not v >= 0 or math.isinf(v):
+            raise UsageError(f"--{name.replace('_', '-')}: must be >= 0 and finite, got {v}")
+    if not 0 < args.max_comm_share < 1:
+        raise UsageError(f"--max-comm-share: must be in (0, 1), got {args.max_comm_share}")
+    if not args.measure:
+        missing = [f"--{n.replace('_', '-')}" for n in ("nodes", "ranks_per_node", "inter_gbps",
+                                                        "intra_gbps") if getattr(args, n) is None]
+        if missing:
+            raise UsageError(f"{', '.join(missing)}: required without --measure")
+    elif args.measure_ranks_per_node is not None and args.measure_ranks_per_node < 1:
+        raise UsageError("--measure-ranks-per-node: must be >= 1")
+    if args.nodes and args.ranks_per_node and args.nodes * args.ranks_per_node > 65536:
+        raise UsageError(f"--nodes x --ranks-per-node: at most 65536 ranks, got "
+                         f"{args.nodes * args.ranks_per_node}")
+
+
+def _batch_size(args, facts: ModelFacts) -> int:
+    from lsgd_hpc.cli.config import DATASET_DEFAULTS
+    return args.batch_size or int(DATASET_DEFAULTS[facts.dataset]["batch_size"])
+
+
+def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInputs:
+    batch = _batch_size(args, facts)
+    m = measured or {}
+    if args.step_ms is not None:
+        step_s, step_src = args.step_ms / 1e3, "given"
+    elif "step_s" in m:
+        step_s, step_src = m["step_s"], m["step_source"]
+    else:
+        flop = TRAIN_FLOP_PER_MAC * facts.macs_per_sample * batch
+        step_s = flop / (args.tflops * 1e12)
+        step_src = (f"estimated: {flop / 1e9:.3g} GFLOP for batch {batch} at {args.tflops:g} "
+                    f"TFLOP/s; pass --step-ms for a measured figure")
+    links, srcs = {}, []
+    for kind in ("intra", "inter"):
+        gbps, lat = getattr(args, f"{kind}_gbps"), getattr(args, f"{kind}_latency_us")
+        if gbps is not None:
+            links[kind] = cm.Link.from_gbps(gbps, lat)
+            srcs.append(f"{kind} given")
+        elif kind in m:
+            links[kind] = m[kind]
+            srcs.append(f"{kind} measured")
+        else:
+            raise UsageError(f"--{kind}-gbps: the job has no {kind}-node link to measure "
+                             f"({m.get('layout', 'one rank')}); give --{kind}-gbps")
+    return PlanInputs(args.model, facts.dataset, args.nodes or m.get("nodes"),
+                      args.ranks_per_node or m.get("ranks_per_node"), links["intra"],
+                      links["inter"], step_s, step_src, ", ".join(srcs), batch,
+                      args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
+                      args.comm_dtype)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        _check(args)
+        facts = model_facts(args.model, args.dataset)
+    except UsageError as exc:
+        print(f"lsgd_hpc.plan: error: {exc}", file=sys.stderr)
+        return 2
+    measured, rank = None, 0
+    if args.measure:
+        measured, rank, problem = measure_job(facts, _batch_size(args, facts),
+                                              args.measure_ranks_per_node)
+        if problem:
+            if rank == 0:
+                print(f"lsgd_hpc.plan: error: {problem}", file=sys.stderr)
+            return 2
+    try:
+        result = plan(_inputs(args, facts, measured), facts)
+    except UsageError as exc:    # the same on every rank: measured figures are broadcast
+        if rank == 0:
+            print(f"lsgd_hpc.plan: error: {exc}", file=sys.stderr)
+        return 2
+    if rank == 0:
+        if measured:
+            result["measured"] = {k: (asdict(v) if isinstance(v, cm.Link) else v)
+                                  for k, v in measured.items()}
+        print(json.dumps(result, indent=2, default=str) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
