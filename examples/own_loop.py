@@ -14,6 +14,7 @@ started again on the same --run-dir it resumes exactly where it stopped.
 import argparse
 import ast
 import sys
+import time
 
 import torch
 from torch import nn
@@ -40,6 +41,12 @@ def option(text):
         return key, value               # a string, e.g. topology=torus
 
 
+def wait_for_signal(stop, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not stop.raised and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="lsgd", choices=["all", *lsgd_hpc.METHODS])
@@ -53,7 +60,8 @@ def main():
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--run-dir", default="runs/own_loop")
     p.add_argument("--ready-at", type=int, default=0,
-                   help="print 'ready at step K' after step K (tests send a signal then)")
+                   help="after step K print 'ready at step K' and wait up to 60 s for "
+                        "SIGUSR1/SIGTERM (the resume test sends it then)")
     p.add_argument("--save-params", metavar="FILE", help="rank 0 saves the final parameters")
     args = p.parse_args()
     comm = lsgd_hpc.init(backend="mpi", ranks_per_node=args.ranks_per_node)
@@ -105,6 +113,7 @@ def train(args, comm, ds, name, run_dir):
                              epoch=method.steps / sampler.steps_per_epoch)
             if args.ready_at and method.steps == args.ready_at:
                 print(f"rank {comm.rank} ready at step {method.steps}", flush=True)
+                wait_for_signal(stop)
             # async LSGD: ranks take uneven steps; a periodic evaluation is for the others
             if args.eval_every and method.steps % args.eval_every == 0 \
                     and name != "lsgd-async":
