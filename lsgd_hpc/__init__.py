@@ -23,7 +23,8 @@ _EXPORTS = {
     "EASGD": "methods", "LocalSGD": "methods", "GossipSGD": "methods",
     "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
     "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
-    "requeue": "runtime",
+    "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",
+    "make_run_dir": "runtime",
 }
 
 __all__ = ["__version__", *_EXPORTS]

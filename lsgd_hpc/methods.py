@@ -31,6 +31,7 @@ from .algorithms import (AllreduceSGD as _AllreduceRule, AsyncLeaderSGD as _Asyn
                          EASGD as _EASGDRule, GossipSGD as _GossipRule,
                          LeaderSGD as _LeaderRule, LocalSGD as _LocalRule, uncounted)
 from .comm import FlatParams
+from .watchdog import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
            "GossipSGD", "METHODS", "method_class"]
@@ -238,6 +239,7 @@ class Method:
         else:
             self.optimizer.step()
         self.steps += 1
+        MONITOR.step = self.steps          # the collective watchdog's reports name the step
         value = self._loss_value(loss)
         if self.consensus_every and not self.rule.owns_schedule \
                 and self.steps % self.consensus_every == 0:

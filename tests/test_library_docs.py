@@ -88,6 +88,17 @@ def test_methods_table_matches_the_registry():
     assert table == methods_table(), "regenerate the table:\n" + methods_table()
 
 
+def test_every_public_name_is_exported():
+    """What the guide calls as lsgd_hpc.NAME is importable from the package."""
+    import lsgd_hpc
+    from lsgd_hpc import methods, runtime, session
+    for mod in (session, methods, runtime):
+        missing = [n for n in mod.__all__ if not hasattr(lsgd_hpc, n)]
+        assert missing == [], f"{mod.__name__}: not exported from lsgd_hpc: {missing}"
+    used = set(re.findall(r"lsgd_hpc\.(\w+)\(", DOC.read_text()))
+    assert used and all(hasattr(lsgd_hpc, n) for n in used), used
+
+
 def test_the_contract_block_is_the_first():
     first = blocks()[0][2]
     assert "lsgd_hpc.init(backend=\"mpi\", ranks_per_node=None)" in first
