@@ -5,9 +5,10 @@ have one):
 
 - ``<!-- test: setup NAME -->``: a fragment that defines things (a model, data); it runs only
   as part of the blocks that use it.
-- ``<!-- test: run np=N [uses=NAME,...] [times=K] [rc=R] [expect=PATH,...] -->``: the block,
-  after the setup blocks it uses, is a script run under ``mpirun -np N`` (K times, each must
-  exit R, default 0) in a fresh folder; then every PATH must exist there.
+- ``<!-- test: run np=N [uses=NAME,...] [times=K] [rc=R] [expect=PATH,...] [stdout="TEXT"] -->``:
+  the block, after the setup blocks it uses, is a script run under ``mpirun -np N`` (K times,
+  each must exit R, default 0) in a fresh folder; then every PATH must exist there and the
+  last run's output must contain TEXT (the marker is split like a shell line).
 - ``<!-- test: shell -->`` before a ```sh block: its lines run, in order, in the folder of the
   run block before it, after that block; each must exit 0.
 
@@ -16,6 +17,7 @@ what :func:`methods_table` generates from ``METHODS[...].defaults``.
 """
 
 import re
+import shlex
 import subprocess
 import sys
 
@@ -35,7 +37,7 @@ def blocks():
         spec = m.group("spec")
         fields = {}
         if spec:
-            words = spec.split()
+            words = shlex.split(spec)
             fields["kind"] = words[0]
             for w in words[1:]:
                 k, _, v = w.partition("=")
@@ -117,6 +119,7 @@ def test_block_runs(run, tmp_path):
                       check=False)
         assert res.returncode == rc, (f"exit {res.returncode}, expected {rc}\n{res.stdout}"
                                       f"\n{res.stderr[-4000:]}")
+    assert spec.get("stdout", "") in res.stdout, f"{spec['stdout']!r} not printed:\n{res.stdout}"
     for path in [p for p in spec.get("expect", "").split(",") if p]:
         assert (tmp_path / path).exists(), f"{path} was not written"
     for body in run["shell"]:
