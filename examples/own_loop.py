@@ -7,8 +7,9 @@
 Each rank trains a small MLP (defined here) with AdamW on its shard of scikit-learn's digits
 (1437 training, 360 test images); the method does the communication. Metrics of method NAME
 go to RUN_DIR/NAME/metrics/rankNNNNN.h5 and rank 0 aggregates the runs of the job into
-RUN_DIR/aggregate/summary.csv (one row per method) at the end. SIGUSR1/SIGTERM stop the run at an agreed step with a checkpoint (exit 143);
-started again on the same --run-dir it resumes exactly where it stopped.
+RUN_DIR/aggregate/summary.csv (one row per method) at the end. SIGUSR1/SIGTERM stop the run
+at an agreed step with a checkpoint (exit 143); started again on the same --run-dir it
+resumes exactly where it stopped (tests/test_library_resume.py checks it).
 """
 
 import argparse
@@ -78,9 +79,9 @@ def main():
 def train(args, comm, ds, name, run_dir):
     torch.manual_seed(0)
     comm.stats.reset()                      # this run's bytes only (several runs per job)
-    train = torch.utils.data.TensorDataset(ds.x_train, ds.y_train)
-    sampler = lsgd_hpc.ShardedSampler(len(train), comm, batch_size=args.batch_size, seed=1)
-    loader = torch.utils.data.DataLoader(train, batch_sampler=sampler)
+    data = torch.utils.data.TensorDataset(ds.x_train, ds.y_train)
+    sampler = lsgd_hpc.ShardedSampler(len(data), comm, batch_size=args.batch_size, seed=1)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler)
     model = Net().to(comm.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     stop = lsgd_hpc.StopSignals()
@@ -116,7 +117,7 @@ def train(args, comm, ds, name, run_dir):
                 wait_for_signal(stop)
             # async LSGD: ranks take uneven steps; a periodic evaluation is for the others
             if args.eval_every and method.steps % args.eval_every == 0 \
-                    and name != "lsgd-async":
+                    and name != "lsgd-async" and not method.done:
                 evaluate()
             if method.checkpoint_due or method.stopping:
                 ckpt.save()
