@@ -24,7 +24,8 @@ _EXPORTS = {
     "DiLoCo": "methods", "SlowMo": "methods",
     "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
     "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
-    "requeue": "runtime",
+    "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",
+    "make_run_dir": "runtime",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -24,8 +24,8 @@ def test_readme_starts_with_the_two_set_up_commands():
         ["make demo", "make test"]
 
 
-@pytest.mark.parametrize("doc", ["docs/algorithms.md", "docs/metrics.md", "docs/cluster.md",
-                                 "slurm/README.md"])
+@pytest.mark.parametrize("doc", ["docs/library.md", "docs/algorithms.md", "docs/metrics.md",
+                                 "docs/cluster.md", "slurm/README.md"])
 def test_readme_links_each_document(doc):
     assert doc in LINK.findall((REPO / "README.md").read_text())
 

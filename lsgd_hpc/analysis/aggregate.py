@@ -169,8 +169,11 @@ def global_elections(run: Run) -> tuple[np.ndarray, np.ndarray]:
 
 def leader_rule(run: Run) -> str:
     """'centre' (EASGD), 'elected' (runs with global elections) or 'rank0'."""
-    has_centre = any("center_test_accuracy" in d.get("eval", {}) for d in run.ranks.values())
-    if run.algorithm == "easgd" or has_centre:
+    cols = [np.asarray(d["eval"]["center_test_accuracy"], dtype=float)
+            for d in run.ranks.values() if "center_test_accuracy" in d.get("eval", {})]
+    has_centre = any(np.isfinite(c).any() for c in cols)
+    # a library run's file has the column but NaN when the loop logged no centre figures
+    if has_centre or (run.algorithm == "easgd" and not cols):
         return "centre"
     if len(global_elections(run)[0]):
         return "elected"
@@ -206,7 +209,8 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
                        for s, a, l, w, t in zip(steps[:n], acc[:n], loss[:n], wt[:n], tt[:n])}
         c = col(d, "eval", "center_test_accuracy")
         for s, a in zip(steps[:len(c)], c):
-            centre.setdefault(int(s), float(a))
+            if np.isfinite(a):
+                centre.setdefault(int(s), float(a))
     all_steps = sorted({s for m in per_rank.values() for s in m})
     rule = leader_rule(run)
     el_steps, el_leader = global_elections(run)

@@ -50,6 +50,10 @@ class CommStats:
     def snapshot(self) -> "CommStats":
         return CommStats(**self.state_dict())
 
+    def reset(self) -> None:
+        """Back to zero (a second run in the same job starts its counters afresh)."""
+        self.load_state_dict(CommStats().state_dict())
+
     def state_dict(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_recv": self.bytes_recv,
                 "seconds": self.seconds, "calls": self.calls,

@@ -27,8 +27,12 @@ from typing import Any, Dict, Iterator, Optional
 import torch
 from torch import nn
 
-from lsgd_hpc.methods.rules import (EASGD as _EASGDRule, AllreduceSGD as _AllreduceRule, AsyncLeaderSGD as _AsyncRule, DiLoCo as _DiLoCoRule, GossipSGD as _GossipRule, LeaderSGD as _LeaderRule, LocalSGD as _LocalRule, SlowMo as _SlowMoRule, uncounted)
 from lsgd_hpc.comm import FlatParams
+from lsgd_hpc.methods.rules import (EASGD as _EASGDRule, AllreduceSGD as _AllreduceRule,
+                                    AsyncLeaderSGD as _AsyncRule, DiLoCo as _DiLoCoRule,
+                                    GossipSGD as _GossipRule, LeaderSGD as _LeaderRule,
+                                    LocalSGD as _LocalRule, SlowMo as _SlowMoRule, uncounted)
+from lsgd_hpc.runtime.watchdog import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
            "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
@@ -260,6 +264,7 @@ class Method:
         else:
             self.optimizer.step()
         self.steps += 1
+        MONITOR.step = self.steps          # the collective watchdog's reports name the step
         value = self._loss_value(loss)
         if self.consensus_every and not self.rule.owns_schedule \
                 and self.steps % self.consensus_every == 0:

@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from lsgd_hpc.runtime import checkpoint as _ckpt
-from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+from lsgd_hpc.runtime.metrics import GROUPS, SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
 from lsgd_hpc.runtime.watchdog import Watchdog
 
 __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopSignals",
@@ -61,6 +61,8 @@ class RunMetrics(MetricsWriter):
         self.checkpoint_seconds = 0.0
         self.metrics_seconds = 0.0
         self.compute_seconds = 0.0
+        #: the method whose extra /train columns ``log_step`` fills in (set by open_metrics)
+        self.method = None
 
     def wall(self) -> float:
         return self.elapsed0 + time.perf_counter() - self.t0
@@ -82,6 +84,9 @@ class RunMetrics(MetricsWriter):
     def log_step(self, step: int, loss: float, accuracy: float = math.nan,
                  lr: float = math.nan, epoch: float = math.nan, **extra) -> None:
         s, wall = self.comm.stats, self.wall()
+        if self.method is not None:
+            # the method's own /train columns (async LSGD's staleness, local SGD's T)
+            extra = {**self.method.rule.train_columns(), **extra}
         self.log("train", step=step, epoch=epoch, wall_time=wall, loss=float(loss),
                  accuracy=float(accuracy), lr=float(lr), comm_bytes_sent=s.bytes_sent,
                  comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
@@ -97,6 +102,9 @@ class RunMetrics(MetricsWriter):
     def log_eval(self, step: int, test_loss: float, test_accuracy: float,
                  epoch: float = math.nan, **extra) -> None:
         wall = self.wall()
+        # the method's own /eval columns (EASGD's centre figures) are NaN unless passed
+        extra = {**{c: math.nan for c in self.columns["eval"]
+                    if c not in GROUPS["eval"] and c not in extra}, **extra}
         self.log("eval", step=step, epoch=epoch, wall_time=wall,
                  training_time=self.training_time(wall), test_loss=float(test_loss),
                  test_accuracy=float(test_accuracy), **extra)
@@ -164,15 +172,28 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
                         extra_columns=extra)
     if method is not None:
         method.set_metrics(writer)
+        writer.method = method
     error = None
     try:
-        writer.flush()
+        if os.path.exists(writer.path):
+            # a resumed run: Checkpointer.restore takes the rows up to its checkpoint back
+            # from this file, so it is not replaced by an empty one here (the first flush
+            # replaces it); only check that the folder takes a file
+            _probe_write(writer.path + ".tmp")
+        else:
+            writer.flush()
     except OSError as exc:
         error = f"metrics file {writer.path}: {exc.strerror or exc}"
     message = comm.agree(error)
     if message:
         raise ValueError(message)
     return writer
+
+
+def _probe_write(path: str) -> None:
+    with open(path, "wb") as fh:
+        fh.write(b"x")
+    os.remove(path)
 
 
 class StopSignals:

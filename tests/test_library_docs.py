@@ -1,0 +1,131 @@
+"""Every code block of docs/library.md runs, and its table of methods is the registry's.
+
+The convention (an HTML comment on the line before a fenced block; every ```python block must
+have one):
+
+- ``<!-- test: setup NAME -->``: a fragment that defines things (a model, data); it runs only
+  as part of the blocks that use it.
+- ``<!-- test: run np=N [uses=NAME,...] [times=K] [rc=R] [expect=PATH,...] [stdout="TEXT"] -->``:
+  the block, after the setup blocks it uses, is a script run under ``mpirun -np N`` (K times,
+  each must exit R, default 0) in a fresh folder; then every PATH must exist there and the
+  last run's output must contain TEXT (the marker is split like a shell line).
+- ``<!-- test: shell -->`` before a ```sh block: its lines run, in order, in the folder of the
+  run block before it, after that block; each must exit 0.
+
+The table between ``<!-- methods-table`` and ``<!-- /methods-table -->`` must be exactly
+what :func:`methods_table` generates from ``METHODS[...].defaults``.
+"""
+
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from mpi_util import REPO, mpi_env, run_mpi
+
+DOC = REPO / "docs" / "library.md"
+BLOCK = re.compile(r"(?:<!-- test: (?P<spec>[^>]*?) -->\n)?```(?P<lang>\w*)\n(?P<body>.*?)```",
+                   re.S)
+
+
+def blocks():
+    """(spec dict, lang, body) of every fenced block, in order."""
+    out = []
+    for m in BLOCK.finditer(DOC.read_text()):
+        spec = m.group("spec")
+        fields = {}
+        if spec:
+            words = shlex.split(spec)
+            fields["kind"] = words[0]
+            for w in words[1:]:
+                k, _, v = w.partition("=")
+                fields[k] = v
+        out.append((fields, m.group("lang"), m.group("body")))
+    return out
+
+
+def runs():
+    setups, result = {}, []
+    for spec, lang, body in blocks():
+        if spec.get("kind") == "setup":
+            setups[spec["name"] if "name" in spec else next(k for k in spec if k != "kind")] = body
+    for i, (spec, lang, body) in enumerate(blocks()):
+        if spec.get("kind") == "run":
+            result.append({"index": i, "spec": spec, "body": body, "shell": []})
+        elif spec.get("kind") == "shell":
+            result[-1]["shell"].append(body)
+    for r in result:
+        uses = [u for u in r["spec"].get("uses", "").split(",") if u]
+        r["script"] = "\n".join([setups[u] for u in uses] + [r["body"]])
+    return result
+
+
+def methods_table() -> str:
+    from lsgd_hpc.methods import METHODS
+    lines = ["| name | class | option | default |", "|---|---|---|---|"]
+    for name, cls in METHODS.items():
+        for i, (opt, default) in enumerate(cls.defaults.items()):
+            head = f"| `{name}` | `{cls.__name__}` |" if i == 0 else "| | |"
+            lines.append(f"{head} `{opt}` | `{default!r}` |")
+    return "\n".join(lines)
+
+
+def test_every_python_block_is_marked_and_every_setup_used():
+    used = {u for r in runs() for u in r["spec"].get("uses", "").split(",") if u}
+    for spec, lang, body in blocks():
+        if lang == "python":
+            assert spec.get("kind") in ("setup", "run"), \
+                f"docs/library.md: a python block without a test marker:\n{body[:200]}"
+        if spec.get("kind") == "setup":
+            assert set(spec) - {"kind"} <= used, f"setup block {spec} is used by no block"
+    assert len(runs()) >= 10
+
+
+def test_methods_table_matches_the_registry():
+    text = DOC.read_text()
+    table = text.split("<!-- methods-table")[1].split("-->", 1)[1]
+    table = table.split("<!-- /methods-table -->")[0].strip()
+    assert table == methods_table(), "regenerate the table:\n" + methods_table()
+
+
+def test_every_public_name_is_exported():
+    """What the guide calls as lsgd_hpc.NAME is importable from the package."""
+    import lsgd_hpc
+    from lsgd_hpc import methods, runtime, session
+    for mod in (session, methods, runtime):
+        missing = [n for n in mod.__all__ if not hasattr(lsgd_hpc, n)]
+        assert missing == [], f"{mod.__name__}: not exported from lsgd_hpc: {missing}"
+    used = set(re.findall(r"lsgd_hpc\.(\w+)\(", DOC.read_text()))
+    assert used and all(hasattr(lsgd_hpc, n) for n in used), used
+
+
+def test_the_contract_block_is_the_first():
+    first = blocks()[0][2]
+    assert "lsgd_hpc.init(backend=\"mpi\", ranks_per_node=None)" in first
+    assert "method.step(loss)" in first
+
+
+@pytest.mark.parametrize("run", runs(), ids=lambda r: f"block{r['index']}")
+def test_block_runs(run, tmp_path):
+    spec = run["spec"]
+    script = tmp_path / "block.py"
+    script.write_text(run["script"])
+    np_ = int(spec.get("np", "2"))
+    rc = int(spec.get("rc", "0"))
+    for _ in range(int(spec.get("times", "1"))):
+        res = run_mpi(np_, [sys.executable, str(script)], timeout=180, cwd=tmp_path,
+                      check=False)
+        assert res.returncode == rc, (f"exit {res.returncode}, expected {rc}\n{res.stdout}"
+                                      f"\n{res.stderr[-4000:]}")
+    assert spec.get("stdout", "") in res.stdout, f"{spec['stdout']!r} not printed:\n{res.stdout}"
+    for path in [p for p in spec.get("expect", "").split(",") if p]:
+        assert (tmp_path / path).exists(), f"{path} was not written"
+    for body in run["shell"]:
+        for line in body.strip().splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            res = subprocess.run(line, shell=True, cwd=tmp_path, env=mpi_env(),
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, f"{line}: exit {res.returncode}\n{res.stderr}"
