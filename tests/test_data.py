@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lsgd_hpc.data import datasets as D
-from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset, random_crop_flip, write_cifar10_python)
+from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset,
+                                    random_crop_flip, write_cifar10_python)
 
 REPO = Path(__file__).resolve().parents[1]
 

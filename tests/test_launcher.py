@@ -3,7 +3,9 @@
 import pytest
 
 from lsgd_hpc.runtime import launcher
-from lsgd_hpc.runtime.launcher import (LaunchInfo, detect, env_rank, expand_hostlist, launched_alone, launcher_world_size, slurm_master, world_on_one_host)
+from lsgd_hpc.runtime.launcher import (LaunchInfo, detect, env_rank, expand_hostlist,
+                                       launched_alone, launcher_world_size, slurm_master,
+                                       world_on_one_host)
 
 TORCHRUN = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
             "MASTER_ADDR": "node01", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",

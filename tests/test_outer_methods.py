@@ -81,7 +81,8 @@ def test_config_parses_the_new_options():
 
 
 def test_heldout_slice_is_fixed_by_seed_and_never_in_a_training_batch():
-    from lsgd_hpc.data.datasets import ShardedBatches, default_heldout_size, load_dataset, split_heldout
+    from lsgd_hpc.data.datasets import (ShardedBatches, default_heldout_size, load_dataset,
+                                        split_heldout)
     ds = load_dataset("synthetic", seed=1, synthetic_size=600)
     train, held = split_heldout(ds, 60, seed=4)
     again, held2 = split_heldout(load_dataset("synthetic", seed=1, synthetic_size=600), 60, 4)

@@ -11,7 +11,9 @@ import pytest
 from scipy.sparse.csgraph import shortest_path
 
 from lsgd_hpc import topology as topo
-from lsgd_hpc.topology import (DEFAULT_GAMMAS, SPECTRAL_GAP_DEFINITION, TOPOLOGIES, analyse, build_topology, diameter, effective_neighbors, second_eigenvalue_modulus, second_singular_value, spectral_gap)
+from lsgd_hpc.topology import (DEFAULT_GAMMAS, SPECTRAL_GAP_DEFINITION, TOPOLOGIES, analyse,
+                               build_topology, diameter, effective_neighbors,
+                               second_eigenvalue_modulus, second_singular_value, spectral_gap)
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16)

@@ -101,9 +101,14 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
-from lsgd_hpc.analysis.rundir import (GROUPS, KNOWN_SCHEMA_VERSIONS, NON_CONFIG_KEYS, AggregateError, Run, canonical, col, expand_run_dirs, read_rank_file, read_run, run_identities)
+from lsgd_hpc.analysis.rundir import (GROUPS, KNOWN_SCHEMA_VERSIONS, NON_CONFIG_KEYS,
+                                      AggregateError, Run, canonical, col, expand_run_dirs,
+                                      read_rank_file, read_run, run_identities)
 from lsgd_hpc.analysis.rundir import read_runs as _read_runs
-from lsgd_hpc.analysis.predictions import (CORRELATION_COLUMNS, PredictionsError, correlation_table, default_plot_measured, join_predictions, plot_predicted_vs_measured, read_predictions)
+from lsgd_hpc.analysis.predictions import (CORRELATION_COLUMNS, PredictionsError,
+                                           correlation_table, default_plot_measured,
+                                           join_predictions, plot_predicted_vs_measured,
+                                           read_predictions)
 # Part of this module's interface: the experiments rank predictors against measurements.
 from lsgd_hpc.analysis.stats import rank_correlation
 

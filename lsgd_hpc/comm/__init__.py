@@ -1,6 +1,7 @@
 """Communication layer: one narrow interface; mpi4py, Horovod and torch.distributed backends."""
 
-from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request, check_tensor, sanitize_score)
+from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
+                                check_tensor, sanitize_score)
 from lsgd_hpc.comm.buckets import GradBuckets
 from lsgd_hpc.comm.flat import FlatParams
 from lsgd_hpc.comm.groups import RANKS_PER_NODE_ENV, NodeGroups, node_layout

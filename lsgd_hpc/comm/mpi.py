@@ -11,7 +11,8 @@ import torch
 from mpi4py import MPI
 
 from lsgd_hpc.runtime.watchdog import MONITOR
-from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request, check_tensor, sanitize_score)
+from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
+                                check_tensor, sanitize_score)
 
 __all__ = ["MPICommunicator", "mpi_library"]
 

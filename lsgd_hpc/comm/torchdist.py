@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from lsgd_hpc.runtime.watchdog import MONITOR
-from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request, SUPPORTED_DTYPES, check_tensor, sanitize_score)
+from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
+                                SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
 __all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
 

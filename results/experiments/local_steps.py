@@ -158,7 +158,9 @@ def measure_run(run_dir: Path, target: float) -> dict:
 
 def predict(runs: List[tuple], t_max: int) -> dict:
     """The seed's T* from the pooled decay of the fixed-T runs and the median cost ratio."""
-    from lsgd_hpc.methods.rules.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER, DecayStatistics, choose_local_steps, decay_statistics, decide)
+    from lsgd_hpc.methods.rules.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER,
+                                                    DecayStatistics, choose_local_steps,
+                                                    decay_statistics, decide)
     total = np.zeros(7)
     for T, m in runs:
         if T != "auto" and T >= 2:

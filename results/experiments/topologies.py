@@ -114,7 +114,8 @@ def measure_run(run_dir: Path, target: float) -> dict:
     """Consensus distance, steps and training time to the target loss of one gossip run: the
     aggregator's figures (lsgd_hpc.aggregate: consensus_figures, and time_to_loss over a
     trailing LOSS_WINDOW, the slowest rank's training time)."""
-    from lsgd_hpc.analysis.aggregate import col, consensus_figures, read_run, time_to_loss, train_table
+    from lsgd_hpc.analysis.aggregate import (col, consensus_figures, read_run, time_to_loss,
+                                             train_table)
 
     run = read_run(run_dir)
     r0 = run.ranks[min(run.ranks)]

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD, SlowMo)
+from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
+                                    SlowMo)
 from lsgd_hpc.comm import FlatParams
 from lsgd_hpc.topology import build_topology
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD, SlowMo)
+from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
+                                    SlowMo)
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
 from lsgd_hpc.cli.train import make_optimizer

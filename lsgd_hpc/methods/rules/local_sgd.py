@@ -12,7 +12,9 @@ import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.methods.rules.base import Algorithm
-from lsgd_hpc.methods.rules.local_steps import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE, DecayStatistics, Decision, choose_local_steps, decay_statistics, decide)
+from lsgd_hpc.methods.rules.local_steps import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE,
+                                                DecayStatistics, Decision, choose_local_steps,
+                                                decay_statistics, decide)
 
 __all__ = ["LocalSGD", "choose_local_steps"]
 
