@@ -32,6 +32,13 @@ demo: $(READY)
 test: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra --durations=25 $(PYTEST_PAR) tests
 
+# For development (under 3 minutes here): the in-process tests, and the few short mpirun tests
+# marked fast (the parallel test bodies at 2 ranks per backend, the fail-fast check). make test
+# is the whole suite.
+test-fast: $(READY)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -n 2 --durations=10 \
+	    -m "fast or not (mpi or cluster or netns or slow)" tests
+
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks
 

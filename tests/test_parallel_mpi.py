@@ -21,7 +21,7 @@ FILES = [str(REPO / "tests" / "parallel" / f) for f in
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("np_,rpn", [(2, 1), (4, 2), (5, 2)])
+@pytest.mark.parametrize("np_,rpn", [pytest.param(2, 1, marks=pytest.mark.fast), (4, 2), (5, 2)])
 def test_parallel_bodies_under_mpirun(np_, rpn, backend):
     proc = run_mpi(np_, [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                          *FILES],
@@ -32,6 +32,7 @@ def test_parallel_bodies_under_mpirun(np_, rpn, backend):
 
 
 @pytest.mark.mpi
+@pytest.mark.fast
 def test_one_rank_failure_ends_the_job_with_its_message():
     """A body failing on one rank ends the whole job at once (tests/parallel/conftest.py),
     with that rank's assertion, instead of the other ranks hanging in the next body."""
