@@ -19,6 +19,7 @@ from mpi_util import REPO, run_mpi
 from lsgd_hpc.methods import METHODS
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_own_loop_every_method(tmp_path):
     run_dir = tmp_path / "own"
@@ -36,6 +37,7 @@ def test_own_loop_every_method(tmp_path):
         assert len(list((run_dir / name / "metrics").glob("rank*.h5"))) == 4
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_char_lm_held_out_loss_falls(tmp_path):
     run_dir = tmp_path / "lm"

@@ -107,6 +107,7 @@ def test_the_contract_block_is_the_first():
     assert "method.step(loss)" in first
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("run", runs(), ids=lambda r: f"block{r['index']}")
 def test_block_runs(run, tmp_path):
     spec = run["spec"]

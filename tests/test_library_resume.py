@@ -64,6 +64,7 @@ def losses(run_dir):
     return out
 
 
+@pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_preempted_library_loop_resumes_exactly(tmp_path):
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
