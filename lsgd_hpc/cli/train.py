@@ -11,7 +11,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -75,32 +74,13 @@ def _requeue(env: dict) -> bool:
     job = env.get("SLURM_JOB_ID")
     if not job:
         return False
-    try:
-        res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
-        return False
-    if res.returncode < 0:
-        # A requeue makes SLURM end the job's steps at once, and scontrol runs inside this
-        # step: the requeue's own signal can end it before it returns.
-        print(f"[lsgd_hpc] scontrol requeue {job}: sent; SLURM ended this step (signal "
-              f"{-res.returncode}) before scontrol returned, as it does when it requeues "
-              "the job", flush=True)
-        return True
-    print(f"[lsgd_hpc] scontrol requeue {job}: "
-          f"{'ok' if res.returncode == 0 else res.stderr.strip()}", flush=True)
-    return res.returncode == 0
+    from lsgd_hpc.runtime.blocks import scontrol_requeue
+    return scontrol_requeue(job)
 
 
 def _git_sha() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() if out.returncode == 0 else ""
-    except (OSError, subprocess.SubprocessError):
-        return ""
+    from lsgd_hpc.runtime.blocks import git_sha
+    return git_sha()
 
 
 def _default_run_dir(cfg) -> str:

@@ -328,6 +328,18 @@ class Communicator(abc.ABC):
             raise CommError(f"root must be a rank in [0, {self.size}), got {root!r}")
         return root
 
+    def _check_graph_consistent(self, src: tuple, dst: tuple) -> None:
+        """Every edge must be declared at both ends, or the neighbour collective waits forever."""
+        graphs = self.allgather_object((src, dst))
+        me = self.rank
+        bad = sorted({j for j in src if me not in graphs[j][1]}
+                     | {j for j in dst if me not in graphs[j][0]})
+        all_bad = self.allgather_object(bad)
+        if any(all_bad):
+            r = next(i for i, b in enumerate(all_bad) if b)
+            raise CommError(f"neighbor_allgather: rank {r} and ranks {all_bad[r]} disagree on "
+                            "the edges between them (each edge needs both ends declared)")
+
     def _check_graph(self, sources: Sequence[int], destinations: Sequence[int]) -> tuple:
         src, dst = tuple(int(s) for s in sources), tuple(int(d) for d in destinations)
         for name, lst in (("sources", src), ("destinations", dst)):

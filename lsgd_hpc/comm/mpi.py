@@ -336,18 +336,6 @@ class MPICommunicator(Communicator):
             entry = self._graphs[key] = (graph, src, dst, self._serial)
         return entry[0]
 
-    def _check_graph_consistent(self, src: tuple, dst: tuple) -> None:
-        """Every edge must be declared at both ends, or the neighbour collective waits forever."""
-        graphs = self.allgather_object((src, dst))
-        me = self._rank
-        bad = sorted({j for j in src if me not in graphs[j][1]}
-                     | {j for j in dst if me not in graphs[j][0]})
-        all_bad = self.allgather_object(bad)
-        if any(all_bad):
-            r = next(i for i, b in enumerate(all_bad) if b)
-            raise CommError(f"neighbor_allgather: rank {r} and ranks {all_bad[r]} disagree on "
-                            "the edges between them (each edge needs both ends declared)")
-
     def split(self, color: int, key: Optional[int] = None) -> Optional["MPICommunicator"]:
         key = self._rank if key is None else key
         self._n_derived += 1

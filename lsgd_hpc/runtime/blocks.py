@@ -20,7 +20,7 @@ from lsgd_hpc.runtime.metrics import GROUPS, SCHEMA_VERSION, MetricsWriter, enco
 from lsgd_hpc.runtime.watchdog import Watchdog
 
 __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopSignals",
-           "requeue", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir"]
+           "requeue", "scontrol_requeue", "git_sha", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir"]
 
 
 def make_run_dir(run_dir: str, comm) -> str:
@@ -124,7 +124,8 @@ class RunMetrics(MetricsWriter):
         self.compute_seconds = float(state["compute"])
 
 
-def _git_sha() -> str:
+def git_sha() -> str:
+    """The commit of this lsgd_hpc checkout, or "" (an installed copy)."""
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
@@ -151,7 +152,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     from lsgd_hpc import __version__
     make_run_dir(run_dir, comm)
     shared = comm.allgather_object(
-        {"git_sha": _git_sha(), "start": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        {"git_sha": git_sha(), "start": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         if comm.rank == 0 else None)[0]
     attrs = {
         "schema_version": SCHEMA_VERSION, "rank": comm.rank, "world_size": comm.size,
@@ -227,16 +228,29 @@ def requeue(comm, stop: StopSignals) -> bool:
     ok = False
     job = os.environ.get("SLURM_JOB_ID")
     if comm.rank == 0 and warned and job:
-        try:
-            res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
-                                 timeout=60)
-            # the requeue's own SIGTERM can end this step before scontrol returns
-            ok = res.returncode == 0 or res.returncode < 0
-            print(f"[lsgd_hpc] scontrol requeue {job}: "
-                  f"{'ok' if ok else res.stderr.strip()}", flush=True)
-        except (OSError, subprocess.SubprocessError) as exc:
-            print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
+        ok = scontrol_requeue(job)
     return bool(comm.allgather_object(ok)[0])
+
+
+def scontrol_requeue(job: str) -> bool:
+    """``scontrol requeue JOB`` (the job comes back with the same id and resumes from its
+    checkpoint); says what happened in one line. True when SLURM took it."""
+    try:
+        res = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"[lsgd_hpc] scontrol requeue {job} failed: {exc}", flush=True)
+        return False
+    if res.returncode < 0:
+        # A requeue makes SLURM end the job's steps at once, and scontrol runs inside this
+        # step: the requeue's own signal can end it before it returns.
+        print(f"[lsgd_hpc] scontrol requeue {job}: sent; SLURM ended this step (signal "
+              f"{-res.returncode}) before scontrol returned, as it does when it requeues "
+              "the job", flush=True)
+        return True
+    print(f"[lsgd_hpc] scontrol requeue {job}: "
+          f"{'ok' if res.returncode == 0 else res.stderr.strip()}", flush=True)
+    return res.returncode == 0
 
 
 def start_watchdog(comm, run_dir: str, timeout: float = 300.0, metrics=None) -> Watchdog:
