@@ -366,6 +366,7 @@ class Trainer:
             "torch_version": torch.__version__, "mpi_library": _mpi_library(),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
         }
+        attrs.update(_launch_attrs(cfg.backend, env))
         attrs.update(self.algo.file_attrs)
         extra = {g: dict(c) for g, c in self.algo.extra_columns.items()}
         if self.scaler is not None:
@@ -711,6 +712,20 @@ def _device(kind: str, rank: int, env: dict):
 def _cuda_available() -> bool:
     import torch
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def _launch_attrs(backend: str, env: dict) -> dict:
+    """``launcher`` (torchrun, mpirun, srun, '' alone) and, for --backend torch, the
+    ``rendezvous`` host:port every rank joined (MASTER_ADDR/PORT, srun's derived ones, or
+    rank 0's under mpirun)."""
+    from . import launcher
+    out = {"launcher": launcher.detect(env).launcher or "", "rendezvous": ""}
+    if backend == "torch":
+        from .comm.torchdist import RENDEZVOUS
+        out["launcher"] = RENDEZVOUS.get("launcher", out["launcher"])
+        if RENDEZVOUS.get("host"):
+            out["rendezvous"] = f"{RENDEZVOUS['host']}:{RENDEZVOUS['port']}"
+    return out
 
 
 def _mpi_library() -> str:

@@ -42,7 +42,13 @@ from ..watchdog import MONITOR
 from .base import (CommError, CommStats, Communicator, Election, Pending, Request,
                    SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
-__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
+__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH", "RENDEZVOUS"]
+
+#: How this process joined the default group (set by :func:`init_torch_world`): the
+#: ``launcher`` ('torchrun', 'mpirun', 'srun' or '' alone) and the TCP store's ``host`` and
+#: ``port`` ('' and 0 alone). The trainer writes it to its metrics files (``launcher``,
+#: ``rendezvous`` attributes).
+RENDEZVOUS: Dict[str, object] = {}
 
 #: what an allreduce adds on this backend: the MPI backend's dtypes and half precision
 REDUCIBLE_DTYPES_TORCH = (torch.float32, torch.float64, torch.int32, torch.int64,
@@ -83,12 +89,16 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         # alone: a world of one needs no peer, but a store all the same
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+        RENDEZVOUS.update(launcher=info.launcher or "", host="", port=0)
         return
     store = launcher.torch_store(info, env)
     if store is None:
         kwargs["init_method"] = "env://"
+        host, port = info.master_addr or "", int(info.master_port or 0)
     else:
         kwargs["store"] = store
+        host, port = str(store.host), int(store.port)
+    RENDEZVOUS.update(launcher=info.launcher or "", host=host, port=port)
     dist.init_process_group(backend, rank=info.rank, world_size=info.size, **kwargs)
 
 
