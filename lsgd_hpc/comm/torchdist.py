@@ -30,6 +30,7 @@ both backends give the same results and the same traffic figures:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -100,6 +101,31 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         host, port = str(store.host), int(store.port)
     RENDEZVOUS.update(launcher=info.launcher or "", host=host, port=port)
     dist.init_process_group(backend, rank=info.rank, world_size=info.size, **kwargs)
+    atexit.register(_leave_world)
+
+
+#: how long the barrier of :func:`_leave_world` waits for the other ranks
+LEAVE_TIMEOUT_S = 60.0
+
+
+def _leave_world() -> None:
+    """At interpreter exit (a library user's script that ends without tearing down): leave
+    the default group together -- a barrier, then destroy it. Without it, a rank whose gloo
+    threads are still joinable when the interpreter ends aborts ("terminate called without
+    an active exception", SIGABRT) and srun --kill-on-bad-exit then kills the others. The
+    barrier waits at most LEAVE_TIMEOUT_S (a peer that failed is not waited for)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        if dist.get_world_size() > 1:
+            work = dist.all_reduce(torch.zeros(1), async_op=True)
+            work.wait(datetime.timedelta(seconds=LEAVE_TIMEOUT_S))
+    except Exception:       # a peer gone or late: leave all the same
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 def _align_group_counter(members_max: int) -> None:
