@@ -756,10 +756,8 @@ def _close_torch_world(code: int) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    import torch
-    if dist.get_world_size() > 1:
-        dist.all_reduce(torch.zeros(1))
-    dist.destroy_process_group()
+    from .comm.torchdist import _leave_world
+    _leave_world()          # a barrier, destroy; rank 0 (the TCP store's server) leaves last
     if code == EXIT_USAGE and "mpi4py.MPI" not in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -101,11 +101,16 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         host, port = str(store.host), int(store.port)
     RENDEZVOUS.update(launcher=info.launcher or "", host=host, port=port)
     dist.init_process_group(backend, rank=info.rank, world_size=info.size, **kwargs)
+    _LEAVING["store"] = store
     atexit.register(_leave_world)
 
 
 #: how long the barrier of :func:`_leave_world` waits for the other ranks
 LEAVE_TIMEOUT_S = 60.0
+#: how long rank 0, which serves the TCP store, waits for the others to have left
+LEAVE_LAST_S = 10.0
+#: the TCP store this process joined through (None under torchrun's env://)
+_LEAVING: Dict[str, object] = {}
 
 
 def _leave_world() -> None:
@@ -113,11 +118,16 @@ def _leave_world() -> None:
     the default group together -- a barrier, then destroy it. Without it, a rank whose gloo
     threads are still joinable when the interpreter ends aborts ("terminate called without
     an active exception", SIGABRT) and srun --kill-on-bad-exit then kills the others. The
-    barrier waits at most LEAVE_TIMEOUT_S (a peer that failed is not waited for)."""
+    barrier waits at most LEAVE_TIMEOUT_S (a peer that failed is not waited for). Rank 0
+    serves the TCP store the others joined through: it leaves last (each other rank counts
+    itself out in the store once its group is gone; rank 0 waits at most LEAVE_LAST_S), and
+    the store is released here, not in the interpreter's final teardown."""
+    store = _LEAVING.pop("store", None)
     if not dist.is_available() or not dist.is_initialized():
         return
+    rank, size = dist.get_rank(), dist.get_world_size()
     try:
-        if dist.get_world_size() > 1:
+        if size > 1:
             work = dist.all_reduce(torch.zeros(1), async_op=True)
             work.wait(datetime.timedelta(seconds=LEAVE_TIMEOUT_S))
     except Exception:       # a peer gone or late: leave all the same
@@ -126,6 +136,19 @@ def _leave_world() -> None:
         dist.destroy_process_group()
     except Exception:
         pass
+    if store is None or size == 1:
+        return
+    try:
+        if rank != 0:
+            store.add("lsgd_hpc/left", 1)
+        else:
+            import time
+            deadline = time.monotonic() + LEAVE_LAST_S
+            while store.add("lsgd_hpc/left", 0) < size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    except Exception:
+        pass
+    del store
 
 
 def _align_group_counter(members_max: int) -> None:
