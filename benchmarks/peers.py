@@ -7,7 +7,7 @@ interleaved and repeated (order rotated each round), and a job's figure is steps
 second over its steps SKIP..STEPS, timed on the slowest rank. The ratio is lsgd_hpc's
 median steps/s over the best peer's.
 
-    python benchmarks/peers.py --out peers.json [--quick] [--network 1gbit]
+    python benchmarks/peers.py --out peers.json [--quick] [--network 1gbit] [--torch]
 
 Methods:
   lsgd_hpc            python -m lsgd_hpc.train --algorithm allreduce (buckets overlapped
@@ -17,6 +17,10 @@ Methods:
                       25 MB buckets, 1 MB first bucket, overlapped with backward)
   horovod             horovod.torch.DistributedOptimizer (per-parameter allreduces started
                       from gradient hooks, fused by Horovod's background thread)
+  lsgd_hpc_torch      (--torch only) lsgd_hpc as above with --backend torch: its allreduces
+                      go through torch.distributed's gloo, the same library as DDP's; with
+                      --torch the comparison is lsgd_hpc_torch against ddp alone (both on gloo,
+                      same model, data, ranks, network, interleaved jobs of one run)
 
 With --network RATE, the job runs on an emulated cluster (scripts/cluster.sh: 2 nodes x 2
 ranks, each node's link limited to RATE), which this script brings up and always takes down.
@@ -46,10 +50,19 @@ NP = 4
 MODEL, BATCH, LR, SEED = "resnet20", 32, 0.05, 0
 METHODS = ["lsgd_hpc", "lsgd_hpc_no_overlap", "ddp", "horovod"]
 PEERS = ["ddp", "horovod"]
+#: --torch (key torch_vs_ddp): lsgd_hpc on the torch backend against DDP, both on gloo
+TORCH_METHODS = ["lsgd_hpc_torch", "ddp"]
+TORCH_PEERS = ["ddp"]
+ALL_METHODS = METHODS + ["lsgd_hpc_torch"]
 #: (steps timed from SKIP to STEPS, rounds) per mode
 PLAN = {"full": (10, 45, 3), "quick": (5, 25, 1)}
 #: the emulated cluster of the network case
 CLUSTER = dict(name="bpeers", subnet="10.79.0", nodes=2, ranks_per_node=2)
+#: NAME:A.B.C in this variable: another name and subnet for that cluster (two benchmark runs
+#: on one machine must not share one: `up` takes a leftover of the same name down first)
+CLUSTER_ENV = "LSGD_PEERS_CLUSTER"
+if os.environ.get(CLUSTER_ENV):
+    CLUSTER["name"], _, CLUSTER["subnet"] = os.environ[CLUSTER_ENV].partition(":")
 
 
 # ------------------------------------------------------------------------------ the jobs
@@ -176,6 +189,9 @@ def worker(args) -> int:
         seconds = job_lsgd_hpc(comm, args.skip, args.steps, args.run_dir, [])
     elif args.method == "lsgd_hpc_no_overlap":
         seconds = job_lsgd_hpc(comm, args.skip, args.steps, args.run_dir, ["--bucket-mb", "0"])
+    elif args.method == "lsgd_hpc_torch":
+        seconds = job_lsgd_hpc(comm, args.skip, args.steps, args.run_dir,
+                               ["--backend", "torch"])
     elif args.method == "ddp":
         seconds = job_ddp(comm, args.skip, args.steps)
     elif args.method == "horovod":
@@ -275,12 +291,14 @@ def _check_cluster(tmp: Path, mpi_args: List[str], extra_env: Dict[str, str], ra
 
 
 def measure(quick: bool, timeout: float, log, network: Optional[str],
-            rounds: Optional[int] = None) -> dict:
+            rounds: Optional[int] = None, torch_backend: bool = False) -> dict:
     skip, steps, planned = PLAN["quick" if quick else "full"]
     rounds = min(rounds, planned) if rounds else planned
-    methods = list(METHODS)
+    methods = list(TORCH_METHODS if torch_backend else METHODS)
+    main_method, peer_names = (("lsgd_hpc_torch", TORCH_PEERS) if torch_backend
+                               else ("lsgd_hpc", PEERS))
     missing = {}
-    why = _horovod_missing()
+    why = _horovod_missing() if "horovod" in methods else None
     if why:
         missing["horovod"] = why
         methods.remove("horovod")
@@ -329,9 +347,9 @@ def measure(quick: bool, timeout: float, log, network: Optional[str],
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     med = {m: median(s) for m, s in samples.items() if s}
-    peers = {m: v for m, v in med.items() if m in PEERS}
+    peers = {m: v for m, v in med.items() if m in peer_names}
     best = max(peers, key=peers.get) if peers else None
-    ratio = med["lsgd_hpc"] / peers[best] if best and "lsgd_hpc" in med else None
+    ratio = med[main_method] / peers[best] if best and main_method in med else None
     return {"where": where, "skip": skip, "steps": steps, "rounds": rounds,
             "steps_per_s": med, "samples": samples, "errors": errors, "missing": missing,
             "best_peer": best, "ratio": ratio,
@@ -340,23 +358,27 @@ def measure(quick: bool, timeout: float, log, network: Optional[str],
 
 
 def run(quick: bool = False, timeout: float = 240, log=print, network: Optional[str] = None,
-        key: str = "peers", rounds: Optional[int] = None) -> dict:
+        key: str = "peers", rounds: Optional[int] = None, torch_backend: bool = False) -> dict:
     """Driver entry for run_all: every method, interleaved, ``rounds`` times (at most the
-    mode's plan)."""
-    res = measure(quick, timeout, log, network, rounds)
+    mode's plan). ``torch_backend``: lsgd_hpc --backend torch against DDP (both gloo)."""
+    res = measure(quick, timeout, log, network, rounds, torch_backend)
     label = key
+    if torch_backend:
+        compared = "lsgd_hpc --backend torch allreduce / DDP, both gloo (steps/s)"
+        main_method = "lsgd_hpc_torch"
+    else:
+        compared = "lsgd_hpc / best of DDP, Horovod (steps/s)"
+        main_method = "lsgd_hpc"
     if "layout_error" in res:
         msg = f"layout check: {res['layout_error']}"
         return {"name": "peers", "doc": __doc__.strip(), "status": f"failed: {msg}",
-                "ratio": None, "rows": [row(label, "lsgd_hpc / best of DDP, Horovod (steps/s)",
-                                            f"failed: {msg}", None, "")]}
+                "ratio": None, "rows": [row(label, compared, f"failed: {msg}", None, "")]}
     if "skipped" in res:
         return {"name": "peers", "doc": __doc__.strip(), "status": f"skipped: {res['skipped']}",
                 "skipped": res["skipped"], "ratio": None,
-                "rows": [row(label, "lsgd_hpc / best of DDP, Horovod (steps/s)",
-                             f"skipped: {res['skipped']}", None, "")]}
+                "rows": [row(label, compared, f"skipped: {res['skipped']}", None, "")]}
     med = res["steps_per_s"]
-    figures = ", ".join(f"{m} {med[m]:.2f}" for m in METHODS if m in med)
+    figures = ", ".join(f"{m} {med[m]:.2f}" for m in ALL_METHODS if m in med)
     figures += f" steps/s (median of {res['rounds']})"
     for m, e in {**res["errors"], **res["missing"]}.items():
         figures += f"; {m}: {e}"
@@ -372,9 +394,9 @@ def run(quick: bool = False, timeout: float = 240, log=print, network: Optional[
                      f"{res['overlap_gain']:.3f}x")
     return {"name": "peers", "doc": __doc__.strip(), "status": status, **res,
             "target": ">= 1.0",
-            "rows": [row(label, f"lsgd_hpc allreduce / best peer ({res['best_peer']}) in "
+            "rows": [row(label, f"{main_method} allreduce / best peer ({res['best_peer']}) in "
                                 f"steps/s; {res['where']}", figures, res["ratio"],
-                         "lsgd_hpc / best peer steps/s", steps_per_s=med)],
+                         f"{main_method} / best peer steps/s", steps_per_s=med)],
             "notes": notes}
 
 
@@ -383,14 +405,17 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--network", help="link rate of the emulated cluster, e.g. 1gbit")
-    p.add_argument("--worker", choices=METHODS, dest="method", help=argparse.SUPPRESS)
+    p.add_argument("--torch", action="store_true",
+                   help="lsgd_hpc --backend torch against DDP (both gloo)")
+    p.add_argument("--worker", choices=ALL_METHODS, dest="method", help=argparse.SUPPRESS)
     p.add_argument("--skip", type=int, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.method:
         return worker(args)
-    result = run(args.quick, network=args.network)
+    result = run(args.quick, network=args.network, torch_backend=args.torch,
+                 key="torch_vs_ddp" if args.torch else "peers")
     write_result(args.out, result)
     print(result["rows"][0]["figures"], "ratio", result.get("ratio"))
     return 0 if result["status"] in ("ok",) or result["status"].startswith("skipped") else 1

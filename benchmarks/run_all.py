@@ -71,6 +71,10 @@ BENCHES = [
     Bench("peers", "peers", timeout=600, driver=True, kwargs={"key": "peers"}),
     Bench("peers_network", "peers", timeout=600, driver=True,
           kwargs={"network": "1gbit", "key": "peers_network", "rounds": 2}),
+    # lsgd_hpc's allreduce SGD on --backend torch against DDP, both on gloo, same cluster
+    Bench("torch_vs_ddp", "peers", timeout=600, driver=True,
+          kwargs={"network": "1gbit", "key": "torch_vs_ddp", "rounds": 2,
+                  "torch_backend": True}),
     Bench("nonblocking_allreduce", "nonblocking_allreduce", timeout=240, driver=True),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),

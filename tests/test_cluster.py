@@ -168,9 +168,9 @@ def test_template_on_two_nodes(slurm_cluster, tmp_path):
 GPU_JOB = REPO / "slurm" / "lsgd_gpu.sbatch"
 
 
-#: the GPU template's backends run here (torch joins once lsgd_hpc.train has --backend torch)
+#: the GPU template's backends run here (torch: srun --mpi=none, gloo on the CPU)
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
-@pytest.mark.parametrize("backend", ["mpi"])
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
     """slurm/lsgd_gpu.sbatch with --device cpu (no GPUs here), 2 nodes x 2 tasks. The
     emulated nodes declare no GPUs (no GRES), so it runs a copy without its
@@ -193,6 +193,106 @@ def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
         config = json.loads(attrs["config"])
         assert config["backend"] == backend and config["device"] == "cpu", config
         assert list(groups["train"]["step"]) == [1, 2, 3, 4, 5, 6]
+        if backend == "torch":
+            # srun --mpi=none, no MPI in any rank; the template's MASTER_ADDR (first host of
+            # the job's node list) and MASTER_PORT (29500 + job id % 1000)
+            assert "srun --mpi=none" in text, text
+            assert attrs["launcher"] == "srun" and attrs["mpi_library"] == "", attrs
+            assert attrs["rendezvous"] == \
+                f"{slurm_cluster.nodes[0]}:{29500 + job % 1000}", attrs["rendezvous"]
+
+
+# ------------------------------------------------------------------------------ torch backend
+
+def _salloc(slurm_cluster, tmp_path: Path, *cmd: str, timeout: float = JOB_TIMEOUT):
+    """salloc 2 nodes x 2 tasks, then ``srun --mpi=none`` (no MPI anywhere) of ``cmd`` in
+    it; (process, job id)."""
+    proc = run_group(["salloc", *TWO_BY_TWO, "srun", "--mpi=none", "-N", "2",
+                      "--ntasks-per-node", "2", "--kill-on-bad-exit=1", *cmd],
+                     env=slurm_cluster.env(), cwd=tmp_path, timeout=timeout)
+    assert proc.returncode is not None, f"salloc srun hung\n{proc.stdout}{proc.stderr}"
+    m = re.search(r"Granted job allocation (\d+)", proc.stderr)
+    return proc, int(m.group(1)) if m else None
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_srun_without_mpi_torch_backend(slurm_cluster, tmp_path):
+    """srun --mpi=none -N 2 --ntasks-per-node 2 python -m lsgd_hpc.train --backend torch: no
+    MPI in any rank; rendezvous at the first host of the node list, port 12000 + job id %
+    20000 (lsgd_hpc.launcher.slurm_master); ranks grouped by host name; it trains."""
+    from lsgd_hpc.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_master
+    proc, job = _salloc(slurm_cluster, tmp_path, sys.executable, "-m", "lsgd_hpc.train",
+                        "--backend", "torch", *DIGITS, "--max-steps", "4", "--eval-every", "2",
+                        "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: 4 steps" in proc.stdout and not error_lines(proc.stderr), proc.stdout
+    assert job is not None, proc.stderr
+    run_dir = tmp_path / "run"
+    assert_two_nodes_by_hostname(slurm_cluster, run_dir)
+    port = SLURM_PORT_BASE + job % SLURM_PORT_SPAN
+    nodelist = slurm_cluster.job_info(job).get("NodeList") or \
+        ",".join(slurm_cluster.nodes[:2])
+    assert slurm_master({"SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": str(job)}) == \
+        (slurm_cluster.nodes[0], port)
+    for rank, (attrs, groups) in enumerate(read_ranks(run_dir)):
+        assert attrs["rank"] == rank and attrs["slurm_job_id"] == str(job)
+        assert json.loads(attrs["config"])["backend"] == "torch"
+        assert attrs["launcher"] == "srun" and attrs["mpi_library"] == "", attrs
+        assert attrs["rendezvous"] == f"{slurm_cluster.nodes[0]}:{port}", attrs["rendezvous"]
+        assert list(groups["train"]["step"]) == [1, 2, 3, 4]
+        assert list(groups["eval"]["step"]) == [2, 4]
+
+
+LIBRARY_SCRIPT = """\
+import json, socket, sys
+import torch
+from torch import nn
+import lsgd_hpc
+
+comm = lsgd_hpc.init(backend="torch", device="cpu")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+method = lsgd_hpc.LeaderSGD(model, opt, comm, tau_local=2, tau_global=4, max_steps=12)
+g = torch.Generator().manual_seed(1000 + comm.rank)
+x = torch.randn(96, 10, generator=g)
+y = (x[:, :3].sum(1) > 0).long() + 2 * (x[:, 3] > 0).long()
+while not method.done:
+    for i in range(0, 96, 32):
+        loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+        opt.zero_grad()
+        loss.backward()
+        method.step(loss)
+        if method.done:
+            break
+steps = comm.allgather_object(method.steps)
+hosts = comm.allgather_object(socket.gethostname())
+with open(f"{sys.argv[1]}/rank{comm.rank}.json", "w") as fh:
+    json.dump({"rank": comm.rank, "size": comm.size, "n_nodes": comm.n_nodes,
+               "node_index": comm.node_index, "local_rank": comm.local_rank,
+               "backend": comm.backend, "steps": steps, "hosts": hosts,
+               "mpi": "mpi4py.MPI" in sys.modules}, fh)
+method.close()
+"""
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_library_api_torch_backend_under_srun(slurm_cluster, tmp_path):
+    """A user's script: lsgd_hpc.init(backend="torch") and lsgd_hpc.LeaderSGD in its own loop,
+    srun --mpi=none on 2 nodes x 2 tasks: comm.n_nodes == 2, every rank takes 12 steps."""
+    script = tmp_path / "user.py"
+    script.write_text(LIBRARY_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    proc, _ = _salloc(slurm_cluster, tmp_path, sys.executable, str(script), str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    a, b = slurm_cluster.nodes[0], slurm_cluster.nodes[1]
+    for r, g in enumerate(got):
+        assert g["rank"] == r and g["size"] == 4 and g["n_nodes"] == 2, g
+        assert g["node_index"] == r // 2 and g["local_rank"] == r % 2, g
+        assert g["hosts"] == [a, a, b, b] and g["steps"] == [12] * 4, g
+        assert g["backend"] == "torch" and not g["mpi"], g
 
 
 @pytest.mark.timeout(300)

@@ -104,3 +104,42 @@ def test_latency_bound_probe_reads_the_fit():
                       one_way_s=[0.006, 0.00608, 0.00745])
     with pytest.raises(LayoutError, match="5.76 Gbit/s"):
         check_layout("bench", [0, 0, 1, 1], 2, p, "1gbit")
+
+
+def test_torch_vs_ddp_is_checked_like_the_other_network_benchmarks(monkeypatch):
+    """make bench's torch_vs_ddp (lsgd_hpc --backend torch against DDP, both gloo) runs on the
+    emulated 1 Gbit/s cluster and, like peers_network, probes the layout before anything is
+    timed: a wrong layout fails it without figures (nothing is launched)."""
+    import peers
+    import run_all
+    bench = {b.key: b for b in run_all.BENCHES}["torch_vs_ddp"]
+    assert bench.module == "peers" and bench.driver
+    assert bench.kwargs["network"] == "1gbit" and bench.kwargs["torch_backend"]
+    assert peers.TORCH_METHODS == ["lsgd_hpc_torch", "ddp"]
+
+    class FakeCluster:
+        mpirun_args: list = []
+
+        def __init__(self, rate, log):
+            pass
+
+        def missing(self):
+            return None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched a timed job despite the layout error")
+
+    monkeypatch.setattr(peers, "Cluster", FakeCluster)
+    monkeypatch.setattr(peers, "_check_cluster",
+                        lambda *a, **k: "peers 1gbit: ran on 1 node(s), expected 2")
+    monkeypatch.setattr(peers, "_launch", no_launch)
+    res = peers.run(log=lambda m: None, **bench.kwargs)
+    assert res["status"].startswith("failed: layout check") and res["ratio"] is None, res
+    assert "ran on 1 node(s)" in res["rows"][0]["figures"]
+    assert "--backend torch" in res["rows"][0]["compared"]

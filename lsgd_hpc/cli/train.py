@@ -351,6 +351,7 @@ class Trainer:
             "torch_version": torch.__version__, "mpi_library": _mpi_library(),
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
         }
+        attrs.update(_launch_attrs(cfg.backend, env))
         attrs.update(self.algo.file_attrs)
         extra = {g: dict(c) for g, c in self.algo.extra_columns.items()}
         if self.scaler is not None:
@@ -740,6 +741,20 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def _launch_attrs(backend: str, env: dict) -> dict:
+    """``launcher`` (torchrun, mpirun, srun, '' alone) and, for --backend torch, the
+    ``rendezvous`` host:port every rank joined (MASTER_ADDR/PORT, srun's derived ones, or
+    rank 0's under mpirun)."""
+    from lsgd_hpc.runtime import launcher
+    out = {"launcher": launcher.detect(env).launcher or "", "rendezvous": ""}
+    if backend == "torch":
+        from lsgd_hpc.comm.torchdist import RENDEZVOUS
+        out["launcher"] = RENDEZVOUS.get("launcher", out["launcher"])
+        if RENDEZVOUS.get("host"):
+            out["rendezvous"] = f"{RENDEZVOUS['host']}:{RENDEZVOUS['port']}"
+    return out
+
+
 def _mpi_library() -> str:
     """The MPI library in use; '' when this process never started MPI (--backend torch under
     torchrun or srun)."""
@@ -768,10 +783,8 @@ def _close_torch_world(code: int) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
-    import torch
-    if dist.get_world_size() > 1:
-        dist.all_reduce(torch.zeros(1))
-    dist.destroy_process_group()
+    from lsgd_hpc.comm.torchdist import _leave_world
+    _leave_world()          # a barrier, destroy; rank 0 (the TCP store's server) leaves last
     if code == EXIT_USAGE and "mpi4py.MPI" not in sys.modules:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -30,6 +30,7 @@ both backends give the same results and the same traffic figures:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -42,7 +43,13 @@ from lsgd_hpc.runtime.watchdog import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
-__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
+__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH", "RENDEZVOUS"]
+
+#: How this process joined the default group (set by :func:`init_torch_world`): the
+#: ``launcher`` ('torchrun', 'mpirun', 'srun' or '' alone) and the TCP store's ``host`` and
+#: ``port`` ('' and 0 alone). The trainer writes it to its metrics files (``launcher``,
+#: ``rendezvous`` attributes).
+RENDEZVOUS: Dict[str, object] = {}
 
 #: what an allreduce adds on this backend: the MPI backend's dtypes and half precision
 REDUCIBLE_DTYPES_TORCH = (torch.float32, torch.float64, torch.int32, torch.int64,
@@ -83,13 +90,65 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         # alone: a world of one needs no peer, but a store all the same
         store = dist.HashStore()
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+        RENDEZVOUS.update(launcher=info.launcher or "", host="", port=0)
         return
     store = launcher.torch_store(info, env)
     if store is None:
         kwargs["init_method"] = "env://"
+        host, port = info.master_addr or "", int(info.master_port or 0)
     else:
         kwargs["store"] = store
+        host, port = str(store.host), int(store.port)
+    RENDEZVOUS.update(launcher=info.launcher or "", host=host, port=port)
     dist.init_process_group(backend, rank=info.rank, world_size=info.size, **kwargs)
+    _LEAVING["store"] = store
+    atexit.register(_leave_world)
+
+
+#: how long the barrier of :func:`_leave_world` waits for the other ranks
+LEAVE_TIMEOUT_S = 60.0
+#: how long rank 0, which serves the TCP store, waits for the others to have left
+LEAVE_LAST_S = 10.0
+#: the TCP store this process joined through (None under torchrun's env://)
+_LEAVING: Dict[str, object] = {}
+
+
+def _leave_world() -> None:
+    """At interpreter exit (a library user's script that ends without tearing down): leave
+    the default group together -- a barrier, then destroy it. Without it, a rank whose gloo
+    threads are still joinable when the interpreter ends aborts ("terminate called without
+    an active exception", SIGABRT) and srun --kill-on-bad-exit then kills the others. The
+    barrier waits at most LEAVE_TIMEOUT_S (a peer that failed is not waited for). Rank 0
+    serves the TCP store the others joined through: it leaves last (each other rank counts
+    itself out in the store once its group is gone; rank 0 waits at most LEAVE_LAST_S), and
+    the store is released here, not in the interpreter's final teardown."""
+    store = _LEAVING.pop("store", None)
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    rank, size = dist.get_rank(), dist.get_world_size()
+    try:
+        if size > 1:
+            work = dist.all_reduce(torch.zeros(1), async_op=True)
+            work.wait(datetime.timedelta(seconds=LEAVE_TIMEOUT_S))
+    except Exception:       # a peer gone or late: leave all the same
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    if store is None or size == 1:
+        return
+    try:
+        if rank != 0:
+            store.add("lsgd_hpc/left", 1)
+        else:
+            import time
+            deadline = time.monotonic() + LEAVE_LAST_S
+            while store.add("lsgd_hpc/left", 0) < size - 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+    except Exception:
+        pass
+    del store
 
 
 def _align_group_counter(members_max: int) -> None:
