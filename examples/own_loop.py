@@ -9,7 +9,7 @@ Each rank trains a small MLP (defined here) with AdamW on its shard of scikit-le
 go to RUN_DIR/NAME/metrics/rankNNNNN.h5 and rank 0 aggregates the runs of the job into
 RUN_DIR/aggregate/summary.csv (one row per method) at the end. SIGUSR1/SIGTERM stop the run
 at an agreed step with a checkpoint (exit 143); started again on the same --run-dir it
-resumes exactly where it stopped (tests/test_library_resume.py checks it).
+resumes exactly where it stopped (tests/library/test_library_resume.py checks it).
 """
 
 import argparse

@@ -6,7 +6,13 @@ import pytest
 
 # Ranks (and this process) share two cores: one thread each.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The helpers (mpi_util, cluster_util) live here; the tests mirror the package's folders
+# (comm/, methods/, runtime/, cli/, ...), and a few import a helper from a test module of
+# another folder by name: every folder is on the path, and test module names are unique.
+_HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(_HERE))
+sys.path.extend(str(d) for d in sorted(_HERE.iterdir())
+                if d.is_dir() and any(d.glob("test_*.py")) and d.name != "parallel")
 
 #: Tests that need root, network namespaces, a SLURM cluster or a Horovod build. Where those
 #: are missing they skip, naming what is missing; with CI=true such a skip is a failure, so

@@ -1,4 +1,4 @@
-"""The CLI's training loop written with the public library API only (tests/test_library_cli.py
+"""The CLI's training loop written with the public library API only (tests/cli/test_library_cli.py
 compares its per-step losses and elections with `python -m lsgd_hpc.train`'s).
 
     mpirun -np N python tests/drivers/library_vs_cli.py OUT.json ALGORITHM STEPS RANKS_PER_NODE

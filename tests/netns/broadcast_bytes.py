@@ -1,4 +1,4 @@
-"""One rank of the broadcast-bytes job of tests/test_netns.py: how many bytes each emulated
+"""One rank of the broadcast-bytes job of tests/cluster/test_netns.py: how many bytes each emulated
 node sends through its network interface during broadcasts from every rank in turn,
 hierarchical (NodeGroups.broadcast_from_) and flat (one MPI broadcast over the world).
 

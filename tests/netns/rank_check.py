@@ -1,4 +1,4 @@
-"""One rank of the two-namespace job started by tests/test_netns.py.
+"""One rank of the two-namespace job started by tests/cluster/test_netns.py.
 
 Nodes are found by host name only (no --ranks-per-node, no LSGD_HPC_RANKS_PER_NODE): ranks 0, 1
 run in namespace/host "nodeA", ranks 2, 3 in "nodeB". Checks the grouping and that the two-level

@@ -1,7 +1,7 @@
 """Consensus distance and the LSGD reference options against hand computations.
 
 Runs at any world size: directly under pytest (size 1) and under mpirun -np 2/4 through
-tests/test_measurement.py (LSGD_TEST_RPN groups ranks into nodes).
+tests/cli/test_measurement.py (LSGD_TEST_RPN groups ranks into nodes).
 """
 
 from types import SimpleNamespace

@@ -15,7 +15,7 @@ from lsgd_hpc.topology import (DEFAULT_GAMMAS, SPECTRAL_GAP_DEFINITION, TOPOLOGI
                                build_topology, diameter, effective_neighbors,
                                second_eigenvalue_modulus, second_singular_value, spectral_gap)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SIZES = (1, 2, 3, 4, 5, 8, 9, 16)
 GAMMAS = (0.0, 0.5, 0.9, 0.99)
 #: graphs whose in-neighbours differ from their out-neighbours (W not symmetric)

@@ -1,7 +1,7 @@
 """The SLURM templates (slurm/) without a cluster: their #SBATCH lines, their environment,
 shellcheck, the sweep helper and the templates' refusals outside a job.
 
-Running them is tested on a real SLURM (tests/test_cluster.py: sbatch, job arrays, srun,
+Running them is tested on a real SLURM (tests/cluster/test_cluster.py: sbatch, job arrays, srun,
 time limits, requeues). The fake sbatch/srun/scontrol scripts these tests once ran the
 templates through are gone: everything they showed, the real cluster shows as well (and they
 ignored --signal, --requeue, --time and --kill-on-bad-exit).
@@ -197,7 +197,7 @@ def _trainer_backends() -> list:
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_gpu_job_launch_per_backend(tmp_path, backend):
     """The template's srun line per LSGD_BACKEND, with a stand-in srun that prints its
-    arguments (the real runs are in tests/test_cluster.py): mpi through --mpi=pmix, torch
+    arguments (the real runs are in tests/cluster/test_cluster.py): mpi through --mpi=pmix, torch
     without PMIx and with a rendezvous address; a trainer without --backend torch stops the
     job with one line naming LSGD_BACKEND=mpi."""
     bin_dir = tmp_path / "bin"

@@ -15,7 +15,7 @@ import yaml
 from lsgd_hpc.analysis import aggregate as agg
 from lsgd_hpc.analysis import summary
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 TRAIN_STEPS = np.arange(1, 21)            # 20 logged training steps
 EVAL_STEPS = [0, 10, 20]

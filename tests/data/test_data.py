@@ -14,7 +14,7 @@ from lsgd_hpc.data import datasets as D
 from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset,
                                     random_crop_flip, write_cifar10_python)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
