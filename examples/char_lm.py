@@ -3,6 +3,7 @@ own sources, with any method of lsgd_hpc.
 
     mpirun -np 4 python examples/char_lm.py --ranks-per-node 2 --method lsgd --steps 300
     mpirun -np 4 python examples/char_lm.py --method local-sgd --local-steps 8
+    mpirun -np 4 python examples/char_lm.py --method diloco --local-steps 16 --outer-lr 0.7
 
 The corpus is on every machine: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]``, in sorted order; every 10th file is held out, the rest is
@@ -76,6 +77,8 @@ def main():
     p.add_argument("--tau-global", type=int, default=16)
     p.add_argument("--local-steps", default="8", help="local SGD's T, or 'auto'")
     p.add_argument("--easgd-tau", type=int, default=4)
+    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
+    p.add_argument("--slowmo-every", type=int, default=48, help="SlowMo: steps between slow steps")
     p.add_argument("--topology", default="ring")
     p.add_argument("--bucket-mb", type=float, default=0.0)
     p.add_argument("--ranks-per-node", type=int, default=None)
@@ -100,6 +103,8 @@ def main():
         "easgd": dict(easgd_tau=a.easgd_tau),
         "local-sgd": dict(local_steps=a.local_steps if a.local_steps == "auto"
                           else int(a.local_steps)),
+        "diloco": dict(local_steps=int(a.local_steps), outer_lr=a.outer_lr),
+        "slowmo": dict(local_steps=int(a.local_steps), slowmo_every=a.slowmo_every),
         "gossip": dict(topology=a.topology),
     }[a.method]
 
