@@ -162,8 +162,8 @@ class HorovodCommunicator(Communicator):
     def _check_allreduce(self, tensor: torch.Tensor, op: str) -> None:
         super()._check_allreduce(tensor, op)
         if tensor.dtype == torch.bfloat16:
-            raise CommError("Horovod has no bfloat16 sum here; use --backend mpi or torch "
-                            "for bfloat16 communication")
+            raise CommError("allreduce of torch.bfloat16 is not supported by Horovod here; "
+                            "use --backend mpi or torch for bfloat16 communication")
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check_allreduce(tensor, op)

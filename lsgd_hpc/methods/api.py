@@ -136,6 +136,9 @@ class Method:
         if comm_dtype not in COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, "
                              f"got {comm_dtype!r}")
+        if comm_dtype == "bf16" and getattr(comm, "backend", None) == "horovod":
+            raise ValueError("comm_dtype: bf16 needs the mpi or torch backend (Horovod has no "
+                             "bfloat16 sum here)")
         self.validate(opts, comm)
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
