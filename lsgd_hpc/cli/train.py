@@ -37,35 +37,14 @@ def _usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
-class StopFlag:
-    """SIGUSR1 (SLURM's warning before the time limit) or SIGTERM (preemption, scancel,
-    scontrol requeue) sets a flag; the loop acts on it at the next step boundary, after every
-    rank agrees: a checkpoint, then exit.
-
-    Only the warning makes the job requeue itself: after SIGTERM SLURM already knows what
-    becomes of the job (a preempted or ``scontrol requeue``-d job goes back to the queue by
-    itself; a job ended with ``scancel`` must stay ended, and would not if it requeued itself).
-
-    Installed first thing in :func:`main`, before the heavy imports: a signal that arrives
-    while a (requeued) job starts up is then a request to stop, not the default action's
-    death ("User defined signal 1", a FAILED job instead of a requeued one)."""
-
-    def __init__(self):
-        self.signum: Optional[int] = None
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame):
-        self.signum = signum
-
-    @property
-    def raised(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def warned(self) -> bool:
-        """SIGUSR1: the time limit is near; the job should requeue itself."""
-        return self.signum == signal.SIGUSR1
+from lsgd_hpc.runtime.signals import StopSignals as StopFlag  # noqa: E402
+# The trainer's stop flag is the library's: SIGUSR1 (SLURM's warning before the time limit)
+# or SIGTERM (preemption, scancel, scontrol requeue) sets it; the loop acts on it at the next
+# step boundary, after every rank agrees: a checkpoint, then exit. Only the warning makes the
+# job requeue itself: after SIGTERM SLURM already knows what becomes of the job (a preempted
+# or requeued job goes back to the queue by itself; a cancelled one must stay ended). It is
+# installed first thing in main, before the heavy imports, so that a signal arriving while a
+# (requeued) job starts up is a request to stop, not the default action's death.
 
 
 def _requeue(env: dict) -> bool:

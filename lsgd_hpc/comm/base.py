@@ -340,6 +340,22 @@ class Communicator(abc.ABC):
             raise CommError(f"neighbor_allgather: rank {r} and ranks {all_bad[r]} disagree on "
                             "the edges between them (each edge needs both ends declared)")
 
+    def _neighbor_args(self, tensor: torch.Tensor, sources: Sequence[int],
+                       destinations: Sequence[int], out: Optional[torch.Tensor]) -> tuple:
+        """``(sources, destinations, out)`` of a neighbour allgather, checked; ``out`` made
+        when not given (shape (len(sources), *tensor.shape), the tensor's dtype)."""
+        check_tensor(tensor)
+        src, dst = self._check_graph(sources, destinations)
+        shape = (len(src),) + tuple(tensor.shape)
+        if out is None:
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        else:
+            check_tensor(out, "out")
+            if tuple(out.shape) != shape or out.dtype != tensor.dtype:
+                raise CommError(f"out must have shape {shape} and dtype {tensor.dtype}, "
+                                f"got {tuple(out.shape)} {out.dtype}")
+        return src, dst, out
+
     def _check_graph(self, sources: Sequence[int], destinations: Sequence[int]) -> tuple:
         src, dst = tuple(int(s) for s in sources), tuple(int(d) for d in destinations)
         for name, lst in (("sources", src), ("destinations", dst)):

@@ -280,16 +280,7 @@ class MPICommunicator(Communicator):
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
                            destinations: Sequence[int], out: Optional[torch.Tensor] = None,
                            graph_key=None) -> torch.Tensor:
-        check_tensor(tensor)
-        src, dst = self._check_graph(sources, destinations)
-        shape = (len(src),) + tuple(tensor.shape)
-        if out is None:
-            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        else:
-            check_tensor(out, "out")
-            if tuple(out.shape) != shape or out.dtype != tensor.dtype:
-                raise CommError(f"out must have shape {shape} and dtype {tensor.dtype}, "
-                                f"got {tuple(out.shape)} {out.dtype}")
+        src, dst, out = self._neighbor_args(tensor, sources, destinations, out)
         graph = self._graph(src, dst, graph_key)
         self._agree("neighbor_allgather", tensor, graph=graph)
         nbytes = tensor.numel() * tensor.element_size()

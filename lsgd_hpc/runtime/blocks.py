@@ -17,6 +17,7 @@ import torch
 
 from lsgd_hpc.runtime import checkpoint as _ckpt
 from lsgd_hpc.runtime.metrics import GROUPS, SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+from lsgd_hpc.runtime.signals import StopSignals
 from lsgd_hpc.runtime.watchdog import Watchdog
 
 __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopSignals",
@@ -197,27 +198,6 @@ def _probe_write(path: str) -> None:
     os.remove(path)
 
 
-class StopSignals:
-    """SIGUSR1 (SLURM's warning before the time limit) and SIGTERM (preemption, scancel,
-    ``scontrol requeue``) set a flag instead of killing the process; pass it to a method as
-    ``stop=`` and the ranks agree on it at a step boundary (``method.stopping``)."""
-
-    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
-        self.signum: Optional[int] = None
-        for sig in signals:
-            signal.signal(sig, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        self.signum = signum
-
-    @property
-    def raised(self) -> bool:
-        return self.signum is not None
-
-    @property
-    def warned(self) -> bool:
-        """SIGUSR1: the time limit is near; the job should requeue itself."""
-        return self.signum == signal.SIGUSR1
 
 
 def requeue(comm, stop: StopSignals) -> bool:
