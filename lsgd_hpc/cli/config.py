@@ -62,6 +62,7 @@ class Config:
     leader_window: int = 10
     leader_score: str = "train"           # LSGD: election score, train window or held-out slice
     heldout_size: Optional[int] = None    # heldout: samples; None: 10% of training, at most 256
+    validation_size: int = 0              # training samples held out for validation; 0 = none
     max_staleness: Optional[int] = None   # lsgd-async; None: tau_global
     local_steps: str = "8"                # an integer T, or "auto"
     local_steps_cost_ratio: Optional[float] = None   # auto: assumed round/step cost; None: measure
@@ -158,6 +159,9 @@ _HELP = {
                     "heldout (loss on a fixed held-out slice of the training set, removed "
                     "from training)",
     "heldout_size": "LSGD --leader-score heldout: samples in the held-out slice",
+    "validation_size": "training samples held out (the same on every rank, drawn from --seed) "
+                       "and evaluated at every evaluation as val_loss and val_accuracy, for "
+                       "choosing settings without the test set; 0 = none",
     "local_steps_cost_ratio": "local SGD auto: take one averaging round to cost this many "
                               "local steps instead of measuring it",
     "easgd_alpha": "EASGD moving rate alpha",
@@ -465,7 +469,7 @@ def validate(cfg: Config, env: dict) -> None:
                     "heldout_size"])
     _positive(cfg, ["weight_decay", "checkpoint_every", "seed", "max_staleness",
                     "collective_timeout", "consensus_every", "bn_recompute", "warmup_steps",
-                    "data_workers"], strict=False)
+                    "data_workers", "validation_size"], strict=False)
     if cfg.image_size < 8:
         raise ConfigError("--image-size", f"must be >= 8, got {cfg.image_size}")
     if not (math.isfinite(cfg.label_noise) and 0 <= cfg.label_noise < 1):
@@ -509,6 +513,12 @@ def validate(cfg: Config, env: dict) -> None:
                                             f"({cfg.slowmo_every} vs {cfg.local_steps})")
     if cfg.leader_score not in LEADER_SCORES:
         raise ConfigError("--leader-score", f"must be one of {', '.join(LEADER_SCORES)}")
+    if cfg.dataset == "imagefolder" and cfg.validation_size:
+        raise ConfigError("--validation-size", "not for imagefolder (its val/ folder is the "
+                                               "test set; split train/ yourself)")
+    if cfg.dataset == "imagefolder" and cfg.leader_score == "heldout":
+        raise ConfigError("--leader-score", "heldout is not for imagefolder (its slice is held "
+                                            "in memory; digits, cifar10 and synthetic only)")
     if cfg.leader_score == "heldout" and cfg.algorithm != "lsgd":
         why = ("lsgd-async elects at every probe, where a held-out evaluation would stall "
                "the round machine" if cfg.algorithm == "lsgd-async"

@@ -250,6 +250,7 @@ class Trainer:
         self.rank, self.size = rank, size
         self.ds = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.seed, cfg.synthetic_size,
                                      cfg.label_noise, **data.loader_options(cfg))
+        self.ds, self.validation = _validation_split(cfg, self.ds)   # --validation-size
         self.ds, self.heldout = _heldout_split(cfg, self.ds)   # --leader-score heldout
         self.sampler = data.ShardedBatches(self.ds, rank, size, cfg.batch_size, cfg.seed)
         self.spe = self.sampler.steps_per_epoch
@@ -335,6 +336,11 @@ class Trainer:
         extra = {g: dict(c) for g, c in self.algo.extra_columns.items()}
         if self.scaler is not None:
             extra.setdefault("train", {})["skipped_steps"] = "i8"
+        if self.validation is not None:       # val_* beside every test_* column of /eval
+            ev = extra.setdefault("eval", {})
+            for c in ["test_loss", "test_accuracy"] + list(ev):
+                if c.endswith(("test_loss", "test_accuracy")):
+                    ev[c.replace("test_", "val_")] = "f8"
         self.metrics = MetricsWriter(rank_file(self.run_dir, self.rank), attrs,
                                      cfg.flush_every, cfg.flush_seconds, extra_columns=extra)
         self.method.set_metrics(self.metrics)
@@ -513,12 +519,13 @@ class Trainer:
               f"{samples:,.0f} samples/s | ETA {_fmt_eta(eta)}", flush=True)
 
     # -- evaluation --------------------------------------------------------------------------
-    def _eval_current(self):
+    def _eval_current(self, batches=None):
+        """(mean loss, accuracy) of the current model on the test set, or on ``batches``."""
         torch = self.torch
         self.model.eval()
         total, correct, loss_sum = 0, 0, 0.0
         with torch.no_grad():
-            for xb, yb in self.ds.test_batches(self.cfg.eval_batch_size):
+            for xb, yb in batches or self.ds.test_batches(self.cfg.eval_batch_size):
                 xb, yb = xb.to(self.device), yb.to(self.device)
                 out = self.model(xb)
                 loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
@@ -532,6 +539,8 @@ class Trainer:
         row = dict(step=self.step, epoch=self.step / self.spe, wall_time=wall,
                    training_time=self.training_time(wall))
         row["test_loss"], row["test_accuracy"] = self._eval_current()
+        if self.validation is not None:
+            row["val_loss"], row["val_accuracy"] = self._eval_current(self._val_batches())
         extra = self.algo.eval_models()
         if extra:
             from lsgd_hpc.models.batchnorm import int_buffers, recompute_bn_stats
@@ -542,12 +551,20 @@ class Trainer:
                 if self.bn_batches:   # no worker trained this model: its own statistics
                     recompute_bn_stats(self.model, self._bn_inputs())
                 row[f"{name}_test_loss"], row[f"{name}_test_accuracy"] = self._eval_current()
+                if self.validation is not None:
+                    row[f"{name}_val_loss"], row[f"{name}_val_accuracy"] = \
+                        self._eval_current(self._val_batches())
             # the worker's own parameters and statistics, untouched by the above
             self.flat.flat.copy_(saved)
             for b, v in zip(int_buffers(self.model), saved_ints):
                 b.copy_(v)
         self._log("eval", **row)
         return row["test_accuracy"]
+
+    def _val_batches(self):
+        x, y = self.validation
+        b = self.cfg.eval_batch_size
+        return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
 
     def _bn_inputs(self):
         """The first ``bn_batches`` training inputs of this rank from the current epoch on
@@ -632,6 +649,17 @@ class Trainer:
         for name in ("eval_seconds", "checkpoint_seconds", "metrics_seconds"):
             setattr(self, name, float(state.get(name, 0.0)))
         self.metrics.load_existing(state["metrics_rows"])
+
+
+def _validation_split(cfg, ds):
+    """``(training set, validation slice)``: with --validation-size N, N training samples (the
+    same on every rank, drawn from --seed) taken out of training and returned as normalized
+    ``(x, y)`` for the evaluations' val_loss and val_accuracy; otherwise ``(ds, None)``."""
+    if not getattr(cfg, "validation_size", 0):
+        return ds, None
+    from lsgd_hpc.data.datasets import split_validation
+    train, idx = split_validation(ds, cfg.validation_size, cfg.seed)
+    return train, (ds.normalize(ds.x_train[idx]), ds.y_train[idx])
 
 
 def _heldout_split(cfg, ds):

@@ -18,6 +18,7 @@ import torch
 
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
            "load_dataset", "loader_options", "split_heldout", "default_heldout_size",
+           "split_validation",
            "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
            "main"]
 
@@ -39,6 +40,7 @@ _AUG_TAG = 0x41554721
 _SYNTH_TAG = 0x53594E54
 _NOISE_TAG = 0x4E4F4953
 _HELDOUT_TAG = 0x484F4C44
+_VALID_TAG = 0x56414C49
 
 
 class DataError(ValueError):
@@ -454,23 +456,34 @@ def default_heldout_size(n_train: int) -> int:
     return max(1, min(256, n_train // 10))
 
 
-def split_heldout(ds: Dataset, size: int, seed: int) -> Tuple[Dataset, torch.Tensor]:
+def split_heldout(ds: Dataset, size: int, seed: int, option: str = "--heldout-size",
+                  tag: int = _HELDOUT_TAG) -> Tuple[Dataset, torch.Tensor]:
     """Take a held-out slice of ``size`` training samples out of the training set.
 
     The slice is a uniformly random subset drawn from a generator seeded by ``seed`` alone,
     so every rank of a run (same ``--seed``) holds out the same samples. Returns the data
     set without them (training order otherwise kept; the test set untouched) and the sorted
-    indices of the slice in the original training set (``ds.x_train[idx]``).
+    indices of the slice in the original training set (``ds.x_train[idx]``). ``option`` names
+    the size in the error message; ``tag`` keeps the draws of different slices apart.
     """
     n = ds.n_train
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size < n:
-        raise DataError(f"--heldout-size must be in 1..{n - 1} for {ds.name} ({n} training "
+        raise DataError(f"{option} must be in 1..{n - 1} for {ds.name} ({n} training "
                         f"samples), got {size!r}")
-    perm = torch.randperm(n, generator=_generator(_HELDOUT_TAG, seed))
+    perm = torch.randperm(n, generator=_generator(tag, seed))
     held, keep = perm[:size].sort().values, perm[size:].sort().values
     train = dataclasses.replace(ds, x_train=ds.x_train[keep].contiguous(),
                                 y_train=ds.y_train[keep].contiguous())
     return train, held
+
+
+def split_validation(ds: Dataset, size: int, seed: int) -> Tuple[Dataset, torch.Tensor]:
+    """Take a validation slice of ``size`` training samples out of the training set, for
+    choosing settings without looking at the test set (--validation-size). Like
+    :func:`split_heldout` (the same samples on every rank of a run, drawn from ``seed``) but
+    from a stream of its own, and taken first: the leader score's held-out slice comes from
+    what is left. Labels are the training set's, label noise included (what a user has)."""
+    return split_heldout(ds, size, seed, option="--validation-size", tag=_VALID_TAG)
 
 
 # ----------------------------------------------------------------------------- augmentation
