@@ -1,17 +1,29 @@
-"""Methods (the LSGD paper's comparison): LSGD against allreduce SGD, EASGD and local SGD.
+"""Methods, tuned: LSGD (both leader scores) against allreduce SGD, EASGD, local SGD, DiLoCo, SlowMo.
 
     python results/experiments/methods.py --out results/methods [--quick]
         [--seeds N] [--steps S] [--ranks 4 8] [--tasks digits noisy] [--label-noise P]
+        [--no-tune] [--grid-size N]
 
 Methods, each at every rank count of ``--ranks`` with ``--ranks-per-node 2`` (4 ranks = 2 nodes,
 8 ranks = 4 nodes; the same ``--seed`` values for every method; by default the noisy task at 4
 and 8 ranks, plain digits at 4 only):
 
 * LSGD, single leader: ``--algorithm lsgd`` with all ranks as one node, so the only leader is
-  the global one (pulls every ``tau_local`` = 4 steps);
-* LSGD, multi-leader: ``--algorithm lsgd``, node leaders every 4 steps, global every 8;
+  the global one; LSGD, multi-leader: node leaders and the global one; each with the paper's
+  election score (recent training loss) and with ``--leader-score heldout`` (loss on a fixed
+  held-out slice of the training set);
 * async LSGD: ``--algorithm lsgd-async`` (multi-leader, no worker waits for another's step);
-* allreduce SGD (gradient averaging every step), EASGD (tau 4, alpha 0.9/p), local SGD (T=8).
+* allreduce SGD (gradient averaging every step), EASGD, local SGD, DiLoCo (SGD with momentum
+  as the inner optimizer, Nesterov outer SGD), SlowMo (on local SGD).
+
+Tuning (GRIDS): every method gets the same budget, 8 settings: the learning rate times its own
+communication period and its pull strength or outer step (allreduce SGD, which has no period,
+gets 4 learning rates x 2 momenta; local SGD, which has no pull, 4 learning rates x 2 periods).
+Each setting trains once, with seed 0 (not a reported seed), on the noisy task at the smallest
+rank count; the setting whose reported model has the best accuracy on the validation slice
+(``--validation-size 200``: training samples taken out of training, their labels as noisy as
+the rest) at the end is chosen, and only the chosen settings run with the reported seeds, on
+every task and rank count, and are reported on the test set. ``--no-tune``: defaults instead.
 
 Tasks. ``digits``: the embedded digits as they are; every method reaches about 95 % on it, so it
 shows cost, not quality. ``noisy``: digits with ``--label-noise P`` (default 0.4: 40 % of the
@@ -26,8 +38,9 @@ experiment measures which happens.
 Figures per task and rank count: test accuracy of the model each method reports (LSGD: the
 elected global leader; EASGD: the centre; allreduce and local SGD: rank 0) against training
 time, training step and bytes sent by all ranks together; line = mean over seeds, band = min-max.
-Tables: ``methods_runs.csv`` (one row per run) and ``methods_summary.csv`` (per task, rank count
-and method: final accuracy of the reported model and the mean over workers, mean and standard
+Tables: ``methods_grid.csv`` (every tuning run: setting, options, validation accuracy, bytes,
+which was chosen), ``methods_runs.csv`` (one row per run) and ``methods_summary.csv`` (per task,
+rank count and method: the chosen setting, final accuracy of the reported model and the mean over workers, mean and standard
 deviation over seeds; training time; bytes sent and received; time, steps and bytes to the
 target accuracy, over the seeds that reached it). Training time is the trainer's (evaluations
 excluded). Bytes are the logical payload (docs/metrics.md): a broadcast counts its payload once
@@ -52,23 +65,78 @@ from _shared import new_figure, raw_dir, save_figure, train_many, write_csv  # n
 from lsgd_hpc.analysis import aggregate
 
 NAME = "methods"
-TITLE = "Methods: LSGD against allreduce SGD, EASGD and local SGD"
+TITLE = "Methods, tuned: LSGD against allreduce SGD, EASGD, local SGD, DiLoCo and SlowMo"
 
 #: (label, options); ``{world}`` is replaced by the rank count (single leader = one node)
 METHODS = [
     ("LSGD 1 leader", ["--algorithm", "lsgd", "--ranks-per-node", "{world}"]),
     ("LSGD multi-leader", ["--algorithm", "lsgd", "--ranks-per-node", "2"]),
+    ("LSGD 1 leader, held-out score", ["--algorithm", "lsgd", "--ranks-per-node", "{world}",
+                                       "--leader-score", "heldout"]),
+    ("LSGD multi-leader, held-out score", ["--algorithm", "lsgd", "--ranks-per-node", "2",
+                                           "--leader-score", "heldout"]),
     ("async LSGD", ["--algorithm", "lsgd-async", "--ranks-per-node", "2"]),
     ("allreduce SGD", ["--algorithm", "allreduce", "--ranks-per-node", "2"]),
     ("EASGD", ["--algorithm", "easgd", "--ranks-per-node", "2"]),
-    ("local SGD T=8", ["--algorithm", "local-sgd", "--local-steps", "8",
-                       "--ranks-per-node", "2"]),
-    ("DiLoCo H=8", ["--algorithm", "diloco", "--local-steps", "8", "--ranks-per-node", "2"]),
-    ("SlowMo T=8", ["--algorithm", "slowmo", "--local-steps", "8", "--slowmo-every", "48",
-                    "--ranks-per-node", "2"]),
+    ("local SGD", ["--algorithm", "local-sgd", "--ranks-per-node", "2"]),
+    ("DiLoCo", ["--algorithm", "diloco", "--ranks-per-node", "2"]),
+    ("SlowMo", ["--algorithm", "slowmo", "--slowmo-every", "40", "--ranks-per-node", "2"]),
 ]
-LSGD_METHODS = ("LSGD 1 leader", "LSGD multi-leader", "async LSGD")
-BASELINES = ("allreduce SGD", "EASGD", "local SGD T=8", "DiLoCo H=8", "SlowMo T=8")
+LSGD_METHODS = ("LSGD 1 leader", "LSGD multi-leader", "LSGD 1 leader, held-out score",
+                "LSGD multi-leader, held-out score", "async LSGD")
+BASELINES = ("allreduce SGD", "EASGD", "local SGD", "DiLoCo", "SlowMo")
+#: the held-out-score variant of each train-score LSGD method
+HELDOUT_OF = {"LSGD 1 leader": "LSGD 1 leader, held-out score",
+              "LSGD multi-leader": "LSGD multi-leader, held-out score"}
+
+
+def _grid(*axes):
+    """Every combination of the axes, the first axis varying slowest; an axis is a list of
+    (label, options)."""
+    out = [("", [])]
+    for axis in axes:
+        out = [(f"{a}, {b}" if a else b, oa + ob) for a, oa in out for b, ob in axis]
+    return out
+
+
+def _axis(name: str, option, values):
+    """(label, options) per value; ``option``: one option name, or a function value -> options."""
+    return [(f"{name} {v}", option(v) if callable(option) else [option, str(v)])
+            for v in values]
+
+
+_LR2, _LR4 = _axis("lr", "--lr", (0.05, 0.1)), _axis("lr", "--lr", (0.025, 0.05, 0.1, 0.2))
+_SINGLE = _grid(_LR2, _axis("tau", lambda t: ["--tau-local", str(t), "--tau-global", str(t)],
+                            (4, 20)),
+                _axis("pull", lambda c: ["--pull-local", str(c), "--pull-global", str(c)],
+                      (0.1, 0.3)))
+_MULTI = _grid(_LR2, _axis("tau_L/tau_G", lambda t: ["--tau-local", str(t[0]), "--tau-global",
+                                                     str(t[1])], ((4, 8), (10, 40))),
+               _axis("pull", lambda c: ["--pull-local", str(c), "--pull-global", str(c)],
+                     (0.1, 0.3)))
+#: The tuning grid of every method: the learning rate times its own communication period and
+#: its pull or outer step, 8 settings each (allreduce SGD, which has no period, and local SGD,
+#: no pull: more learning rates instead). EASGD's alpha is given as beta = p alpha ({beta:B}).
+#: Every period divides the full budget's 200 steps, so every run ends on a synchronisation.
+GRIDS = {
+    "LSGD 1 leader": _SINGLE,
+    "LSGD multi-leader": _MULTI,
+    "LSGD 1 leader, held-out score": _SINGLE,
+    "LSGD multi-leader, held-out score": _MULTI,
+    "async LSGD": _MULTI,
+    "allreduce SGD": _grid(_LR4, _axis("momentum", "--momentum", (0.9, 0.5))),
+    "EASGD": _grid(_LR2, _axis("tau", "--easgd-tau", (4, 20)),
+                   _axis("beta", lambda b: ["--easgd-alpha", f"{{beta:{b}}}"], (0.9, 0.45))),
+    "local SGD": _grid(_LR4, _axis("T", "--local-steps", (4, 20))),
+    "DiLoCo": _grid(_LR2, _axis("H", "--local-steps", (8, 40)),
+                    _axis("outer lr", "--outer-lr", (0.7, 1.0))),
+    "SlowMo": _grid(_LR2, _axis("T", "--local-steps", (4, 20)),
+                    _axis("beta", "--slowmo-beta", (0.5, 0.7))),
+}
+assert len({len(g) for g in GRIDS.values()}) == 1 and set(GRIDS) == {m for m, _ in METHODS}
+#: what the grid is run on: one seed (not one of the reported seeds), this task, the smallest
+#: rank count; the validation slice (training samples, noisy labels included) picks the setting
+TUNE_TASK, TUNE_SEED, VALIDATION_SIZE = "noisy", 0, 200
 
 #: task -> (extra trainer options given --label-noise P, target test accuracy, description)
 TASKS = {
@@ -78,14 +146,15 @@ TASKS = {
 
 #: budgets; "tasks": rank count -> tasks run there (plain digits, which every method solves,
 #: only at the smallest count: it shows cost, not quality, and 8 ranks on 2 cores are dear)
-FULL = dict(seeds=3, steps=200, ranks=(4, 8), eval_every=20,
+FULL = dict(seeds=3, steps=200, ranks=(4, 8), eval_every=20, grid=None,
             tasks={4: ("digits", "noisy"), 8: ("noisy",)})
-QUICK = dict(seeds=2, steps=60, ranks=(4,), eval_every=20, tasks={4: ("digits", "noisy")})
+QUICK = dict(seeds=2, steps=60, ranks=(4,), eval_every=20, grid=2,
+             tasks={4: ("digits", "noisy")})
 
 RUN_COLUMNS = ["task", "ranks", "nodes", "method", "seed", "final_acc_leader", "final_acc_mean",
                "training_time_s", "wall_time_s", "bytes_sent", "bytes_recv", "steps",
                "target_acc", "time_to_target_s", "steps_to_target", "bytes_to_target"]
-SUMMARY_COLUMNS = ["task", "ranks", "nodes", "method", "seeds",
+SUMMARY_COLUMNS = ["task", "ranks", "nodes", "method", "setting", "seeds",
                    "final_acc_leader_mean", "final_acc_leader_std",
                    "final_acc_mean_mean", "final_acc_mean_std",
                    "training_time_s_mean", "training_time_s_std", "bytes_sent_mean",
@@ -99,28 +168,34 @@ def _slug(label: str) -> str:
 
 
 def method_argv(opts, world: int):
-    return [o.replace("{world}", str(world)) for o in opts]
+    """Options with ``{world}`` -> the rank count and ``{beta:B}`` -> EASGD's alpha B / p."""
+    out = []
+    for o in opts:
+        if o.startswith("{beta:"):
+            o = f"{float(o[6:-1]) / world:.6g}"
+        out.append(o.replace("{world}", str(world)))
+    return out
 
 
-def final_point(run, summary: dict) -> dict:
+def final_point(run, summary: dict, split: str = "test") -> dict:
     """The end of a run, from each rank's last evaluation (the trainer evaluates at a rank's last
     step). Under async LSGD ranks end at different steps, so the last evaluation that every rank
     reached (aggregate's ``final_*``) can be one interval earlier; this takes the ends instead.
     The reported model follows aggregate's rule: the last global election's winner, EASGD's
     centre, else rank 0."""
-    last = {r: {c: aggregate.col(d, "eval", c)[-1] for c in ("test_accuracy",
-                                                             "center_test_accuracy")
+    acc, centre = f"{split}_accuracy", f"center_{split}_accuracy"
+    last = {r: {c: aggregate.col(d, "eval", c)[-1] for c in (acc, centre)
                 if len(aggregate.col(d, "eval", c))}
             for r, d in run.ranks.items()}
     rule = aggregate.leader_rule(run)
     if rule == "centre":
-        leader = last[min(last)]["center_test_accuracy"]
+        leader = last[min(last)][centre]
     else:
         winners = aggregate.global_elections(run)[1]
-        leader = last[int(winners[-1]) if rule == "elected" else 0]["test_accuracy"]
+        leader = last[int(winners[-1]) if rule == "elected" else 0][acc]
     return {"step": summary["steps"], "training_time": summary["training_time"],
             "bytes_sent": float(summary["total_bytes_sent"]), "acc_leader": float(leader),
-            "acc_mean": statistics.fmean(float(v["test_accuracy"]) for v in last.values())}
+            "acc_mean": statistics.fmean(float(v[acc]) for v in last.values())}
 
 
 def curve_points(tab: dict, end: dict) -> dict:
@@ -335,12 +410,65 @@ def findings(summary: list, descs: dict) -> list:
 
 # ------------------------------------------------------------------------------------- run
 
+def _common(task: str, label_noise: float, steps: int, eval_every: int, seed: int, d) -> list:
+    return ["--dataset", "digits", *TASKS[task][0](label_noise), "--seed", seed,
+            "--epochs", 1000, "--max-steps", steps, "--eval-every", eval_every,
+            "--consensus-every", 0, "--validation-size", VALIDATION_SIZE, "--run-dir", d]
+
+
+def tune(labels, world: int, steps: int, eval_every: int, label_noise: float, raw: Path,
+         per_method=None, timeout_per_run: float = 60.0, log=print):
+    """Run every method's grid (or its first ``per_method`` settings, spread over the grid) on
+    the tuning task with the tuning seed at ``world`` ranks, in one mpirun job. Returns (rows
+    of methods_grid.csv, method -> the chosen (setting, options)): the setting whose reported
+    model has the best validation accuracy at the end, ties to fewer bytes."""
+    dirs, argvs = {}, []
+    for label in labels:
+        grid = GRIDS[label]
+        if per_method and per_method < len(grid):
+            grid = [grid[round(i * (len(grid) - 1) / (per_method - 1))] if per_method > 1
+                    else grid[0] for i in range(per_method)]
+        for i, (setting, opts) in enumerate(grid):
+            d = raw / f"grid-np{world}" / f"{_slug(label)}-{i}"
+            shutil.rmtree(d, ignore_errors=True)
+            dirs[(label, setting)] = (d, opts)
+            argvs.append([*_common(TUNE_TASK, label_noise, steps, eval_every, TUNE_SEED, d),
+                          *method_argv(dict(METHODS)[label] + opts, world)])
+    t0 = time.perf_counter()
+    train_many(world, argvs, timeout=timeout_per_run * len(argvs), log=log)
+    log(f"methods: tuning grid, {len(argvs)} trainings on {world} ranks in "
+        f"{time.perf_counter() - t0:.0f} s")
+    rows, chosen = [], {}
+    for (label, setting), (d, opts) in dirs.items():
+        run_ = aggregate.read_run(d)
+        s = aggregate.summarize_run(run_)
+        end = final_point(run_, s, "val")
+        rows.append({"method": label, "setting": setting, "options": " ".join(opts),
+                     "task": TUNE_TASK, "ranks": world, "seed": TUNE_SEED, "steps": s["steps"],
+                     "val_acc_leader": end["acc_leader"], "val_acc_mean": end["acc_mean"],
+                     "training_time_s": s["training_time"],
+                     "bytes_sent": s["total_bytes_sent"], "chosen": ""})
+    for label in labels:
+        mine = [r for r in rows if r["method"] == label]
+        best = max(mine, key=lambda r: (round(r["val_acc_leader"], 6), -float(r["bytes_sent"])))
+        best["chosen"] = "yes"
+        chosen[label] = (best["setting"], dirs[(label, best["setting"])][1])
+    return rows, chosen
+
+
+GRID_COLUMNS = ["method", "setting", "options", "task", "ranks", "seed", "steps",
+                "val_acc_leader", "val_acc_mean", "training_time_s", "bytes_sent", "chosen"]
+
+
 def run(out, quick: bool = False, log=print, seeds=None, steps=None, ranks=None, tasks=None,
         methods=None, label_noise: float = 0.4, eval_every=None,
-        timeout_per_run: float = 60.0, raw=None) -> dict:
-    """Train every (rank count, task, method, seed), read the runs, write tables and figures.
-    ``methods``: labels of METHODS to run (default all); other arguments default to the
-    full or quick budget; raw runs go under ``raw`` (default runs/results/methods/)."""
+        timeout_per_run: float = 60.0, raw=None, tune_grid: bool = True,
+        grid_size=None) -> dict:
+    """Tune every method on its grid (unless ``tune_grid`` is False: defaults), then train
+    every (rank count, task, method, seed) with the chosen setting, read the runs, write
+    tables and figures. ``methods``: labels of METHODS to run (default all); other arguments
+    default to the full or quick budget; raw runs go under ``raw`` (default
+    runs/results/methods/)."""
     t_start = time.perf_counter()
     budget = QUICK if quick else FULL
     seeds = seeds or budget["seeds"]
@@ -349,48 +477,88 @@ def run(out, quick: bool = False, log=print, seeds=None, steps=None, ranks=None,
     plan = {w: tuple(tasks or budget["tasks"].get(w, TASKS)) for w in ranks}
     tasks = tuple(dict.fromkeys(t for w in ranks for t in plan[w]))
     eval_every = eval_every or budget["eval_every"]
+    grid_size = grid_size or budget["grid"]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     raw = Path(raw or raw_dir(NAME))
     descs = {t: TASKS[t][2].format(pct=label_noise) for t in tasks}
+    descs.setdefault(TUNE_TASK, TASKS[TUNE_TASK][2].format(pct=label_noise))
     target = {t: TASKS[t][1] for t in tasks}
+    labels = [m for m, _ in METHODS if not methods or m in methods]
+    tables, grid_rows = [], []
+    if tune_grid:
+        grid_rows, chosen = tune(labels, min(ranks), steps, eval_every, label_noise, raw,
+                                 grid_size, timeout_per_run, log)
+        write_csv(out / "methods_grid.csv", grid_rows, GRID_COLUMNS)
+        tables.append("methods_grid.csv")
+    else:
+        chosen = {label: ("defaults", []) for label in labels}
     dirs = {}
     for world in ranks:
         argvs = []
         for task in plan[world]:
-            for label, opts in METHODS:
-                if methods and label not in methods:
-                    continue
+            for label in labels:
                 for seed in range(1, seeds + 1):
                     d = raw / f"np{world}" / task / f"{_slug(label)}-seed{seed}"
                     shutil.rmtree(d, ignore_errors=True)
                     dirs[(task, world, label, seed)] = d
-                    argvs.append(["--dataset", "digits", *TASKS[task][0](label_noise),
-                                  *method_argv(opts, world), "--seed", seed,
-                                  "--epochs", 1000, "--max-steps", steps,
-                                  "--eval-every", eval_every, "--consensus-every", 0,
-                                  "--run-dir", d])
+                    argvs.append([*_common(task, label_noise, steps, eval_every, seed, d),
+                                  *method_argv(dict(METHODS)[label] + chosen[label][1],
+                                               world)])
         t0 = time.perf_counter()
         train_many(world, argvs, timeout=timeout_per_run * len(argvs), log=log)
         log(f"methods: {len(argvs)} trainings on {world} ranks in "
             f"{time.perf_counter() - t0:.0f} s")
     rows = read_runs(dirs, target)
     summary = summarize(rows)
+    for srow in summary:
+        srow["setting"] = chosen[srow["method"]][0]
     write_csv(out / "methods_runs.csv", rows, RUN_COLUMNS)
     write_csv(out / "methods_summary.csv", summary, SUMMARY_COLUMNS)
+    tables = ["methods_summary.csv", "methods_runs.csv"] + tables
     figures = [plot(rows, task, world, descs[task], out)
                for world in ranks for task in plan[world]]
-    return {"name": NAME, "title": TITLE, "figures": figures,
-            "tables": ["methods_summary.csv", "methods_runs.csv"],
-            "findings": [f"Setup: {seeds} seeds, {steps} steps per rank, batch 32 per rank, "
-                         f"digits CNN, 2 ranks per node; tasks: " + "; ".join(
-                             f"{w} ranks: {', '.join(plan[w])}" for w in ranks)
-                         + "; targets: " + ", ".join(
-                             f"{descs[t]} {_pct(target[t])}" for t in tasks)
-                         + "; accuracy = the reported model (LSGD leader, EASGD centre, "
-                           "else rank 0) at the last evaluation."]
-                        + findings(summary, descs),
+    setup = (f"Setup: {seeds} seeds, {steps} steps per rank, batch 32 per rank, digits CNN, "
+             f"2 ranks per node, {VALIDATION_SIZE} training samples held out for validation "
+             f"in every run; tasks: " + "; ".join(f"{w} ranks: {', '.join(plan[w])}"
+                                                 for w in ranks)
+             + "; targets: " + ", ".join(f"{descs[t]} {_pct(target[t])}" for t in tasks)
+             + "; accuracy = the reported model (LSGD leader, EASGD centre, else rank 0) at "
+               "the last evaluation.")
+    tuning = []
+    if tune_grid:
+        n = len({r["setting"] for r in grid_rows if r["method"] == labels[0]})
+        tuning = [f"Tuning: {n} settings per method (methods_grid.csv), each trained once "
+                  f"(seed {TUNE_SEED}, not a reported seed) on {descs[TUNE_TASK]} at "
+                  f"{min(ranks)} ranks; the setting whose reported model had the best "
+                  f"validation accuracy at the end was then run with seeds 1-{seeds} on every "
+                  f"task and rank count. Chosen: " + "; ".join(
+                      f"{m}: {chosen[m][0]} (validation "
+                      f"{_pct(next(r['val_acc_leader'] for r in grid_rows if r['method'] == m and r['chosen']))})"
+                      for m in labels) + "."]
+    return {"name": NAME, "title": TITLE, "figures": figures, "tables": tables,
+            "findings": [setup] + tuning + findings(summary, descs) + leader_score_findings(
+                summary, descs),
             "seconds": time.perf_counter() - t_start}
+
+
+def leader_score_findings(summary: list, descs: dict) -> list:
+    """What --leader-score heldout changed against the train score, per task and rank count."""
+    by = {(s["task"], s["ranks"], s["method"]): s for s in summary}
+    out = []
+    for (task, world, m), s in by.items():
+        h = by.get((task, world, HELDOUT_OF.get(m)))
+        if h is None:
+            continue
+        diff = h["final_acc_leader_mean"] - s["final_acc_leader_mean"]
+        tol = max(s["final_acc_leader_std"], h["final_acc_leader_std"], 0.005)
+        verdict = "better" if diff > tol else "worse" if diff < -tol else "no different"
+        out.append(f"{descs[task]}, {world} ranks: the held-out leader score made {m}'s "
+                   f"reported model {verdict} ({_pct(s['final_acc_leader_mean'])} -> "
+                   f"{_pct(h['final_acc_leader_mean'])}, {100 * diff:+.1f} points; the mean "
+                   f"over workers {_pct(s['final_acc_mean_mean'])} -> "
+                   f"{_pct(h['final_acc_mean_mean'])}).")
+    return out
 
 
 def main(argv=None) -> int:
@@ -415,6 +583,11 @@ def main(argv=None) -> int:
                    help="label noise of the noisy task (default 0.4)")
     p.add_argument("--eval-every", type=int, help=f"steps between evaluations "
                                                   f"(default {FULL['eval_every']})")
+    p.add_argument("--no-tune", action="store_true",
+                   help="skip the tuning grids: every method with its defaults")
+    p.add_argument("--grid-size", type=int, metavar="N",
+                   help="settings per method from its grid, spread over it (default: all "
+                        f"{len(GRIDS['EASGD'])}; --quick: {QUICK['grid']})")
     p.add_argument("--raw", metavar="DIR",
                    help=f"folder for the raw runs (default runs/results/{NAME}/)")
     args = p.parse_args(argv)
@@ -422,7 +595,8 @@ def main(argv=None) -> int:
         p.error(f"unknown --methods {sorted(set(args.methods) - {m for m, _ in METHODS})}")
     res = run(args.out, args.quick, seeds=args.seeds, steps=args.steps, ranks=args.ranks,
               tasks=args.tasks, methods=args.methods, label_noise=args.label_noise,
-              eval_every=args.eval_every, raw=args.raw)
+              eval_every=args.eval_every, raw=args.raw, tune_grid=not args.no_tune,
+              grid_size=args.grid_size)
     for f in res["findings"]:
         print("-", f)
     print(f"{NAME}: {res['seconds']:.0f} s; wrote {', '.join(res['tables'] + res['figures'])} "

@@ -41,10 +41,21 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     for s in summary:
         accs = [float(r["final_acc_leader"]) for r in runs if r["method"] == s["method"]]
         assert abs(float(s["final_acc_leader_mean"]) - sum(accs) / 2) < 1e-4
+    # the tuning grid: 2 settings per method (--quick), one chosen per method, the one with
+    # the best validation accuracy, and the summary says which
+    grid = _csv(out / "methods_grid.csv")
+    for method in ("LSGD multi-leader", "allreduce SGD"):
+        mine = [g for g in grid if g["method"] == method]
+        assert len(mine) == 2 and len({g["setting"] for g in mine}) == 2
+        assert all(g["seed"] == "0" and 0 <= float(g["val_acc_leader"]) <= 1 for g in mine)
+        (best,) = [g for g in mine if g["chosen"] == "yes"]
+        assert float(best["val_acc_leader"]) == max(float(g["val_acc_leader"]) for g in mine)
+        assert [s["setting"] for s in summary if s["method"] == method] == [best["setting"]]
     png = (out / "methods_noisy_2ranks.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "equal or better accuracy with fewer bytes?" in p.stdout
     assert len(list(raw.glob("np2/noisy/*/metrics/rank00001.h5"))) == 4
+    assert len(list(raw.glob("grid-np2/*/metrics/rank00001.h5"))) == 4
 
 
 def test_every_experiment_imports_in_one_process():
