@@ -89,6 +89,16 @@ def load_experiment(name: str):
     return mod
 
 
+def headline_section(out: Path) -> list:
+    """results/headline.py's tables (and OUT/headline.csv), from the experiments' CSV files;
+    loaded by path, like the experiments."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("results_headline", HERE / "headline.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.headline(out)
+
+
 def _section(name: str, res: dict, out: Path) -> list:
     lines = [f"## {res.get('title', name)}", ""]
     lines += [f"`python results/experiments/{name}.py --out results/{name}"
@@ -133,6 +143,7 @@ def readme(doc: dict) -> str:
         lines.append(f"| [{res.get('title', name)}](#{name}) | {res.get('seconds', 0) / 60:.1f} | "
                      f"{res.get('status', 'ok')} |")
     lines.append("")
+    lines += headline_section(Path(doc["out"]))
     for name, res in doc["experiments"].items():
         lines += [f'<a id="{name}"></a>', ""] + _section(name, res, Path(doc["out"]))
     return "\n".join(lines) + "\n"
