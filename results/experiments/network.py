@@ -7,9 +7,18 @@ As root. The measurement is benchmarks/time_to_accuracy.py's (imported, not copi
 nodes x 2 ranks (scripts/cluster.sh: network namespaces, each node's link limited by tc tbf to
 1 Gbit/s, then to 10 Gbit/s; here under a cluster name and subnet of its own, always taken
 down), mlp_wide on digits, batch 32 per rank, one mpirun job per rate running every (seed,
-method) training seed-major after a link probe (lsgd_hpc.planning.netprobe). Methods: sync LSGD (tau_L
-4, tau_G 8), async LSGD (the same periods), allreduce SGD (overlapped buckets), EASGD (tau 4),
-local SGD (T 8), gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's configuration.
+method) training seed-major after a link probe (lsgd_hpc.planning.netprobe). Methods: sync LSGD
+(tau_L 4, tau_G 8) under each leader score (--leader-score train, the trainer's default: the
+loss over a worker's recent training window; and heldout: the loss on a held-out slice of the
+training set, 10 % of it at most 256 samples, taken out of training; its evaluations at each
+election are booked as probe time, outside the training time), async LSGD (the same periods,
+train score), allreduce SGD (overlapped buckets), EASGD (tau 4), local SGD (T 8), DiLoCo (H 8,
+outer Nesterov SGD lr 0.7, momentum 0.9), SlowMo (local SGD T 8, slow momentum step every 48
+steps, beta 0.5, alpha 1), gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's
+configuration. SlowMo's slow momentum starts at 0, and with alpha 1 its first slow step leaves
+the model where local SGD's average put it: within 60 steps (one slow step, at 48; none in
+quick mode's 30) SlowMo trains exactly as local SGD T 8, and only its timing differs (a
+finding says so when the curves agree).
 Time to accuracy = the training time (wall time less evaluations and probes, slowest rank) of
 the first evaluation at or above the target test accuracy, median over seeds.
 
@@ -24,10 +33,21 @@ takes) and t_comm the alpha-beta model of the method's communication. The model'
 parameters (allreduce algorithm, overlap of the bucketed allreduce, latency scale, cost per
 call) are fitted by scale_model.fit to the step times of the OTHER rate's runs (leave one rate
 out), so each rate's figures are predicted, not fitted (with one rate only they are fitted on
-that rate, and the table says so). The cost model has no model of async LSGD nor of DDP: async
-LSGD is predicted as sync LSGD (same rounds, no overlap), DDP as allreduce SGD in DDP's gradient
-buckets (2 for this model, against lsgd_hpc's 1 MiB buckets: 5). Predicted time
-to accuracy = measured steps to the target x predicted step time (median over seeds).
+that rate, and the table says so). DiLoCo is one allreduce of the flat vector (its
+pseudo-gradient) every H steps, SlowMo local SGD's allreduce every T steps plus its slow step
+(elementwise passes, no communication) every 48 (lsgd_hpc.planning.costmodel's diloco and
+slowmo). The cost model has no model of async LSGD nor of DDP: async LSGD is predicted as sync
+LSGD (same rounds, no overlap), DDP as allreduce SGD in DDP's gradient buckets (2 for this
+model, against lsgd_hpc's 1 MiB buckets: 5). Held-out-score LSGD communicates as train-score
+LSGD (the same elections and broadcasts) and is predicted by the same model. These three are
+predicted only; the fit takes the other methods' points. Predicted time to accuracy = measured
+steps to the target x predicted step time (median over seeds).
+
+Findings, per rate: the order of the methods; LSGD's time to accuracy over the best
+baseline's (the fastest method that is not LSGD), as a ratio, for each leader score and async
+LSGD; what the held-out score changed against the train score (time to accuracy, steps to the
+target, final accuracy of the leader, step time); DDP against lsgd_hpc's allreduce; the probed
+link; the scale model's errors; and across the two rates, how much the slower link costs.
 
 Outputs in --out: time_to_accuracy.csv (per rate and method: measured and predicted step time
 and time to accuracy, their errors), curves.csv (accuracy against training time, every run),
@@ -61,11 +81,29 @@ NAME = "network"
 TITLE = "Network: time to accuracy at 1 and 10 Gbit/s, measured and predicted"
 #: the emulated cluster's name and subnet: our own, other clusters may be up
 CLUSTER_NAME, CLUSTER_SUBNET = "lsgdnet", "10.79.7"
+assert tta.METHODS[0][:2] == ("lsgd", "lsgd"), "time_to_accuracy's first method is sync LSGD"
+_LSGD_OPTS = tta.METHODS[0][2]
+#: sync LSGD under each leader score (--leader-score: the trainer's default "train", the loss
+#: over its recent training window; "heldout", the loss on a held-out slice of the training set)
+LSGD_TRAIN = ("lsgd train score", "lsgd", [*_LSGD_OPTS, "--leader-score", "train"])
+LSGD_HELDOUT = ("lsgd held-out score", "lsgd", [*_LSGD_OPTS, "--leader-score", "heldout"])
 ASYNC = ("lsgd async", "lsgd-async", ["--tau-local", "4", "--tau-global", "8"])
-#: every method: time_to_accuracy's (LSGD and the baselines), async LSGD, then DDP
-METHODS = tta.METHODS[:1] + [ASYNC] + tta.METHODS[1:]
-#: the cost model's stand-in for a method it has no model of
-STAND_IN = {ASYNC[0]: "lsgd", tta.DDP_LABEL: "allreduce"}
+LSGD_LABELS = (LSGD_TRAIN[0], LSGD_HELDOUT[0], ASYNC[0])
+LOCAL_SGD_LABEL, SLOWMO_LABEL = "local-sgd T=8", "slowmo T=8"
+assert {LOCAL_SGD_LABEL, SLOWMO_LABEL} <= {m[0] for m in tta.METHODS}
+_SLOWMO_OPTS = next(m[2] for m in tta.METHODS if m[0] == SLOWMO_LABEL)
+SLOWMO_EVERY = int(_SLOWMO_OPTS[_SLOWMO_OPTS.index("--slowmo-every") + 1])
+#: every method: sync LSGD (both scores), async LSGD, time_to_accuracy's baselines (allreduce,
+#: EASGD, local SGD, DiLoCo, SlowMo, gossip), then DDP (tta.run adds it)
+METHODS = [LSGD_TRAIN, LSGD_HELDOUT, ASYNC] + tta.METHODS[1:]
+#: the cost model's method (a label of time_to_accuracy's METHODS, which scale_model models)
+#: for the methods labelled here; the others are their own
+MODEL_OF = {LSGD_TRAIN[0]: "lsgd", LSGD_HELDOUT[0]: "lsgd", ASYNC[0]: "lsgd",
+            tta.DDP_LABEL: "allreduce"}
+#: predicted, not fitted: no model of their own (async LSGD as sync LSGD, DDP as allreduce SGD
+#: in DDP's buckets), or the same model as a fitted method (held-out LSGD communicates as
+#: train-score LSGD: its held-out evaluations are booked as probe time, not training time)
+NOT_FITTED = {LSGD_HELDOUT[0], ASYNC[0], tta.DDP_LABEL}
 #: torch DDP's gradient buckets: the first one closes past 1 MiB, the others past 25 MiB
 DDP_FIRST_BUCKET, DDP_BUCKET = 2 ** 20, 25 * 2 ** 20
 SEEDS_FULL, SEEDS_QUICK = (0, 1, 2), (0,)
@@ -88,9 +126,9 @@ def _settings(results: Dict) -> Dict[str, Dict]:
         probe = (res.get("probe") or {}).get("probe")
         runs = {}
         for label, by_seed in res["seeds"].items():
-            if label in STAND_IN:
+            if label in NOT_FITTED:
                 continue
-            runs[label] = {k: _median([r[k] for r in by_seed.values()])
+            runs[MODEL_OF.get(label, label)] = {k: _median([r[k] for r in by_seed.values()])
                            for k in ("time_per_step", "compute_s_per_step", "comm_s_per_step")}
         out[rate] = {"probe": probe, "runs": runs}
     return out
@@ -121,7 +159,7 @@ def predict(results: Dict, mem_Bps: float) -> Dict[str, Dict]:
         coll = scale_model.cm.Collectives(fitted["allreduce"])
         step = {}
         for label in results[rate]["seeds"]:
-            pt = {**ar, "method": STAND_IN.get(label, label), "measured_compute_s": t_local}
+            pt = {**ar, "method": MODEL_OF.get(label, label), "measured_compute_s": t_local}
             step[label] = t_local + scale_model.predict_point(
                 pt, fitted["call_overhead_s"], coll, mem_Bps, fitted["overlap"],
                 fitted["latency_scale"],
@@ -167,7 +205,8 @@ def table_rows(results: Dict, pred: Dict) -> List[Dict]:
                 "final_accuracy": _median([r["final_accuracy"] for r in runs]),
                 "comm_s_per_step": _median([r["comm_s_per_step"] for r in runs]),
                 "bytes_sent_per_step": _median([r["bytes_sent_per_step"] for r in runs]),
-                "model": STAND_IN.get(label, label),
+                "model": MODEL_OF.get(label, label),
+                "fitted": label not in NOT_FITTED,
                 "fitted_on": "+".join(p.get("fitted_on", [])),
             })
     return rows
@@ -274,6 +313,59 @@ def _fmt_t(s: float) -> str:
     return "not reached" if not math.isfinite(s) else f"{s:.2f} s"
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if math.isfinite(a) and math.isfinite(b) and b > 0 else math.nan
+
+
+def _fmt_ratio(x: float) -> str:
+    return "n/a (not reached)" if not math.isfinite(x) else f"{x:.2f}"
+
+
+def _lsgd_findings(rs: Dict[str, Dict], rate: str) -> List[str]:
+    """LSGD (each leader score, and async) against the best baseline at one rate, as the ratio
+    of the times to accuracy; and what the held-out leader score changed against the train
+    score (time, steps, final accuracy of the leader, step time)."""
+    out = []
+    base = [r for m, r in rs.items() if m not in LSGD_LABELS]
+    best = min(base, key=lambda r: r["time_to_target_s"]) if base else None
+    lsgds = [rs[m] for m in LSGD_LABELS if m in rs]
+    if best and lsgds:
+        bt = best["time_to_target_s"]
+        parts = []
+        for r in lsgds:
+            t = r["time_to_target_s"]
+            ratio = _ratio(t, bt)
+            verdict = ("faster" if ratio < 1 else "NOT faster" if ratio >= 1
+                       else "target not reached" if not math.isfinite(t)
+                       else "faster: no baseline reached the target")
+            part = (f"{r['method']} {_fmt_t(r['time_to_target_s'])}, ratio "
+                    f"{_fmt_ratio(ratio)} ({verdict}")
+            if r["accuracy_of"] == "leader" and math.isfinite(
+                    r["time_to_target_mean_over_ranks_s"]):
+                part += (f"; by the mean over its ranks instead of its leader "
+                         f"{_fmt_t(r['time_to_target_mean_over_ranks_s'])}")
+            sent = r["bytes_sent_per_step"] / max(best["bytes_sent_per_step"], 1)
+            parts.append(part + f"; {sent:.2f}x its bytes per step)")
+        out.append(f"{_rate_title(rate)}: LSGD's time to accuracy / the best baseline's "
+                   f"({best['method']}, {_fmt_t(bt)}): " + "; ".join(parts) + ".")
+    tr, ho = rs.get(LSGD_TRAIN[0]), rs.get(LSGD_HELDOUT[0])
+    if tr and ho:
+        steps = (f"{ho['steps_to_target']:.0f} vs {tr['steps_to_target']:.0f}"
+                 if math.isfinite(ho["steps_to_target"]) and math.isfinite(tr["steps_to_target"])
+                 else f"{ho['steps_to_target']} vs {tr['steps_to_target']}")
+        out.append(
+            f"{_rate_title(rate)}: the held-out leader score against the train score: time to "
+            f"accuracy {_fmt_t(ho['time_to_target_s'])} vs {_fmt_t(tr['time_to_target_s'])} "
+            f"(ratio {_fmt_ratio(_ratio(ho['time_to_target_s'], tr['time_to_target_s']))}), "
+            f"reached by {ho['reached']} vs {tr['reached']} of {tr['seeds']} seeds, steps to "
+            f"target {steps} (median), final accuracy of the leader "
+            f"{100 * ho['final_accuracy']:.1f} vs {100 * tr['final_accuracy']:.1f} %, step "
+            f"time {1e3 * ho['step_time_s']:.0f} vs {1e3 * tr['step_time_s']:.0f} ms (its "
+            f"held-out evaluations at each election are probe time, outside the training "
+            f"time).")
+    return out
+
+
 def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int,
              pred: Dict) -> List[str]:
     out = []
@@ -287,20 +379,7 @@ def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int,
                    f"({_fmt_t(fastest['time_to_target_s'])}, median of {n_seeds}); order: "
                    + ", ".join(f"{r['method']} {_fmt_t(r['time_to_target_s'])}" for r in order)
                    + ".")
-        lsgd = rs.get("lsgd")
-        base = [r for m, r in rs.items() if m not in ("lsgd", ASYNC[0])]
-        best = min(base, key=lambda r: r["time_to_target_s"]) if base else None
-        if lsgd and best and math.isfinite(best["time_to_target_s"]):
-            ratio = lsgd["time_to_target_s"] / best["time_to_target_s"]
-            verdict = ("LSGD is faster" if ratio < 1 else
-                       "LSGD is NOT faster than the best baseline")
-            if math.isfinite(lsgd["time_to_target_mean_over_ranks_s"]):
-                verdict += (f" (by the mean over its ranks instead of its leader LSGD takes "
-                            f"{_fmt_t(lsgd['time_to_target_mean_over_ranks_s'])})")
-            out.append(f"{_rate_title(rate)}: LSGD / best baseline ({best['method']}) = "
-                       f"{ratio:.2f}: {verdict}; LSGD sent "
-                       f"{lsgd['bytes_sent_per_step'] / max(best['bytes_sent_per_step'], 1):.2f}x"
-                       f" the bytes per step of {best['method']}.")
+        out += _lsgd_findings(rs, rate)
         if "ddp" in rs and "allreduce" in rs:
             d, a = rs["ddp"], rs["allreduce"]
             out.append(f"{_rate_title(rate)}: lsgd_hpc allreduce / DDP step time "
@@ -339,6 +418,28 @@ def findings(rows: List[Dict], rates: List[str], target: float, n_seeds: int,
             out.append(f"Going from {_rate_title(b)} to {_rate_title(a)} multiplies the time to "
                        f"accuracy by {slow[0][0]:.2f} ({slow[0][1]}, least hit) to "
                        f"{slow[-1][0]:.2f} ({slow[-1][1]}, most hit).")
+    return out
+
+
+def slowmo_as_local_sgd(results: Dict, rates: List[str]) -> List[str]:
+    """A finding where SlowMo's accuracy curves equal local SGD's at the same T (every seed):
+    its slow step starts from u = 0, and with alpha 1 the first one leaves the model where
+    local SGD's average put it (x_old - alpha gamma (x_old - x) / gamma = x), so a run with
+    one slow step is local SGD up to rounding, and only the timing tells them apart."""
+    out = []
+    for rate in rates:
+        curves = results[rate]["curves"]
+        a, b = curves.get(SLOWMO_LABEL), curves.get(LOCAL_SGD_LABEL)
+        if not a or not b or set(a) != set(b):
+            continue
+        same = all([(c["step"], round(c["accuracy"], 6)) for c in a[s]]
+                   == [(c["step"], round(c["accuracy"], 6)) for c in b[s]] for s in a)
+        if same:
+            out.append(f"{_rate_title(rate)}: {SLOWMO_LABEL}'s accuracy curves are "
+                       f"{LOCAL_SGD_LABEL}'s in every seed (the first slow step, at step "
+                       f"{SLOWMO_EVERY}, starts from u = 0 and with alpha 1 leaves the averaged "
+                       f"model as it is): its time to accuracy differs from local SGD's by step "
+                       f"time only.")
     return out
 
 
@@ -392,7 +493,7 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
     plot_curves(results, rates, target, out / "accuracy_vs_time.png")
     plot_step_times(rows, rates, out / "step_time_predicted.png")
     figures = ["time_to_accuracy.png", "accuracy_vs_time.png", "step_time_predicted.png"]
-    found = findings(rows, rates, target, len(seeds), pred)
+    found = findings(rows, rates, target, len(seeds), pred) + slowmo_as_local_sgd(results, rates)
     for k, v in res.get("errors", {}).items():
         found.append(f"error in {k}: {v}")
     seconds = time.perf_counter() - t0
