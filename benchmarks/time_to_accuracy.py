@@ -83,7 +83,7 @@ METHODS = [
     ("easgd", "easgd", ["--easgd-tau", "4"]),
     ("local-sgd T=8", "local-sgd", ["--local-steps", "8"]),
     ("diloco H=8", "diloco", ["--local-steps", "8"]),
-    ("slowmo T=8", "slowmo", ["--local-steps", "8", "--slowmo-every", "48"]),
+    ("slowmo T=8", "slowmo", ["--local-steps", "8", "--slowmo-every", "16"]),
     ("gossip ring", "gossip", ["--topology", "ring"]),
 ]
 

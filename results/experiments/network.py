@@ -13,12 +13,11 @@ loss over a worker's recent training window; and heldout: the loss on a held-out
 training set, 10 % of it at most 256 samples, taken out of training; its evaluations at each
 election are booked as probe time, outside the training time), async LSGD (the same periods,
 train score), allreduce SGD (overlapped buckets), EASGD (tau 4), local SGD (T 8), DiLoCo (H 8,
-outer Nesterov SGD lr 0.7, momentum 0.9), SlowMo (local SGD T 8, slow momentum step every 48
-steps, beta 0.5, alpha 1), gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's
-configuration. SlowMo's slow momentum starts at 0, and with alpha 1 its first slow step leaves
-the model where local SGD's average put it: within 60 steps (one slow step, at 48; none in
-quick mode's 30) SlowMo trains exactly as local SGD T 8, and only its timing differs (a
-finding says so when the curves agree).
+outer Nesterov SGD lr 0.7, momentum 0.9), SlowMo (local SGD T 8, slow momentum step every 16
+steps, beta 0.5, alpha 1: fairscale's every 48 would give one slow step in 60, and SlowMo's
+first slow step, its momentum starting at 0, leaves the model where local SGD's average put it),
+gossip on a ring, and PyTorch DDP (gloo) on the allreduce run's configuration. A finding says
+so when SlowMo's curves still equal local SGD's (quick mode's 30 steps have one slow step).
 Time to accuracy = the training time (wall time less evaluations and probes, slowest rank) of
 the first evaluation at or above the target test accuracy, median over seeds.
 
@@ -35,7 +34,7 @@ call) are fitted by scale_model.fit to the step times of the OTHER rate's runs (
 out), so each rate's figures are predicted, not fitted (with one rate only they are fitted on
 that rate, and the table says so). DiLoCo is one allreduce of the flat vector (its
 pseudo-gradient) every H steps, SlowMo local SGD's allreduce every T steps plus its slow step
-(elementwise passes, no communication) every 48 (lsgd_hpc.planning.costmodel's diloco and
+(elementwise passes, no communication) every 16 (lsgd_hpc.planning.costmodel's diloco and
 slowmo). The cost model has no model of async LSGD nor of DDP: async LSGD is predicted as sync
 LSGD (same rounds, no overlap), DDP as allreduce SGD in DDP's gradient buckets (2 for this
 model, against lsgd_hpc's 1 MiB buckets: 5). Held-out-score LSGD communicates as train-score

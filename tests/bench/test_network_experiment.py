@@ -68,7 +68,7 @@ def test_every_method_is_predicted_by_its_cost_model():
         w = cm.Workload(facts.n_params, facts.n_buffers, p["t_local_s"])
         coll = cm.Collectives(fit["allreduce"])
         want = {"diloco H=8": cm.diloco(w, c, 8, coll),
-                "slowmo T=8": cm.slowmo(w, c, 8, 48, coll),
+                "slowmo T=8": cm.slowmo(w, c, 8, 16, coll),
                 "local-sgd T=8": cm.local_sgd(w, c, 8, coll),
                 net.LSGD_TRAIN[0]: cm.lsgd(w, c, 4, 8),
                 net.LSGD_HELDOUT[0]: cm.lsgd(w, c, 4, 8)}
