@@ -32,7 +32,7 @@ EXPERIMENTS = [
     ("local_steps", 6),
     ("network", 9),
     ("stragglers", 4),
-    ("lm", 15),
+    ("lm", 12),
 ]
 
 INTRO = """\
