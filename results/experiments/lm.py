@@ -335,6 +335,15 @@ def findings(rows: List[Dict], summary: List[Dict], n_seeds: int, n_lrs: int) ->
                        f"{win['final_perplexity']:.2f}) and sent "
                        f"{dl['bytes_sent'] / max(min(s['bytes_sent'] for s in ss), 1):.2f}x the "
                        f"bytes of the method that sent fewest.")
+        ar = next((s for s in ss if s["method"] == "allreduce SGD"), None)
+        if ar and ar["training_time_s"] > 0 and ar["comm_s"] == ar["comm_s"]:
+            share = ar["comm_s"] / ar["training_time_s"]
+            out.append(f"{world} ranks: allreduce SGD spent {100 * share:.0f} % of its training "
+                       f"time in communication ({ar['comm_s']:.1f} of "
+                       f"{ar['training_time_s']:.1f} s): the link is "
+                       + ("the main cost here, the regime DiLoCo is designed for."
+                          if share >= 0.5 else "not the main cost here (compute is), so this "
+                          "is not the bandwidth-starved regime DiLoCo is designed for."))
         # who is ahead at the same training time: that of the fastest tuned run
         tuned_curves = {s["method"]: next(r["curve"] for r in rows if r["ranks"] == world
                                           and r["method"] == s["method"] and r["lr"] == s["lr"])
