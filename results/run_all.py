@@ -32,6 +32,7 @@ EXPERIMENTS = [
     ("local_steps", 6),
     ("network", 9),
     ("stragglers", 4),
+    ("lm", 12),
 ]
 
 INTRO = """\

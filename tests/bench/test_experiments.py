@@ -2,8 +2,13 @@
 its CSV tables with their columns and one row per run and per method, and its figure."""
 
 import csv
+import math
+import os
+import shutil
 import subprocess
 import sys
+
+import pytest
 
 from mpi_util import REPO, mpi_env
 
@@ -56,6 +61,50 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     assert "equal or better accuracy with fewer bytes?" in p.stdout
     assert len(list(raw.glob("np2/noisy/*/metrics/rank00001.h5"))) == 4
     assert len(list(raw.glob("grid-np2/*/metrics/rank00001.h5"))) == 4
+
+
+@pytest.mark.netns
+@pytest.mark.mpi
+@pytest.mark.timeout(240)
+def test_lm_experiment_on_the_emulated_cluster(tmp_path):
+    """results/experiments/lm.py end to end on 2 emulated nodes at 1 Gbit/s (as root): two
+    methods at 4 ranks, 16 steps each; its tables, one row per run and per method, and its
+    figure. Its own cluster name and subnet, so that it does not meet make results' cluster."""
+    # what benchmarks/time_to_accuracy.py's cluster_available() checks (not imported: it puts
+    # benchmarks/ on the path, whose module names would shadow others of this process)
+    if os.geteuid() != 0:
+        pytest.skip("emulated cluster not available: needs root (network namespaces and tc)")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("emulated cluster not available: needs the ip and tc commands (iproute2)")
+    out, raw = tmp_path / "out", tmp_path / "raw"
+    cmd = [sys.executable, str(REPO / "results" / "experiments" / "lm.py"), "--out", str(out),
+           "--raw", str(raw), "--quick", "--steps", "16", "--eval-every", "8",
+           "--methods", "LSGD multi-leader", "allreduce SGD", "--cluster", "lsgdlmt", "10.79.10"]
+    p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
+                       timeout=200)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    runs = _csv(out / "lm_runs.csv")
+    assert {"ranks", "method", "seed", "lr", "final_loss", "final_perplexity",
+            "training_time_s", "bytes_sent", "bytes_recv", "steps"} <= set(runs[0])
+    assert sorted((r["ranks"], r["method"], r["seed"], r["steps"]) for r in runs) == [
+        ("4", "LSGD multi-leader", "0", "16"), ("4", "allreduce SGD", "0", "16")]
+    for r in runs:
+        assert r["nodes"] == "2"
+        assert abs(math.exp(float(r["final_loss"])) - float(r["final_perplexity"])) < 1e-3 * \
+            float(r["final_perplexity"])
+        assert 1 < float(r["final_perplexity"]) < 256 and float(r["training_time_s"]) > 0
+        assert int(r["bytes_sent"]) > 0 and int(r["bytes_recv"]) > 0
+    # allreduce averages gradients every step; LSGD pulls every 4 steps
+    sent = {r["method"]: int(r["bytes_sent"]) for r in runs}
+    assert sent["LSGD multi-leader"] < sent["allreduce SGD"]
+    summary = _csv(out / "lm_summary.csv")
+    assert [s["method"] for s in summary] == ["LSGD multi-leader", "allreduce SGD"]
+    assert all(s["best_baseline"] == "allreduce SGD" for s in summary)
+    png = (out / "lm_4ranks.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "LSGD multi-leader wins against" in p.stdout or \
+        "LSGD multi-leader loses against" in p.stdout or "ties" in p.stdout
+    assert len(list(raw.glob("np4/*-seed0/metrics/rank00003.h5"))) == 2
 
 
 def test_every_experiment_imports_in_one_process():
