@@ -6,13 +6,16 @@ own sources, with any method of lsgd_hpc.
     mpirun -np 4 python examples/char_lm.py --method diloco --local-steps 16 --outer-lr 0.7
 
 The corpus is on every machine: the top-level ``*.py`` files of
-``sysconfig.get_paths()["stdlib"]``, in sorted order; every 10th file is held out, the rest is
-training text (each part capped at --max-bytes / 10 and --max-bytes, so start-up is fast).
+``sysconfig.get_paths()["stdlib"]``, in sorted order; every 10th file is held out (the test
+text), every 10th from the 6th on is the validation text (for choosing settings: results/'s
+language-model experiment picks learning rates on it), the rest is training text (capped at
+--max-bytes / 10, --max-bytes / 10 and --max-bytes, so start-up is fast).
 Every rank trains on random contiguous windows of the training text, drawn from a generator
 seeded by (seed, rank, step); the held-out loss is measured on a fixed set of windows of the
 held-out text, for the model the method reports (LSGD: the leader's, EASGD: the centre).
 Rank 0 prints the held-out loss and perplexity, the training time and the bytes sent; the
-metrics go to RUN_DIR/metrics (eval rows: test_loss = held-out loss per byte, in nats).
+metrics go to RUN_DIR/metrics (eval rows: test_loss = held-out loss per byte, in nats, and
+val_loss the same on validation windows, a column of this script's own).
 """
 
 import argparse
@@ -28,10 +31,11 @@ import lsgd_hpc
 
 
 def corpus(max_bytes):
-    """(training bytes, held-out bytes) as uint8 tensors, the same on every rank."""
+    """(training, validation, held-out bytes) as uint8 tensors, the same on every rank."""
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
-    parts = {"train": [f for i, f in enumerate(files) if i % 10], "held": files[::10]}
-    caps = {"train": max_bytes, "held": max_bytes // 10}
+    parts = {"train": [f for i, f in enumerate(files) if i % 10 not in (0, 5)],
+             "val": files[5::10], "held": files[::10]}
+    caps = {"train": max_bytes, "val": max_bytes // 10, "held": max_bytes // 10}
     out = {}
     for name, names in parts.items():
         data = bytearray()
@@ -41,7 +45,7 @@ def corpus(max_bytes):
             if len(data) >= caps[name]:
                 break
         out[name] = torch.frombuffer(data[:caps[name]], dtype=torch.uint8)
-    return out["train"], out["held"]
+    return out["train"], out["val"], out["held"]
 
 
 def windows(text, starts, context):
@@ -109,10 +113,12 @@ def main():
     }[a.method]
 
     comm = lsgd_hpc.init(backend="mpi", ranks_per_node=a.ranks_per_node)
-    train_text, held_text = corpus(a.max_bytes)
+    train_text, val_text, held_text = corpus(a.max_bytes)
     g = torch.Generator().manual_seed(12345)          # the same held-out windows everywhere
     held = windows(held_text, torch.randint(len(held_text) - a.context - 1,
                                             (a.eval_windows,), generator=g), a.context)
+    val = windows(val_text, torch.randint(len(val_text) - a.context - 1,
+                                          (a.eval_windows,), generator=g), a.context)
     torch.manual_seed(a.seed)
     model = ByteLM(a.d_model, a.layers, a.heads, a.context).to(comm.device)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01)
@@ -120,7 +126,8 @@ def main():
                                               * 0.5 * (1 + math.cos(math.pi * min(s, a.steps)
                                                                     / a.steps)))
     method = lsgd_hpc.METHODS[a.method](model, opt, comm, max_steps=a.steps, **options)
-    metrics = lsgd_hpc.open_metrics(a.run_dir, comm, method=method, config=vars(a))
+    metrics = lsgd_hpc.open_metrics(a.run_dir, comm, method=method, config=vars(a),
+                                    extra_columns={"eval": {"val_loss": "f8"}})
     loss_fn = nn.CrossEntropyLoss()
 
     def held_out_loss(m):
@@ -129,7 +136,9 @@ def main():
             out = m(x)
             loss = float(loss_fn(out.reshape(-1, 256), y.reshape(-1)))
             acc = float((out.argmax(-1) == y).float().mean())
-        metrics.log_eval(method.steps, loss, acc)
+            x, y = (t.to(comm.device) for t in val)
+            val_loss = float(loss_fn(m(x).reshape(-1, 256), y.reshape(-1)))
+        metrics.log_eval(method.steps, loss, acc, val_loss=val_loss)
         return loss
 
     initial = held_out_loss(model)          # step 0: every rank holds rank 0's x_0

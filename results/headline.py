@@ -80,7 +80,7 @@ def network_rows(out: Path) -> List[dict]:
 def lm_rows(out: Path) -> List[dict]:
     rows = []
     for s in _read(out / "lm" / "lm_summary.csv"):
-        ppl = _f(s.get("perplexity_mean", s.get("perplexity")))
+        ppl = _f(s.get("final_perplexity", s.get("perplexity_mean")))
         rows.append({"task": f"character LM, {s['ranks']} ranks", "method": s["method"],
                      "family": _family(s["method"]), "quality": ppl,
                      "quality_of": "held-out perplexity",

@@ -7,7 +7,6 @@ import contextlib
 import datetime as _dt
 import math
 import os
-import signal
 import socket
 import subprocess
 import time
@@ -88,6 +87,9 @@ class RunMetrics(MetricsWriter):
         if self.method is not None:
             # the method's own /train columns (async LSGD's staleness, local SGD's T)
             extra = {**self.method.rule.train_columns(), **extra}
+        # columns of the user's own (open_metrics' extra_columns) not given: NaN
+        extra = {**{c: math.nan for c in self.columns["train"]
+                    if c not in GROUPS["train"] and c not in extra}, **extra}
         self.log("train", step=step, epoch=epoch, wall_time=wall, loss=float(loss),
                  accuracy=float(accuracy), lr=float(lr), comm_bytes_sent=s.bytes_sent,
                  comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
@@ -144,12 +146,28 @@ def _library_of(comm) -> str:
 
 
 def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
-                 flush_every: int = 1000, flush_seconds: float = 60.0) -> RunMetrics:
+                 flush_every: int = 1000, flush_seconds: float = 60.0,
+                 extra_columns: Optional[dict] = None) -> RunMetrics:
     """Collective: this rank's ``RUN_DIR/metrics/rankNNNNN.h5`` with the schema's file
     attributes (``lsgd_hpc.aggregate`` and ``lsgd_hpc.summary`` read it). ``method``: its
     name and extra columns go into the file (pass the writer back to it as ``metrics=``
     via ``method.log = writer.log``, or build the method with ``metrics=``); ``config``:
-    any JSON-able dict recorded as the run's configuration."""
+    any JSON-able dict recorded as the run's configuration; ``extra_columns``: columns of
+    your own, ``{group: {column: numpy dtype string}}`` (e.g. ``{"eval": {"val_loss": "f8"}}``),
+    given as keyword arguments of ``log_step``/``log_eval`` (an /eval column not given is NaN).
+    A name of the schema's own or of the method's is refused (ValueError)."""
+    from lsgd_hpc.runtime.metrics import GROUPS
+    # the same arguments on every rank: every rank refuses them alike, before any collective
+    extra = ({g: dict(c) for g, c in method.rule.extra_columns.items()}
+             if method is not None else {})
+    for group, cols in (extra_columns or {}).items():
+        if group not in GROUPS:
+            raise ValueError(f"extra_columns: no group {group!r} (the groups: "
+                             f"{', '.join(GROUPS)})")
+        taken = set(cols) & (set(GROUPS[group]) | set(extra.get(group, {})))
+        if taken:
+            raise ValueError(f"extra_columns: /{group} already has {sorted(taken)}")
+        extra.setdefault(group, {}).update(cols)
     from lsgd_hpc import __version__
     make_run_dir(run_dir, comm)
     shared = comm.allgather_object(
@@ -166,10 +184,8 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         "torch_version": torch.__version__, "mpi_library": _library_of(comm),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "start_time": shared["start"],
     }
-    extra = None
     if method is not None:
         attrs.update(method.rule.file_attrs)
-        extra = method.rule.extra_columns
     writer = RunMetrics(rank_file(run_dir, comm.rank), attrs, comm, flush_every, flush_seconds,
                         extra_columns=extra)
     if method is not None:

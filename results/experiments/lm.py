@@ -3,14 +3,15 @@ LSGD (single and multi-leader) against DiLoCo, SlowMo, local SGD and allreduce S
 ranks on 2 emulated nodes.
 
     python results/experiments/lm.py --out results/lm [--quick] [--ranks 4 8] [--steps S]
-        [--lrs 0.003 0.01] [--tune-every-rank] [--seeds 0 1] [--methods LABEL ...]
+        [--lrs 0.003 0.01 0.03] [--tune-every-rank] [--seeds 0 1] [--methods LABEL ...]
         [--rate 1gbit] [--eval-every 16]
 
 As root. The workload is examples/char_lm.py (run as it is: its main() is called once per run):
 a byte-level causal transformer (d_model 128, 2 layers, 4 heads, context 64, 0.47 M
 parameters, 1.9 MB per model exchange) trained with AdamW (cosine schedule, warmup 20, gradient
 clipping 1.0), batch 16 windows per rank, on the Python standard library's own sources; every
-10th file is held out, and the held-out loss (nats per byte; perplexity = its exp) is measured
+10th file is held out (the test text), every 10th from the 6th on is the validation text, and
+the held-out loss (nats per byte; perplexity = its exp) is measured
 on 64 fixed held-out windows for the model each method reports (LSGD: its elected global
 leader, broadcast to every rank; the others: each worker's own model, evaluated every 16 steps,
 a multiple of every averaging period below, so all workers hold the same model then).
@@ -29,16 +30,16 @@ Methods (the same steps, data, model and learning rates for each):
   leader is the global one; every worker is pulled toward it every tau_global = 16 steps;
 * LSGD multi-leader: ``--method lsgd``, nodes by host name: pulls toward the node leader every
   tau_local = 4 steps (inside a node) and toward the global leader every 16 (across the link);
-* DiLoCo H=8 (outer Nesterov SGD, lr 0.7), SlowMo (T=8, slow step every 48), local SGD (T=8);
+* DiLoCo H=8 (outer Nesterov SGD, lr 0.7), SlowMo (T=8, slow step every 24), local SGD (T=8);
 * allreduce SGD (gradients averaged every step).
 
 Tuning: at the first rank count each method is run at every learning rate of ``--lrs`` (AdamW's;
-default 3e-3 and 1e-2) and its run with the lowest final held-out perplexity is the one
-reported; the later rank counts train each method at its pick (``--tune-every-rank``: all
-learning rates there too). The pick is made on the same held-out windows (there is no separate
-validation split), alike for every method. Full budget: 144 steps per rank at 4 ranks, 96 at 8,
-one seed (11.8 min measured here on a loaded 2-core machine); --quick: 48 steps at 4 ranks,
-one learning rate (1 min).
+default 3e-3, 1e-2 and 3e-2) and its run with the lowest final validation loss (64 windows of
+the validation files, never trained on, not the held-out files) is the one reported; the
+later rank counts train each method at its pick (``--tune-every-rank``: all learning rates
+there too). Full budget: 144 steps per rank at 4 ranks, 96 at 8, one seed (11.8 min with two
+learning rates, measured on a loaded 2-core machine); --quick: 48 steps at 4 ranks, one
+learning rate (1 min).
 
 Outputs in --out: lm_runs.csv (one row per run), lm_summary.csv (per rank count and method: the
 tuned run and its comparison with the best baseline by perplexity), lm_<ranks>ranks.png
@@ -84,7 +85,7 @@ METHODS = [
                        "--ranks-per-node", "{world}"]),
     ("LSGD multi-leader", ["--method", "lsgd", "--tau-local", "4", "--tau-global", "16"]),
     ("DiLoCo H=8", ["--method", "diloco", "--local-steps", "8", "--outer-lr", "0.7"]),
-    ("SlowMo T=8", ["--method", "slowmo", "--local-steps", "8", "--slowmo-every", "48"]),
+    ("SlowMo T=8", ["--method", "slowmo", "--local-steps", "8", "--slowmo-every", "24"]),
     ("local SGD T=8", ["--method", "local-sgd", "--local-steps", "8"]),
     ("allreduce SGD", ["--method", "allreduce"]),
 ]
@@ -95,14 +96,14 @@ WORKLOAD = ["--batch-size", "16", "--context", "64", "--d-model", "128", "--laye
 #: budgets: steps per rank by rank count (multiples of EVAL_EVERY), learning rates tried at the
 #: first rank count (the later ones train each method's pick there), seeds
 EVAL_EVERY = 16
-FULL = dict(steps={4: 144, 8: 96}, ranks=(4, 8), lrs=(3e-3, 1e-2), seeds=(0,))
+FULL = dict(steps={4: 144, 8: 96}, ranks=(4, 8), lrs=(3e-3, 1e-2, 3e-2), seeds=(0,))
 QUICK = dict(steps={4: 48}, ranks=(4,), lrs=(3e-3,), seeds=(0,))
 #: the warm-up training each job starts with (not reported): the first training of a process
 #: pays one-off costs (allocations, lazy initialisation) that would fall on one method only
 WARMUP = ["--method", "allreduce", "--steps", "4", "--eval-every", "0"]
 
 RUN_COLUMNS = ["ranks", "nodes", "method", "lr", "lr_picked_at", "seed", "tuned_pick",
-               "final_loss", "final_perplexity", "model", "training_time_s", "comm_s",
+               "final_val_loss", "final_loss", "final_perplexity", "model", "training_time_s", "comm_s",
                "wall_time_s", "bytes_sent", "bytes_recv", "steps"]
 SUMMARY_COLUMNS = ["ranks", "method", "lrs_tried", "lr", "lr_picked_at", "final_loss",
                    "final_perplexity", "training_time_s", "comm_s", "bytes_sent", "bytes_recv",
@@ -202,10 +203,14 @@ def read_run(d: Path) -> Dict:
                  default=math.nan) - min((float(aggregate.col(r, "eval", "test_loss")[-1])
                                           for r in run.ranks.values()), default=math.nan)
     last = curve[-1] if curve else {"loss": math.nan}
+    vals = [float(aggregate.col(r, "eval", "val_loss")[-1]) for r in run.ranks.values()
+            if len(aggregate.col(r, "eval", "val_loss"))]
+    val_loss = sum(vals) / len(vals) if vals else math.nan
     # seconds in communication calls, the rank that spent most
     comm = max((float(aggregate.col(r, "train", "comm_seconds")[-1]) for r in run.ranks.values()
                 if len(aggregate.col(r, "train", "comm_seconds"))), default=math.nan)
     return {"nodes": s["n_nodes"], "final_loss": last["loss"], "comm_s": comm,
+            "final_val_loss": val_loss,
             "final_perplexity": math.exp(last["loss"]) if last["loss"] == last["loss"]
             else math.nan, "training_time_s": s["training_time"], "wall_time_s": s["wall_time"],
             "bytes_sent": int(s["total_bytes_sent"]), "bytes_recv": int(s["total_bytes_recv"]),
@@ -213,8 +218,8 @@ def read_run(d: Path) -> Dict:
 
 
 def summarize(rows: List[Dict]) -> List[Dict]:
-    """Per rank count and method: the tuned run (best final perplexity over learning rates,
-    mean over seeds), then its comparison with the best baseline."""
+    """Per rank count and method: the tuned run (best final validation loss over learning
+    rates, mean over seeds), then its comparison with the best baseline."""
     out = []
     for world in sorted({r["ranks"] for r in rows}):
         per = {}
@@ -226,7 +231,8 @@ def summarize(rows: List[Dict]) -> List[Dict]:
         for m, by_lr in per.items():
             def mean(rs, k):
                 return sum(r[k] for r in rs) / len(rs)
-            best_lr = min(by_lr, key=lambda lr: mean(by_lr[lr], "final_perplexity"))
+            # chosen on the validation windows (other files than the reported held-out ones)
+            best_lr = min(by_lr, key=lambda lr: mean(by_lr[lr], "final_val_loss"))
             rs = by_lr[best_lr]
             for lr, rr in by_lr.items():
                 for r in rr:
@@ -395,7 +401,8 @@ def findings(rows: List[Dict], summary: List[Dict], n_seeds: int, n_lrs: int) ->
                    f" %); time ratios within that are not differences.")
     out.append(f"Caveats: {n_seeds} seed{'s' * (n_seeds > 1)} per configuration; "
                + (f"{n_lrs} learning rates per method (at the first rank count), the pick made "
-                  "on the same held-out windows it is reported on" if n_lrs > 1 else
+                  "on validation windows (other source files than the held-out ones reported)"
+                  if n_lrs > 1 else
                   "one learning rate for every method, no tuning")
                + "; ranks "
                "share this machine's cores, so compute is slow and the link's share of the "
@@ -582,7 +589,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, help="steps per rank at every rank count (default "
                                               "144 at 4 ranks, 96 at 8)")
     p.add_argument("--lrs", type=float, nargs="+",
-                   help="AdamW learning rates tried per method (default 0.003 0.01)")
+                   help="AdamW learning rates tried per method (default 0.003 0.01 0.03)")
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0)")
     p.add_argument("--methods", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(f"'{m}'" for m, _ in METHODS))

@@ -54,3 +54,10 @@ def test_char_lm_held_out_loss_falls(tmp_path):
     assert abs(ppl - math.exp(final)) / ppl < 0.01
     assert "MiB sent" in res.stdout and "training time" in res.stdout
     assert len(list((run_dir / "metrics").glob("rank*.h5"))) == 4
+    # the validation windows (other files than the held-out ones): a column of the example's
+    # own through open_metrics(extra_columns=...), falling with the held-out loss
+    import h5py
+    with h5py.File(run_dir / "metrics" / "rank00000.h5", "r") as f:
+        val, test = f["eval"]["val_loss"][()], f["eval"]["test_loss"][()]
+    assert len(val) == len(test) == 3 and not (val == test).any()
+    assert val[-1] <= val[0] - 1.0 and abs(test[-1] - final) < 1e-3, (val, test)

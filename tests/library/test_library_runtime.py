@@ -86,3 +86,31 @@ def test_comm_stats_reset(comm):
     comm.stats.bytes_sent += 10
     comm.stats.reset()
     assert comm.stats.bytes_sent == 0 and comm.stats.seconds == 0.0
+
+
+def test_open_metrics_takes_columns_of_your_own(comm, tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method = lsgd_hpc.EASGD(model, opt, comm, max_steps=4)
+    metrics = lsgd_hpc.open_metrics(str(tmp_path), comm, method=method,
+                                    extra_columns={"eval": {"val_loss": "f8"},
+                                                   "train": {"grad_norm": "f8"}})
+    train(model, opt, method, metrics, 2)
+    metrics.log_step(method.steps, 0.1, grad_norm=3.5)
+    metrics.log_eval(method.steps, 0.5, 0.75, val_loss=0.25)
+    metrics.log_eval(method.steps, 0.4, 0.8)
+    metrics.flush()
+    with h5py.File(tmp_path / "metrics" / "rank00000.h5", "r") as f:
+        assert list(f["eval"]["val_loss"][:1]) == [0.25] and np.isnan(f["eval"]["val_loss"][1])
+        assert np.isnan(f["eval"]["center_test_loss"][0])          # the method's own, kept
+        assert f["train"]["grad_norm"][-1] == 3.5
+    method.close()
+    for bad, what in [({"eval": {"test_loss": "f8"}}, "already has"),
+                      ({"eval": {"center_test_loss": "f8"}}, "already has"),
+                      ({"evals": {"x": "f8"}}, "no group")]:
+        torch.manual_seed(0)
+        method = lsgd_hpc.EASGD(model, opt, comm, max_steps=4)
+        with pytest.raises(ValueError, match=what):
+            lsgd_hpc.open_metrics(str(tmp_path / "bad"), comm, method=method, extra_columns=bad)
+        method.close()
