@@ -27,12 +27,12 @@ sys.path.insert(0, str(HERE / "experiments"))
 
 #: (name, what a quiet 2-core machine needs in full mode, in minutes), in the order they run.
 EXPERIMENTS = [
-    ("methods", 12),
-    ("topologies", 7),
-    ("local_steps", 6),
-    ("network", 9),
-    ("stragglers", 4),
-    ("lm", 12),
+    ("methods", 7),
+    ("topologies", 3),
+    ("local_steps", 1),
+    ("network", 3),
+    ("stragglers", 1),
+    ("lm", 20),
 ]
 
 INTRO = """\

@@ -35,11 +35,12 @@ Methods (the same steps, data, model and learning rates for each):
 
 Tuning: at the first rank count each method is run at every learning rate of ``--lrs`` (AdamW's;
 default 3e-3, 1e-2 and 3e-2) and its run with the lowest final validation loss (64 windows of
-the validation files, never trained on, not the held-out files) is the one reported; the
+the validation files, never trained on, not the held-out files) is picked; the
 later rank counts train each method at its pick (``--tune-every-rank``: all learning rates
-there too). Full budget: 144 steps per rank at 4 ranks, 96 at 8, one seed (11.8 min with two
-learning rates, measured on a loaded 2-core machine); --quick: 48 steps at 4 ranks, one
-learning rate (1 min).
+there too). The tuning runs use seed 0; the picks then run with the reported seeds (1, 2, 3)
+at every rank count, and only those are in the summary and the figures. Full budget: 144 steps
+per rank at 4 ranks, 96 at 8; --quick: 48 steps at 4 ranks, one learning rate, one seed, no
+tuning (1 min).
 
 Outputs in --out: lm_runs.csv (one row per run), lm_summary.csv (per rank count and method: the
 tuned run and its comparison with the best baseline by perplexity), lm_<ranks>ranks.png
@@ -96,17 +97,19 @@ WORKLOAD = ["--batch-size", "16", "--context", "64", "--d-model", "128", "--laye
 #: budgets: steps per rank by rank count (multiples of EVAL_EVERY), learning rates tried at the
 #: first rank count (the later ones train each method's pick there), seeds
 EVAL_EVERY = 16
-FULL = dict(steps={4: 144, 8: 96}, ranks=(4, 8), lrs=(3e-3, 1e-2, 3e-2), seeds=(0,))
-QUICK = dict(steps={4: 48}, ranks=(4,), lrs=(3e-3,), seeds=(0,))
+FULL = dict(steps={4: 144, 8: 96}, ranks=(4, 8), lrs=(3e-3, 1e-2, 3e-2), seeds=(1, 2, 3))
+QUICK = dict(steps={4: 48}, ranks=(4,), lrs=(3e-3,), seeds=(1,))
+#: the seed of the tuning runs: not a reported one
+TUNE_SEED = 0
 #: the warm-up training each job starts with (not reported): the first training of a process
 #: pays one-off costs (allocations, lazy initialisation) that would fall on one method only
 WARMUP = ["--method", "allreduce", "--steps", "4", "--eval-every", "0"]
 
-RUN_COLUMNS = ["ranks", "nodes", "method", "lr", "lr_picked_at", "seed", "tuned_pick",
+RUN_COLUMNS = ["ranks", "nodes", "method", "role", "lr", "lr_picked_at", "seed", "tuned_pick",
                "final_val_loss", "final_loss", "final_perplexity", "model", "training_time_s", "comm_s",
                "wall_time_s", "bytes_sent", "bytes_recv", "steps"]
-SUMMARY_COLUMNS = ["ranks", "method", "lrs_tried", "lr", "lr_picked_at", "final_loss",
-                   "final_perplexity", "training_time_s", "comm_s", "bytes_sent", "bytes_recv",
+SUMMARY_COLUMNS = ["ranks", "method", "lrs_tried", "lr", "lr_picked_at", "seeds", "final_loss",
+                   "final_perplexity", "perplexity_std", "final_val_loss", "training_time_s", "comm_s", "bytes_sent", "bytes_recv",
                    "steps", "rank_by_perplexity",
                    "best_baseline", "perplexity_minus_best_baseline",
                    "perplexity_over_best_baseline", "time_over_best_baseline",
@@ -217,33 +220,54 @@ def read_run(d: Path) -> Dict:
             "steps": int(s["steps"]), "final_loss_spread_over_ranks": spread, "curve": curve}
 
 
+def pick_lrs(tune_rows: List[Dict]) -> Dict:
+    """(rank count, method) -> the learning rate whose tuning run(s) ended with the lowest
+    validation loss (validation windows: other files than the reported held-out ones); marks
+    the tuning rows' ``tuned_pick``."""
+    by: Dict = {}
+    for r in tune_rows:
+        by.setdefault((r["ranks"], r["method"]), {}).setdefault(r["lr"], []).append(r)
+    picks = {}
+    for key, by_lr in by.items():
+        picks[key] = min(by_lr, key=lambda lr: sum(r["final_val_loss"] for r in by_lr[lr])
+                         / len(by_lr[lr]))
+        for lr, rs in by_lr.items():
+            for r in rs:
+                r["tuned_pick"] = int(lr == picks[key])
+    return picks
+
+
 def summarize(rows: List[Dict]) -> List[Dict]:
-    """Per rank count and method: the tuned run (best final validation loss over learning
-    rates, mean over seeds), then its comparison with the best baseline."""
+    """Per rank count and method: the reported runs (the picked learning rate, every reported
+    seed; mean and standard deviation over seeds), then their comparison with the best
+    baseline. Tuning runs (role "tune") only say which learning rates were tried."""
     out = []
-    for world in sorted({r["ranks"] for r in rows}):
-        per = {}
-        for r in rows:
-            if r["ranks"] != world:
-                continue
-            per.setdefault(r["method"], {}).setdefault(r["lr"], []).append(r)
+    report = [r for r in rows if r.get("role", "report") == "report"]
+    tried: Dict = {}
+    for r in rows:
+        if r.get("role") == "tune":
+            tried.setdefault(r["method"], set()).add(r["lr"])
+    for world in sorted({r["ranks"] for r in report}):
+        per: Dict = {}
+        for r in report:
+            if r["ranks"] == world:
+                per.setdefault(r["method"], []).append(r)
         tuned = {}
-        for m, by_lr in per.items():
-            def mean(rs, k):
+        for m, rs in per.items():
+            def mean(k):
                 return sum(r[k] for r in rs) / len(rs)
-            # chosen on the validation windows (other files than the reported held-out ones)
-            best_lr = min(by_lr, key=lambda lr: mean(by_lr[lr], "final_val_loss"))
-            rs = by_lr[best_lr]
-            for lr, rr in by_lr.items():
-                for r in rr:
-                    r["tuned_pick"] = int(lr == best_lr)
-            loss = mean(rs, "final_loss")
+            ppl = [r["final_perplexity"] for r in rs]
+            std = (math.sqrt(sum((x - mean("final_perplexity")) ** 2 for x in ppl)
+                             / (len(ppl) - 1)) if len(ppl) > 1 else 0.0)
             tuned[m] = {"ranks": world, "method": m,
-                        "lrs_tried": " ".join(f"{lr:g}" for lr in sorted(by_lr)), "lr": best_lr,
-                        "final_loss": loss, "final_perplexity": mean(rs, "final_perplexity"),
-                        "training_time_s": mean(rs, "training_time_s"),
-                        "comm_s": mean(rs, "comm_s"), "lr_picked_at": rs[0]["lr_picked_at"],
-                        "bytes_sent": mean(rs, "bytes_sent"), "bytes_recv": mean(rs, "bytes_recv"),
+                        "lrs_tried": " ".join(f"{lr:g}" for lr in sorted(
+                            tried.get(m, {rs[0]["lr"]}))), "lr": rs[0]["lr"],
+                        "final_loss": mean("final_loss"), "final_perplexity": mean(
+                            "final_perplexity"), "perplexity_std": std,
+                        "final_val_loss": mean("final_val_loss"),
+                        "training_time_s": mean("training_time_s"),
+                        "comm_s": mean("comm_s"), "lr_picked_at": rs[0]["lr_picked_at"],
+                        "bytes_sent": mean("bytes_sent"), "bytes_recv": mean("bytes_recv"),
                         "steps": rs[0]["steps"], "seeds": len(rs)}
         order = sorted(tuned.values(), key=lambda t: t["final_perplexity"])
         base = [t for t in order if t["method"] not in LSGD_METHODS]
@@ -291,7 +315,8 @@ def plot(rows: List[Dict], summary: List[Dict], world: int, rate: str, out: Path
     ax_b.set_xlabel("bytes sent by all ranks (logical payload)")
     ax_b.set_xscale("log")
     ax_t.set_title(f"{world} ranks (2 nodes x {world // NODES}), {rate} links: vs time")
-    ax_b.set_title(f"{world} ranks: vs bytes sent\n(solid: tuned lr; dashed: other lr)")
+    ax_b.set_title(f"{world} ranks: vs bytes sent\n(each method at its tuned lr, one line per "
+                   "seed)")
     ax_t.legend(loc="upper right")
     name = f"lm_{world}ranks.png"
     save_figure(fig, out / name)
@@ -352,7 +377,8 @@ def findings(rows: List[Dict], summary: List[Dict], n_seeds: int, n_lrs: int) ->
                           "is not the bandwidth-starved regime DiLoCo is designed for."))
         # who is ahead at the same training time: that of the fastest tuned run
         tuned_curves = {s["method"]: next(r["curve"] for r in rows if r["ranks"] == world
-                                          and r["method"] == s["method"] and r["lr"] == s["lr"])
+                                          and r["method"] == s["method"] and r["lr"] == s["lr"]
+                                          and r.get("role", "report") == "report")
                         for s in ss}
         t_min = min(c[-1]["training_time"] for c in tuned_curves.values() if c)
         at = sorted(((_ppl_at(c, t_min), m) for m, c in tuned_curves.items()),
@@ -399,9 +425,10 @@ def findings(rows: List[Dict], summary: List[Dict], n_seeds: int, n_lrs: int) ->
                    f"work and traffic) differ in training time by {100 * min(noise):.0f}-"
                    f"{100 * max(noise):.0f} % (median {100 * sorted(noise)[len(noise) // 2]:.0f}"
                    f" %); time ratios within that are not differences.")
-    out.append(f"Caveats: {n_seeds} seed{'s' * (n_seeds > 1)} per configuration; "
-               + (f"{n_lrs} learning rates per method (at the first rank count), the pick made "
-                  "on validation windows (other source files than the held-out ones reported)"
+    out.append(f"Caveats: {n_seeds} reported seed{'s' * (n_seeds > 1)} per method; "
+               + (f"{n_lrs} learning rates per method, one tuning run each (seed {TUNE_SEED}, "
+                  "not reported, at the first rank count), the pick made on validation "
+                  "windows (other source files than the held-out ones reported)"
                   if n_lrs > 1 else
                   "one learning rate for every method, no tuning")
                + "; ranks "
@@ -462,10 +489,11 @@ def _train(world: int, argvs: List[List[str]], steps: int, rate: str, raw: Path,
     return {"probe": probe, "error": None}
 
 
-def _read(dirs: Dict, rows: List[Dict], errors: Dict, picked_at: Dict) -> None:
+def _read(dirs: Dict, rows: List[Dict], errors: Dict, picked_at: Dict,
+          role: str = "report") -> None:
     for (world, label, lr, seed), d in dirs.items():
         if any(r["ranks"] == world and r["method"] == label and r["lr"] == lr
-               and r["seed"] == seed for r in rows):
+               and r["seed"] == seed and r["role"] == role for r in rows):
             continue
         try:
             r = read_run(d)
@@ -478,8 +506,8 @@ def _read(dirs: Dict, rows: List[Dict], errors: Dict, picked_at: Dict) -> None:
         if label != "LSGD 1 leader" and r["nodes"] != NODES:
             errors[f"{world} ranks {label}"] = f"ran on {r['nodes']} node(s), not {NODES}"
             continue
-        rows.append({"ranks": world, "method": label, "lr": lr, "seed": seed,
-                     "lr_picked_at": picked_at.get(world, world),
+        rows.append({"ranks": world, "method": label, "role": role, "lr": lr, "seed": seed,
+                     "tuned_pick": "", "lr_picked_at": picked_at.get(world, world),
                      "model": "leader" if label in LSGD_METHODS else "own (all agree)", **r})
 
 
@@ -509,19 +537,26 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
     if bad:
         raise ValueError(f"rank counts must be multiples of {NODES} (nodes): {bad}")
     raw = Path(raw or raw_dir(NAME))
-    dirs, errors, probes, rows, picked_at, steps_of = {}, {}, {}, [], {}, {}
-    picks: Dict[str, float] = {}
+    errors, probes, rows, picked_at, steps_of = {}, {}, [], {}, {}
+    picks: Dict = {}
+    # the jobs: tuning (seed TUNE_SEED, every learning rate) at the first rank count, or at
+    # every one with tune_every_rank, then the reported seeds at each method's pick
+    jobs = []
     for i, world in enumerate(ranks):
+        if len(lrs) > 1 and (i == 0 or tune_every_rank):
+            jobs.append((world, "tune"))
+        jobs.append((world, "report"))
+    for world, role in jobs:
         n = steps_of[world] = _steps_for(steps, budget, world)
         ev = int(eval_every or min(EVAL_EVERY, n))
-        tuning = i == 0 or tune_every_rank or not picks
-        if not tuning:
-            picked_at[world] = ranks[0]
-        argvs = []
-        for seed in seeds:
+        tuned_at = world if (world, chosen[0][0]) in picks or tune_every_rank else ranks[0]
+        if role == "report":
+            picked_at[world] = tuned_at
+        dirs, argvs = {}, []
+        for seed in ((TUNE_SEED,) if role == "tune" else seeds):
             for lr in lrs:
                 for label, opts in chosen:
-                    if not tuning and picks.get(label, lrs[0]) != lr:
+                    if role == "report" and picks.get((tuned_at, label), lrs[0]) != lr:
                         continue
                     d = raw / f"np{world}" / f"{_slug(label)}-lr{lr:g}-seed{seed}"
                     shutil.rmtree(d, ignore_errors=True)
@@ -537,10 +572,11 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
                     "seconds": time.perf_counter() - t0}
         probes[world] = res["probe"]
         if res["error"]:
-            errors[f"{world} ranks"] = res["error"]
-        _read(dirs, rows, errors, picked_at)
-        if i == 0 and rows:
-            picks = {s["method"]: s["lr"] for s in summarize(rows) if s["ranks"] == world}
+            errors[f"{world} ranks ({role})"] = res["error"]
+        _read(dirs, rows, errors, picked_at, role)
+        if role == "tune":
+            picks.update(pick_lrs([r for r in rows if r["role"] == "tune"
+                                   and r["ranks"] == world]))
     if not rows:
         return {**base, "status": "failed", "findings": [f"error: {k}: {v}"
                                                          for k, v in errors.items()],
@@ -548,8 +584,9 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
     summary = summarize(rows)
     write_csv(out / "lm_runs.csv", rows, RUN_COLUMNS + ["final_loss_spread_over_ranks"])
     write_csv(out / "lm_summary.csv", summary, SUMMARY_COLUMNS)
-    worlds = sorted({r["ranks"] for r in rows})
-    figures = [plot(rows, summary, w, rate, out) for w in worlds]
+    worlds = sorted({r["ranks"] for r in rows if r["role"] == "report"})
+    figures = [plot([r for r in rows if r["role"] == "report"], summary, w, rate, out)
+               for w in worlds]
     link = []
     for w, pr in probes.items():
         inter = ((pr or {}).get("probe") or {}).get("inter") or {}
@@ -565,7 +602,8 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
              f"learning rates {', '.join(f'{lr:g}' for lr in lrs)} per method at "
              + ("every rank count" if tune_every_rank or len(worlds) == 1 else
                 f"{worlds[0]} ranks, each method's pick there at the others")
-             + "; seeds "
+             + (f" (tuning runs: seed {TUNE_SEED})" if len(lrs) > 1 else "")
+             + "; reported seeds "
              f"{', '.join(map(str, seeds))}; perplexity = exp(held-out loss per byte) of the "
              "reported model (LSGD: the elected leader) at the end."]
     found += findings(rows, summary, len(seeds), len(lrs))
@@ -590,7 +628,9 @@ def main(argv=None) -> int:
                                               "144 at 4 ranks, 96 at 8)")
     p.add_argument("--lrs", type=float, nargs="+",
                    help="AdamW learning rates tried per method (default 0.003 0.01 0.03)")
-    p.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0)")
+    p.add_argument("--seeds", type=int, nargs="+",
+                   help="reported seeds (default 1 2 3; the tuning runs use seed "
+                        f"{TUNE_SEED})")
     p.add_argument("--methods", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(f"'{m}'" for m, _ in METHODS))
     p.add_argument("--eval-every", type=int,

@@ -52,7 +52,7 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     for method in ("LSGD multi-leader", "allreduce SGD"):
         mine = [g for g in grid if g["method"] == method]
         assert len(mine) == 2 and len({g["setting"] for g in mine}) == 2
-        assert all(g["seed"] == "0" and 0 <= float(g["val_acc_leader"]) <= 1 for g in mine)
+        assert all(g["seeds"] == "0" and 0 <= float(g["val_acc_leader"]) <= 1 for g in mine)
         (best,) = [g for g in mine if g["chosen"] == "yes"]
         assert float(best["val_acc_leader"]) == max(float(g["val_acc_leader"]) for g in mine)
         assert [s["setting"] for s in summary if s["method"] == method] == [best["setting"]]
@@ -78,7 +78,8 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
         pytest.skip("emulated cluster not available: needs the ip and tc commands (iproute2)")
     out, raw = tmp_path / "out", tmp_path / "raw"
     cmd = [sys.executable, str(REPO / "results" / "experiments" / "lm.py"), "--out", str(out),
-           "--raw", str(raw), "--quick", "--steps", "16", "--eval-every", "8",
+           "--raw", str(raw), "--ranks", "4", "--steps", "16", "--eval-every", "8",
+           "--lrs", "0.003", "0.01", "--seeds", "1", "2",
            "--methods", "LSGD multi-leader", "allreduce SGD", "--cluster", "lsgdlmt", "10.79.10"]
     p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
                        timeout=200)
@@ -86,8 +87,20 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
     runs = _csv(out / "lm_runs.csv")
     assert {"ranks", "method", "seed", "lr", "final_loss", "final_perplexity",
             "training_time_s", "bytes_sent", "bytes_recv", "steps"} <= set(runs[0])
-    assert sorted((r["ranks"], r["method"], r["seed"], r["steps"]) for r in runs) == [
-        ("4", "LSGD multi-leader", "0", "16"), ("4", "allreduce SGD", "0", "16")]
+    # tuning: every learning rate once with seed 0; the pick (lowest validation loss) then
+    # with the reported seeds 1 and 2
+    tune = [r for r in runs if r["role"] == "tune"]
+    assert sorted((r["method"], r["lr"], r["seed"]) for r in tune) == [
+        (m, lr, "0") for m in ("LSGD multi-leader", "allreduce SGD") for lr in ("0.003", "0.01")]
+    picks = {}
+    for m in ("LSGD multi-leader", "allreduce SGD"):
+        mine = [r for r in tune if r["method"] == m]
+        (best,) = [r for r in mine if r["tuned_pick"] == "1"]
+        assert float(best["final_val_loss"]) == min(float(r["final_val_loss"]) for r in mine)
+        picks[m] = best["lr"]
+    report = [r for r in runs if r["role"] == "report"]
+    assert sorted((r["method"], r["lr"], r["seed"], r["steps"]) for r in report) == sorted(
+        (m, picks[m], seed, "16") for m in picks for seed in ("1", "2"))
     for r in runs:
         assert r["nodes"] == "2"
         assert abs(math.exp(float(r["final_loss"])) - float(r["final_perplexity"])) < 1e-3 * \
@@ -101,13 +114,18 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
     sent = {r["method"]: int(r["bytes_sent"]) for r in runs}
     assert sent["LSGD multi-leader"] < sent["allreduce SGD"]
     summary = _csv(out / "lm_summary.csv")
-    assert [s["method"] for s in summary] == ["LSGD multi-leader", "allreduce SGD"]
+    assert [(s["method"], s["seeds"], s["lr"]) for s in summary] == [
+        (m, "2", picks[m]) for m in ("LSGD multi-leader", "allreduce SGD")]
+    for s in summary:
+        ppl = [float(r["final_perplexity"]) for r in report if r["method"] == s["method"]]
+        assert abs(float(s["final_perplexity"]) - sum(ppl) / 2) < 1e-3
     assert all(s["best_baseline"] == "allreduce SGD" for s in summary)
     png = (out / "lm_4ranks.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "LSGD multi-leader wins against" in p.stdout or \
         "LSGD multi-leader loses against" in p.stdout or "ties" in p.stdout
-    assert len(list(raw.glob("np4/*-seed0/metrics/rank00003.h5"))) == 2
+    assert len(list(raw.glob("np4/*-seed0/metrics/rank00003.h5"))) == 4
+    assert len(list(raw.glob("np4/*-seed[12]/metrics/rank00003.h5"))) == 4
 
 
 def test_every_experiment_imports_in_one_process():
