@@ -20,6 +20,9 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import fmt_bytes  # noqa: E402  (the benchmarks' and experiments' byte format)
+
 COLUMNS = ["task", "method", "family", "quality", "quality_of", "quality_std",
            "training_time_s", "time_to_target_s", "bytes_sent", "source"]
 
@@ -152,12 +155,7 @@ def _q(r: dict, value=None) -> str:
 
 
 def _b(x) -> str:
-    if x is None:
-        return "n/a"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= size:
-            return f"{x / size:.2f} {unit}"
-    return f"{x:.0f} B"
+    return "n/a" if x is None else fmt_bytes(x)
 
 
 def _t(x) -> str:

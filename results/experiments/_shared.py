@@ -31,10 +31,10 @@ if str(REPO / "benchmarks") not in sys.path:
 from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
 # The layout and link-rate check every benchmark and experiment that claims a multi-node
 # layout or a link rate runs on what its own runs reported (benchmarks/_common.py).
-from _common import LayoutError, check_layout  # noqa: E402
+from _common import LayoutError, check_layout, fmt_bytes  # noqa: E402
 
 __all__ = ["REPO", "RAW", "raw_dir", "train_many", "write_csv", "read_csv", "new_figure",
-           "save_figure", "write_json", "LayoutError", "check_layout"]
+           "save_figure", "write_json", "LayoutError", "check_layout", "fmt_bytes"]
 
 #: where raw runs go (ignored by git)
 RAW = REPO / "runs" / "results"

@@ -60,7 +60,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _shared import new_figure, raw_dir, save_figure, train_many, write_csv  # noqa: E402
+from _shared import (fmt_bytes, new_figure, raw_dir, save_figure, train_many,  # noqa: E402
+                     write_csv)
 
 from lsgd_hpc.analysis import aggregate
 
@@ -345,12 +346,7 @@ def _pct(x) -> str:
 
 
 def _bytes(x) -> str:
-    if x is None:
-        return "n/a"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if x >= size:
-            return f"{x / size:.2f} {unit}"
-    return f"{x:.0f} B"
+    return "n/a" if x is None else fmt_bytes(x)
 
 
 def findings(summary: list, descs: dict) -> list:
