@@ -90,13 +90,18 @@ class LowPrecision:
     def agree_buffers(self, *tensors: torch.Tensor) -> None:
         self.inner.agree_buffers(*tensors)
 
-    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def _through_low(self, tensor: torch.Tensor, call) -> torch.Tensor:
+        """``call`` (an in-place collective) on the low-precision copy of ``tensor``, widened
+        back into it; on ``tensor`` itself when it is not sent in low precision."""
         low = self._low(tensor)
         if low is None:
-            return self.inner.allreduce_(tensor, op)
-        self.inner.allreduce_(low, op)
+            return call(tensor)
+        call(low)
         tensor.copy_(low.view_as(tensor))
         return tensor
+
+    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        return self._through_low(tensor, lambda t: self.inner.allreduce_(t, op))
 
     def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *, agreed: bool = False):
         if tensor.dtype != torch.float32 or tensor.numel() < MIN_ELEMENTS:
@@ -106,12 +111,7 @@ class LowPrecision:
         return _Widen(self.inner.iallreduce_(low, op), low, tensor)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        low = self._low(tensor)
-        if low is None:
-            return self.inner.broadcast_(tensor, root)
-        self.inner.broadcast_(low, root)
-        tensor.copy_(low.view_as(tensor))
-        return tensor
+        return self._through_low(tensor, lambda t: self.inner.broadcast_(t, root))
 
     def ibroadcast_(self, tensor: torch.Tensor, root: int):
         if tensor.dtype != torch.float32 or tensor.numel() < MIN_ELEMENTS:

@@ -405,27 +405,30 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
                       glob / tau_global, n / p / tau_global)
 
 
+def _periodic_allreduce(name: str, setting: str, w: Workload, c: Cluster, period: int,
+                        passes: int, coll: Collectives) -> MethodCost:
+    """Every ``period`` steps one allreduce of the flat vector and ``passes`` elementwise
+    passes over it (EASGD, local SGD, DiLoCo); nothing on one rank."""
+    n = w.flat_bytes
+    if c.ranks == 1:
+        return MethodCost(name, setting, w.compute_s, 0.0, 0.0)
+    t = allreduce_time(n, c, coll) + _passes(n, c, passes)
+    return MethodCost(name, setting, w.compute_s, t / period, n / period)
+
+
 def easgd(w: Workload, c: Cluster, tau: int, coll: Collectives = Collectives()) -> MethodCost:
     """Every tau steps one allreduce of the elastic differences d_i (the flat vector) and six
     elementwise passes (d, x, deviation, centre)."""
     if tau < 1:
         raise ValueError("tau must be >= 1")
-    n = w.flat_bytes
-    if c.ranks == 1:
-        return MethodCost("easgd", f"tau {tau}", w.compute_s, 0.0, 0.0)
-    t = allreduce_time(n, c, coll) + _passes(n, c, 6)
-    return MethodCost("easgd", f"tau {tau}", w.compute_s, t / tau, n / tau)
+    return _periodic_allreduce("easgd", f"tau {tau}", w, c, tau, 6, coll)
 
 
 def local_sgd(w: Workload, c: Cluster, T: int, coll: Collectives = Collectives()) -> MethodCost:
     """Every T steps one allreduce of the flat vector (copy in, mean, copy back: 3 passes)."""
     if T < 1:
         raise ValueError("T must be >= 1")
-    n = w.flat_bytes
-    if c.ranks == 1:
-        return MethodCost("local-sgd", f"T {T}", w.compute_s, 0.0, 0.0)
-    t = allreduce_time(n, c, coll) + _passes(n, c, 3)
-    return MethodCost("local-sgd", f"T {T}", w.compute_s, t / T, n / T)
+    return _periodic_allreduce("local-sgd", f"T {T}", w, c, T, 3, coll)
 
 
 def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -> MethodCost:
@@ -435,11 +438,7 @@ def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -
     back (7 in all with the statistics' copy)."""
     if H < 1:
         raise ValueError("H must be >= 1")
-    n = w.flat_bytes
-    if c.ranks == 1:
-        return MethodCost("diloco", f"H {H}", w.compute_s, 0.0, 0.0)
-    t = allreduce_time(n, c, coll) + _passes(n, c, 7)
-    return MethodCost("diloco", f"H {H}", w.compute_s, t / H, n / H)
+    return _periodic_allreduce("diloco", f"H {H}", w, c, H, 7, coll)
 
 
 def slowmo(w: Workload, c: Cluster, T: int, every: int,

@@ -121,6 +121,20 @@ def read(run_dir, rank):
 
 
 @pytest.mark.mpi
+def assert_same_rows(run, reference, equal_nan=False):
+    """Every rank's metrics equal ``reference`` row for row (measured times: as many rows)."""
+    for r in range(WORLD):
+        again = read(run, r)
+        assert again.keys() == reference[r].keys()
+        for g in reference[r]:
+            for c in reference[r][g]:
+                if c in TIMING:
+                    assert len(again[g][c]) == len(reference[r][g][c])
+                else:
+                    assert np.array_equal(again[g][c], reference[r][g][c],
+                                          equal_nan=equal_nan), (r, g, c)
+
+
 def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
     proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
@@ -144,15 +158,7 @@ def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
                            "--resume", *SHORT], timeout=300)
     assert "resumed at step 20" in proc.stdout
     assert "step(s) 30 damaged or incomplete" in proc.stdout
-    for r in range(WORLD):
-        again = read(run, r)
-        assert again.keys() == reference[r].keys()
-        for g in reference[r]:
-            for c in reference[r][g]:
-                if c in TIMING:
-                    assert len(again[g][c]) == len(reference[r][g][c])
-                else:
-                    assert np.array_equal(again[g][c], reference[r][g][c]), (r, g, c)
+    assert_same_rows(run, reference)
     assert sets(run) == ["step000000020", "step000000030"]
     assert ck.latest_checkpoint(str(run))["step"] == 30
 
@@ -179,13 +185,4 @@ def test_outer_state_resumes_exactly(tmp_path, method):
     proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
                            "--resume", *args], timeout=300)
     assert "resumed at step 20" in proc.stdout
-    for r in range(WORLD):
-        again = read(run, r)
-        assert again.keys() == reference[r].keys()
-        for g in reference[r]:
-            for c in reference[r][g]:
-                if c in TIMING:
-                    assert len(again[g][c]) == len(reference[r][g][c])
-                else:
-                    assert np.array_equal(again[g][c], reference[r][g][c], equal_nan=True), \
-                        (r, g, c)
+    assert_same_rows(run, reference, equal_nan=True)
