@@ -61,7 +61,7 @@ class Comm:
         return self.world.stats
 
     def barrier(self) -> None:
-        from lsgd_hpc.methods.rules.base import uncounted
+        from lsgd_hpc.comm import uncounted
         with uncounted(self.world):
             self.world.barrier()
 
@@ -69,7 +69,7 @@ class Comm:
         return self.world.allgather_object(obj)
 
     def any_true(self, flag: bool) -> bool:
-        from lsgd_hpc.methods.rules.base import uncounted
+        from lsgd_hpc.comm import uncounted
         with uncounted(self.world):
             return self.world.any_true(flag)
 
@@ -145,8 +145,7 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
     if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
-    from lsgd_hpc.runtime import launcher
-    from lsgd_hpc.comm import NodeGroups, make_world
+    from lsgd_hpc.comm import NodeGroups, launcher, make_world
     local = launcher.local_rank()
     # the device first: NCCL binds the process group to this rank's GPU
     dev = _pick_device(device, local if local is not None else launcher.env_rank())

@@ -59,7 +59,7 @@ class Check:
 
 def launch_method(env: Dict[str, str]) -> str:
     """How this rank was started, read from the variables each launcher sets."""
-    from lsgd_hpc.runtime.launcher import launch_method as method
+    from lsgd_hpc.comm.launcher import launch_method as method
     return method(env)
 
 
@@ -149,7 +149,7 @@ def _run_dir_state(run_dir: str) -> dict:
 
 def gather_local_facts(args, env: Dict[str, str]) -> dict:
     """What this rank sees of itself; plain data, so that it can be gathered and judged."""
-    from lsgd_hpc.runtime.launcher import launcher_size
+    from lsgd_hpc.comm.launcher import launcher_size
     data_dir = os.path.expanduser(os.path.expandvars(args.data_dir)) if args.data_dir else None
     run_dir = os.path.expanduser(os.path.expandvars(args.run_dir))
     return {

@@ -1,21 +1,45 @@
-"""Communication layer: one narrow interface; mpi4py, Horovod and torch.distributed backends."""
+"""Communication layer: one narrow interface; mpi4py, Horovod and torch.distributed backends;
+node groups by host name; the launcher's environment (launcher) and the collective monitor
+(monitor).
 
-from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
-                                check_tensor, sanitize_score)
-from lsgd_hpc.comm.buckets import GradBuckets
-from lsgd_hpc.comm.flat import FlatParams
-from lsgd_hpc.comm.groups import RANKS_PER_NODE_ENV, NodeGroups, node_layout
+Names are imported on first use, so that the launcher's environment
+(``lsgd_hpc.comm.launcher``) and the monitor are read without loading torch or mpi4py.
+"""
+
+from __future__ import annotations
+
+#: public name -> module of this package that defines it
+_EXPORTS = {
+    "CommError": "base", "CommStats": "base", "Communicator": "base", "Election": "base",
+    "Pending": "base", "Request": "base", "check_tensor": "base", "sanitize_score": "base",
+    "uncounted": "accounting",
+    "GradBuckets": "buckets", "FlatParams": "flat",
+    "RANKS_PER_NODE_ENV": "groups", "NodeGroups": "groups", "node_layout": "groups",
+}
 
 __all__ = ["CommError", "CommStats", "Communicator", "Election", "FlatParams", "GradBuckets",
            "NodeGroups", "Pending", "RANKS_PER_NODE_ENV", "Request", "check_tensor",
-           "make_world", "node_layout", "sanitize_score"]
+           "make_world", "node_layout", "sanitize_score", "uncounted"]
 
 
-def make_world(backend: str = "mpi", *, device=None) -> Communicator:
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lsgd_hpc.comm' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)
+
+
+def make_world(backend: str = "mpi", *, device=None):
     """The world communicator of the chosen backend ('mpi', 'horovod' or 'torch').
 
     'torch' creates torch.distributed's default process group when none exists (gloo for
-    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.runtime.launcher);
+    CPU tensors, NCCL for CUDA ones; rendezvous from the launcher, see lsgd_hpc.comm.launcher);
     ``device`` (torch only): this rank's GPU, bound to the process group for NCCL."""
     if backend == "mpi":
         from lsgd_hpc.comm.mpi import MPICommunicator
@@ -26,4 +50,5 @@ def make_world(backend: str = "mpi", *, device=None) -> Communicator:
     if backend == "torch":
         from lsgd_hpc.comm.torchdist import TorchCommunicator
         return TorchCommunicator(device=device)
+    from lsgd_hpc.comm.base import CommError
     raise CommError(f"unknown backend {backend!r}; choose 'mpi', 'horovod' or 'torch'")

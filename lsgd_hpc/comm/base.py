@@ -10,7 +10,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from lsgd_hpc.runtime.watchdog import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["CommStats", "Election", "Communicator", "CommError", "Pending", "Request",
            "check_tensor", "sanitize_score"]

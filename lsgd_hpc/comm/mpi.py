@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from lsgd_hpc.runtime.watchdog import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 check_tensor, sanitize_score)
 
@@ -74,8 +74,8 @@ def mpi_library() -> str:
 
 
 def _world_on_one_host(size: int) -> Optional[bool]:
-    """Whether all ``size`` ranks of COMM_WORLD run on this host (see lsgd_hpc.runtime.launcher)."""
-    from lsgd_hpc.runtime.launcher import world_on_one_host
+    """Whether all ``size`` ranks of COMM_WORLD run on this host (see lsgd_hpc.comm.launcher)."""
+    from lsgd_hpc.comm.launcher import world_on_one_host
     return world_on_one_host(size)
 
 

@@ -7,7 +7,7 @@ both backends give the same results and the same traffic figures:
   ``"cpu:gloo,cuda:nccl"`` (``"gloo"`` where CUDA or NCCL is missing): torch dispatches every
   collective by the tensor's device, so CPU tensors (and the small control tensors of the
   agreement checks and elections, always on the CPU) go through gloo and CUDA tensors through
-  NCCL. Rendezvous (rank, size, MASTER_ADDR/PORT) comes from :mod:`lsgd_hpc.runtime.launcher`:
+  NCCL. Rendezvous (rank, size, MASTER_ADDR/PORT) comes from :mod:`lsgd_hpc.comm.launcher`:
   torchrun, srun without MPI, or mpirun.
 * ``op='mean'`` is a SUM finished as sum / size, as on the other backends (bit-identical).
   Half precision (float16, bfloat16) can be summed here (gloo and NCCL add them), which the
@@ -39,7 +39,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from lsgd_hpc.runtime.watchdog import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
@@ -76,7 +76,7 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         return
     if not dist.is_available():
         raise CommError("--backend torch: this torch was built without torch.distributed")
-    from lsgd_hpc.runtime import launcher
+    from lsgd_hpc.comm import launcher
     env = os.environ if env is None else env
     info = launcher.detect(env)
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
@@ -194,7 +194,7 @@ class TorchCommunicator(Communicator):
         self._nccl_p2p_ready = False
         self.one_host: Optional[bool] = None
         if group is None:
-            from lsgd_hpc.runtime import launcher
+            from lsgd_hpc.comm import launcher
             self.one_host = launcher.world_on_one_host(self._size)
 
     @property

@@ -23,8 +23,7 @@ from typing import Optional
 
 import torch
 
-from lsgd_hpc.methods.rules.base import uncounted
-from lsgd_hpc.comm import Communicator, Pending
+from lsgd_hpc.comm import Communicator, Pending, uncounted
 
 __all__ = ["StopAgreement"]
 

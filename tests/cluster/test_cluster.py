@@ -220,7 +220,7 @@ def test_srun_without_mpi_torch_backend(slurm_cluster, tmp_path):
     """srun --mpi=none -N 2 --ntasks-per-node 2 python -m lsgd_hpc.train --backend torch: no
     MPI in any rank; rendezvous at the first host of the node list, port 12000 + job id %
     20000 (lsgd_hpc.launcher.slurm_master); ranks grouped by host name; it trains."""
-    from lsgd_hpc.runtime.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_master
+    from lsgd_hpc.comm.launcher import SLURM_PORT_BASE, SLURM_PORT_SPAN, slurm_master
     proc, job = _salloc(slurm_cluster, tmp_path, sys.executable, "-m", "lsgd_hpc.train",
                         "--backend", "torch", *DIGITS, "--max-steps", "4", "--eval-every", "2",
                         "--run-dir", str(tmp_path / "run"))

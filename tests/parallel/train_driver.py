@@ -19,7 +19,7 @@ from lsgd_hpc.methods.rules.base import Algorithm
 
 
 def inject(kind: str, rank: int, step: int) -> None:
-    from lsgd_hpc.runtime.launcher import env_rank      # mpirun's, srun's or torchrun's rank
+    from lsgd_hpc.comm.launcher import env_rank      # mpirun's, srun's or torchrun's rank
     if env_rank() != rank:
         return
     for cls in Algorithm.__subclasses__():

@@ -1,9 +1,9 @@
-"""lsgd_hpc.runtime.launcher: what torchrun, mpirun and srun tell a rank, read from an env dict."""
+"""lsgd_hpc.comm.launcher: what torchrun, mpirun and srun tell a rank, read from an env dict."""
 
 import pytest
 
-from lsgd_hpc.runtime import launcher
-from lsgd_hpc.runtime.launcher import (LaunchInfo, detect, env_rank, expand_hostlist,
+from lsgd_hpc.comm import launcher
+from lsgd_hpc.comm.launcher import (LaunchInfo, detect, env_rank, expand_hostlist,
                                        launched_alone, launcher_world_size, slurm_master,
                                        world_on_one_host)
 
@@ -113,7 +113,7 @@ def test_launch_method_names_torchrun():
 def test_module_imports_no_communication_library():
     import subprocess
     import sys
-    code = ("import sys, lsgd_hpc.runtime.launcher; "
+    code = ("import sys, lsgd_hpc.comm.launcher, lsgd_hpc.runtime.launcher; "
             "print(any(m in sys.modules for m in ('torch', 'mpi4py')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)

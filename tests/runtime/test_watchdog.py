@@ -10,7 +10,8 @@ import pytest
 
 from mpi_util import REPO, run_mpi
 
-from lsgd_hpc.runtime.watchdog import CollectiveMonitor, Watchdog, heartbeat_path
+from lsgd_hpc.comm.monitor import CollectiveMonitor
+from lsgd_hpc.runtime.watchdog import Watchdog, heartbeat_path
 
 
 def _write_heartbeat(run_dir, rank, rec):
@@ -56,7 +57,8 @@ def test_watchdog_thread_reports_and_aborts_a_blocked_process(tmp_path):
     """No MPI: the main thread 'blocks' in a collective nobody else joins; the thread fires."""
     script = f"""
 import time
-from lsgd_hpc.runtime.watchdog import MONITOR, Watchdog
+from lsgd_hpc.comm.monitor import MONITOR
+from lsgd_hpc.runtime.watchdog import Watchdog
 dog = Watchdog(1.0, {str(tmp_path)!r}, 0, abort=lambda: print("ABORT", flush=True),
                on_stall=lambda report: print("STALL-HOOK", flush=True), interval=0.1).start()
 with MONITOR.blocking("world", [0, 1], "barrier"):

@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
 from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups
+from lsgd_hpc.comm.accounting import uncounted  # re-exported: it moved to the comm layer
 
 __all__ = ["Algorithm", "uncounted", "MetricsSink"]
 
 #: log(group, **row): the trainer's metrics writer (or a list-appender in tests)
 MetricsSink = Callable[..., None]
-
-
-@contextmanager
-def uncounted(comm: Communicator, probe: bool = False) -> Iterator[None]:
-    """Measurement and control traffic (consensus probes, stop flags) is not the method's
-    communication: restore the counters afterwards so comm_* report only the algorithm, and
-    book the time as control overhead (``overhead_seconds``, still training time) or, with
-    ``probe``, as measurement (``probe_seconds``, left out of the training time)."""
-    saved = comm.stats.snapshot()
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        comm.stats.load_state_dict(saved.state_dict())
-        if probe:
-            comm.stats.probe_seconds += time.perf_counter() - t0
-        else:
-            comm.stats.overhead_seconds += time.perf_counter() - t0
 
 
 class Algorithm:

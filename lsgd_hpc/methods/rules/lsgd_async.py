@@ -44,7 +44,7 @@ from typing import List, Optional
 import torch
 
 from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups, Request
-from lsgd_hpc.runtime.watchdog import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
 from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL, window_score
 
