@@ -1,18 +1,30 @@
-"""Run-time pieces for a training loop: the per-rank metrics file (metrics), checkpoints
-(checkpoint), the stop-signal agreement (stopping), the collective watchdog (watchdog), the
-launcher's environment (launcher), and the building blocks a user's loop calls (blocks:
-open_metrics, Checkpointer, StopSignals, requeue, start_watchdog, ShardedSampler).
+"""Run-time pieces for a training loop: the run directory (rundir), the per-rank metrics file
+(metrics: the schema and writer; run_metrics: open_metrics and RunMetrics), checkpoints
+(checkpoint: the files and the Checkpointer), stop signals (signals) and their agreement
+(stopping), SLURM requeue (preemption), the collective watchdog (watchdog) and a resumable
+sharded sampler (sampler). The launcher's environment and the collective monitor belong to
+the communication layer (lsgd_hpc.comm.launcher, lsgd_hpc.comm.monitor).
 
-Names of ``blocks`` are imported on first use, so that the offline tools can read the metrics
-schema (``lsgd_hpc.runtime.metrics``) without loading torch.
+Names are imported on first use, so that the offline tools can read the metrics schema
+(``lsgd_hpc.runtime.metrics``) without loading torch.
 """
+
+#: public name -> module of this package that defines it
+_EXPORTS = {
+    "MetricsWriter": "metrics", "RunMetrics": "run_metrics", "open_metrics": "run_metrics",
+    "Checkpointer": "checkpoint", "StopSignals": "signals", "requeue": "preemption",
+    "Watchdog": "watchdog", "start_watchdog": "watchdog", "ShardedSampler": "sampler",
+    "make_run_dir": "rundir",
+}
 
 __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopSignals",
            "requeue", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir"]
 
 
 def __getattr__(name):
-    if name in __all__:
-        from . import blocks
-        return getattr(blocks, name)
+    if name in _EXPORTS:
+        import importlib
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'lsgd_hpc.runtime' has no attribute {name!r}")

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Optional
 
 import torch
 
-__all__ = ["save_rank", "commit_set", "latest_checkpoint", "load_rank", "atomic_write"]
+__all__ = ["Checkpointer", "save_rank", "commit_set", "latest_checkpoint", "load_rank",
+           "atomic_write"]
 
 POINTER = "latest.json"
 MANIFEST = "manifest.json"
@@ -166,3 +168,70 @@ def latest_checkpoint(run_dir: str) -> Optional[dict]:
 def load_rank(run_dir: str, step: int, rank: int) -> dict:
     # weights_only: a checkpoint is data, never code to run.
     return torch.load(_rank_path(run_dir, step, rank), map_location="cpu", weights_only=True)
+
+
+# -- the building block of a user's loop ----------------------------------------------------
+class Checkpointer:
+    """Checkpoint and exact resume of everything named: ``Checkpointer(run_dir, comm,
+    model=model, optimizer=opt, method=method, sampler=sampler, metrics=writer)``; each
+    object has ``state_dict``/``load_state_dict``. One file per rank, written atomically,
+    and a pointer to the newest complete set (a damaged newest set falls back to the one
+    before). The RNG states are saved too, so a resumed run continues bit for bit."""
+
+    def __init__(self, run_dir: str, comm, **objects):
+        self.run_dir, self.comm, self.objects = run_dir, comm, objects
+        bad = [k for k, v in objects.items()
+               if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict"))]
+        if bad:
+            raise ValueError(f"Checkpointer: {', '.join(bad)} has no state_dict/load_state_dict")
+
+    def _label(self) -> int:
+        method = self.objects.get("method")
+        step = int(method.steps) if method is not None else 0
+        # ranks of an asynchronous method have taken different numbers of steps
+        return max(self.comm.allgather_object(step))
+
+    def save(self) -> int:
+        """Collective: save every object; returns the set's step label."""
+        t0 = time.perf_counter()
+        state = {"objects": {k: v.state_dict() for k, v in self.objects.items()},
+                 "torch_rng": torch.get_rng_state(), "comm_stats": self.comm.stats.state_dict()}
+        if torch.cuda.is_available() and self.comm.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.comm.device)
+        metrics = self.objects.get("metrics")
+        label = self._label()
+        save_rank(self.run_dir, label, self.comm.rank, state)
+        if metrics is not None:
+            metrics.flush()           # rows up to this step are on disk before the pointer
+        self.comm.barrier()
+        if self.comm.rank == 0:
+            commit_set(self.run_dir, label, self.comm.size)
+        self.comm.barrier()
+        if metrics is not None:
+            metrics.checkpoint_seconds += time.perf_counter() - t0
+        return label
+
+    def restore(self) -> Optional[int]:
+        """Collective: load the newest complete set, if any; returns its step label (None:
+        nothing to resume, a fresh start). Ranks that disagree on it stop with ValueError."""
+        pointer = latest_checkpoint(self.run_dir)
+        seen = self.comm.allgather_object(None if pointer is None else pointer["step"])
+        if len(set(seen)) > 1:
+            raise ValueError(f"checkpoints in {self.run_dir}: the ranks see different newest "
+                             f"sets {sorted(set(map(str, seen)))}; is the folder shared?")
+        if pointer is None:
+            return None
+        if int(pointer["world_size"]) != self.comm.size:
+            raise ValueError(f"checkpoint in {self.run_dir} was written by "
+                             f"{pointer['world_size']} ranks, this job has {self.comm.size}")
+        state = load_rank(self.run_dir, int(pointer["step"]), self.comm.rank)
+        for k, v in self.objects.items():
+            v.load_state_dict(state["objects"][k])
+        torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.comm.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.comm.device)
+        self.comm.stats.load_state_dict(state["comm_stats"])
+        sampler, method = self.objects.get("sampler"), self.objects.get("method")
+        if sampler is not None and method is not None:
+            sampler.set_step(method.steps)
+        return int(pointer["step"])

@@ -33,7 +33,8 @@ from typing import Callable, List, Optional
 # importable from here for older callers.
 from lsgd_hpc.comm.monitor import MONITOR, CollectiveMonitor
 
-__all__ = ["CollectiveMonitor", "MONITOR", "Watchdog", "EXIT_STALLED", "heartbeat_path"]
+__all__ = ["CollectiveMonitor", "MONITOR", "Watchdog", "start_watchdog", "EXIT_STALLED",
+           "heartbeat_path"]
 
 #: exit status of a job the watchdog ended
 EXIT_STALLED = 1
@@ -138,3 +139,12 @@ class Watchdog:
             sys.stderr.flush()
             self.abort()
             os._exit(EXIT_STALLED)        # if the abort returned
+
+
+def start_watchdog(comm, run_dir: str, timeout: float = 300.0, metrics=None) -> Watchdog:
+    """Start the collective watchdog: a collective that waits longer than ``timeout`` seconds
+    aborts the job with a report (in ``run_dir``) of the ranks that did not arrive; the
+    metrics are flushed first. ``watchdog.stop()`` at the end."""
+    on_stall = (lambda report: metrics.flush()) if metrics is not None else None
+    return Watchdog(timeout, run_dir, comm.rank, abort=lambda: comm.world.abort(1),
+                    on_stall=on_stall).start()

@@ -6,7 +6,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups
+from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.comm.accounting import uncounted  # re-exported: it moved to the comm layer
 
 __all__ = ["Algorithm", "uncounted", "MetricsSink"]

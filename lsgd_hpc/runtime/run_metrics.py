@@ -1,0 +1,177 @@
+"""The per-rank metrics file of a user's loop: RunMetrics (the schema's writer with the
+/train and /eval bookkeeping done) and open_metrics, which creates it with the run's
+attributes (docs/library.md, docs/metrics.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import math
+import os
+import socket
+import time
+from typing import Iterator, Optional
+
+import torch
+
+from lsgd_hpc.runtime.metrics import GROUPS, SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+from lsgd_hpc.runtime.rundir import git_sha, make_run_dir
+
+__all__ = ["RunMetrics", "open_metrics"]
+
+
+class RunMetrics(MetricsWriter):
+    """The per-rank HDF5 metrics file of the package's schema, with the bookkeeping of the
+    /train and /eval columns done for the user: ``log_step`` fills in the communication
+    counters, wall time and training time; time spent inside ``measuring()`` (evaluations)
+    and in checkpoints is left out of the training time."""
+
+    def __init__(self, path: str, attrs: dict, comm, flush_every: int = 1000,
+                 flush_seconds: float = 60.0, extra_columns=None):
+        super().__init__(path, attrs, flush_every, flush_seconds, extra_columns)
+        self.comm = comm
+        self.t0 = time.perf_counter()
+        self.elapsed0 = 0.0
+        self.eval_seconds = 0.0
+        self.checkpoint_seconds = 0.0
+        self.metrics_seconds = 0.0
+        self.compute_seconds = 0.0
+        #: the method whose extra /train columns ``log_step`` fills in (set by open_metrics)
+        self.method = None
+
+    def wall(self) -> float:
+        return self.elapsed0 + time.perf_counter() - self.t0
+
+    def training_time(self, wall: Optional[float] = None) -> float:
+        wall = self.wall() if wall is None else wall
+        return (wall - self.eval_seconds - self.checkpoint_seconds - self.metrics_seconds
+                - self.comm.stats.probe_seconds)
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Time inside (evaluations) is not training time."""
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.eval_seconds += time.perf_counter() - t
+
+    def log_step(self, step: int, loss: float, accuracy: float = math.nan,
+                 lr: float = math.nan, epoch: float = math.nan, **extra) -> None:
+        s, wall = self.comm.stats, self.wall()
+        if self.method is not None:
+            # the method's own /train columns (async LSGD's staleness, local SGD's T)
+            extra = {**self.method.rule.train_columns(), **extra}
+        # columns of the user's own (open_metrics' extra_columns) not given: NaN
+        extra = {**{c: math.nan for c in self.columns["train"]
+                    if c not in GROUPS["train"] and c not in extra}, **extra}
+        self.log("train", step=step, epoch=epoch, wall_time=wall, loss=float(loss),
+                 accuracy=float(accuracy), lr=float(lr), comm_bytes_sent=s.bytes_sent,
+                 comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
+                 compute_seconds=self.compute_seconds, overhead_seconds=s.overhead_seconds,
+                 probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
+                 checkpoint_seconds=self.checkpoint_seconds,
+                 metrics_seconds=self.metrics_seconds, training_time=self.training_time(wall),
+                 **extra)
+        t = time.perf_counter()
+        self.maybe_flush()
+        self.metrics_seconds += time.perf_counter() - t
+
+    def log_eval(self, step: int, test_loss: float, test_accuracy: float,
+                 epoch: float = math.nan, **extra) -> None:
+        wall = self.wall()
+        # the method's own /eval columns (EASGD's centre figures) are NaN unless passed
+        extra = {**{c: math.nan for c in self.columns["eval"]
+                    if c not in GROUPS["eval"] and c not in extra}, **extra}
+        self.log("eval", step=step, epoch=epoch, wall_time=wall,
+                 training_time=self.training_time(wall), test_loss=float(test_loss),
+                 test_accuracy=float(test_accuracy), **extra)
+
+    def state_dict(self) -> dict:
+        return {"rows": self.row_counts(), "wall": self.wall(), "eval": self.eval_seconds,
+                "checkpoint": self.checkpoint_seconds, "metrics": self.metrics_seconds,
+                "compute": self.compute_seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load_existing(state["rows"])
+        self.t0 = time.perf_counter()
+        self.elapsed0 = float(state["wall"])
+        self.eval_seconds = float(state["eval"])
+        self.checkpoint_seconds = float(state["checkpoint"])
+        self.metrics_seconds = float(state["metrics"])
+        self.compute_seconds = float(state["compute"])
+
+
+def _library_of(comm) -> str:
+    if comm.backend == "mpi" or comm.backend == "horovod":
+        from lsgd_hpc.comm.mpi import mpi_library
+        return mpi_library()
+    return f"torch.distributed {torch.__version__}"
+
+
+def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
+                 flush_every: int = 1000, flush_seconds: float = 60.0,
+                 extra_columns: Optional[dict] = None) -> RunMetrics:
+    """Collective: this rank's ``RUN_DIR/metrics/rankNNNNN.h5`` with the schema's file
+    attributes (``lsgd_hpc.aggregate`` and ``lsgd_hpc.summary`` read it). ``method``: its
+    name and extra columns go into the file (pass the writer back to it as ``metrics=``
+    via ``method.log = writer.log``, or build the method with ``metrics=``); ``config``:
+    any JSON-able dict recorded as the run's configuration; ``extra_columns``: columns of
+    your own, ``{group: {column: numpy dtype string}}`` (e.g. ``{"eval": {"val_loss": "f8"}}``),
+    given as keyword arguments of ``log_step``/``log_eval`` (an /eval column not given is NaN).
+    A name of the schema's own or of the method's is refused (ValueError)."""
+    # the same arguments on every rank: every rank refuses them alike, before any collective
+    extra = ({g: dict(c) for g, c in method.rule.extra_columns.items()}
+             if method is not None else {})
+    for group, cols in (extra_columns or {}).items():
+        if group not in GROUPS:
+            raise ValueError(f"extra_columns: no group {group!r} (the groups: "
+                             f"{', '.join(GROUPS)})")
+        taken = set(cols) & (set(GROUPS[group]) | set(extra.get(group, {})))
+        if taken:
+            raise ValueError(f"extra_columns: /{group} already has {sorted(taken)}")
+        extra.setdefault(group, {}).update(cols)
+    from lsgd_hpc import __version__
+    make_run_dir(run_dir, comm)
+    shared = comm.allgather_object(
+        {"git_sha": git_sha(), "start": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+        if comm.rank == 0 else None)[0]
+    attrs = {
+        "schema_version": SCHEMA_VERSION, "rank": comm.rank, "world_size": comm.size,
+        "local_rank": comm.local_rank, "node_index": comm.node_index, "n_nodes": comm.n_nodes,
+        "hostname": socket.gethostname(),
+        "algorithm": method.name if method is not None else "custom",
+        "config": encode_config(dict(config or {},
+                                     **({"method_options": method.options} if method else {}))),
+        "lsgd_hpc_version": __version__, "git_sha": shared["git_sha"],
+        "torch_version": torch.__version__, "mpi_library": _library_of(comm),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "start_time": shared["start"],
+    }
+    if method is not None:
+        attrs.update(method.rule.file_attrs)
+    writer = RunMetrics(rank_file(run_dir, comm.rank), attrs, comm, flush_every, flush_seconds,
+                        extra_columns=extra)
+    if method is not None:
+        method.set_metrics(writer)
+        writer.method = method
+    error = None
+    try:
+        if os.path.exists(writer.path):
+            # a resumed run: Checkpointer.restore takes the rows up to its checkpoint back
+            # from this file, so it is not replaced by an empty one here (the first flush
+            # replaces it); only check that the folder takes a file
+            _probe_write(writer.path + ".tmp")
+        else:
+            writer.flush()
+    except OSError as exc:
+        error = f"metrics file {writer.path}: {exc.strerror or exc}"
+    message = comm.agree(error)
+    if message:
+        raise ValueError(message)
+    return writer
+
+
+def _probe_write(path: str) -> None:
+    with open(path, "wb") as fh:
+        fh.write(b"x")
+    os.remove(path)
