@@ -39,7 +39,7 @@ def plain_loop(skip: int, steps: int) -> float:
     """Seconds of steps skip+1..steps of a hand-written PyTorch loop."""
     import torch
 
-    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+    from lsgd_hpc.data import ShardedBatches, load_dataset
     from lsgd_hpc.models.zoo import build_model
     ds = load_dataset(DATASET, None, SEED)
     sampler = ShardedBatches(ds, 0, 1, BATCH, SEED)
@@ -87,7 +87,7 @@ def library_loop(skip: int, steps: int, run_dir: str) -> float:
     import torch
 
     import lsgd_hpc
-    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+    from lsgd_hpc.data import ShardedBatches, load_dataset
     from lsgd_hpc.models.zoo import build_model
     comm = _COMM["comm"] or lsgd_hpc.init(backend="mpi", device="cpu")
     _COMM["comm"] = comm

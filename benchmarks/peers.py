@@ -67,7 +67,7 @@ if os.environ.get(CLUSTER_ENV):
 
 # ------------------------------------------------------------------------------ the jobs
 def _data(rank: int, size: int):
-    from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+    from lsgd_hpc.data import ShardedBatches, load_dataset
     ds = load_dataset("synthetic", None, SEED, 4096)
     return ShardedBatches(ds, rank, size, BATCH, SEED)
 

@@ -225,7 +225,7 @@ def ddp_train(argv: List[str], comm) -> int:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lsgd_hpc.data import datasets as data
+    from lsgd_hpc import data
     from lsgd_hpc.models import zoo as models
     from lsgd_hpc.cli.config import parse_config
     from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, MetricsWriter, rank_file

@@ -121,7 +121,8 @@ def _horovod_state() -> str:
 
 def _data_state(dataset: str, data_dir: Optional[str]) -> str:
     """'' when the data set can be read on this rank, else why not (one line)."""
-    from lsgd_hpc.data.datasets import DataError, check_data_dir
+    from lsgd_hpc.data.errors import DataError
+    from lsgd_hpc.data.loaders import check_data_dir
     try:
         check_data_dir(dataset, data_dir)
     except DataError as exc:
@@ -364,7 +365,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lsgd_hpc.data.datasets import DATASETS
+    from lsgd_hpc.data.loaders import DATASETS
     p = _Parser(prog=f"python -m {PROG}",
                 description="Preflight checks of an allocation; run it under srun or mpirun "
                             "exactly as the training job will run.")

@@ -29,8 +29,9 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets import folder as _folder
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes
 
-from lsgd_hpc.data import datasets as _data
-from lsgd_hpc.data.datasets import DataError
+from lsgd_hpc.data.errors import DataError
+from lsgd_hpc.data.sampler import ShardedBatches
+from lsgd_hpc.data.seeds import AUG_TAG
 
 __all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "DEFAULT_IMAGE_SIZE", "DEFAULT_WORKERS",
            "ImageFolderData", "ImageFolderBatches", "check_imagefolder_dir", "load_imagefolder",
@@ -260,7 +261,7 @@ class _Batches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-class ImageFolderBatches(_data.ShardedBatches):
+class ImageFolderBatches(ShardedBatches):
     """``ShardedBatches`` for an ImageFolderData: the same shards, decoded by a DataLoader.
 
     One DataLoader with persistent workers serves the epochs; a pass started while another
@@ -281,7 +282,7 @@ class ImageFolderBatches(_data.ShardedBatches):
         idx = self.indices(epoch)[i * b:(i + 1) * b].tolist()
         if not self.augment:
             return idx
-        words = [_data._AUG_TAG, self.seed, self.rank, epoch, i]
+        words = [AUG_TAG, self.seed, self.rank, epoch, i]
         seeds = np.random.SeedSequence(words).generate_state(len(idx), np.uint64)
         return [(j, int(s) & (2**63 - 1)) for j, s in zip(idx, seeds)]
 

@@ -1,0 +1,119 @@
+"""This rank's batches of every epoch: deterministic per-rank sharding of an in-memory data
+set, with its augmentation (ShardedBatches)."""
+
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+
+import torch
+
+from lsgd_hpc.data.augment import random_crop_flip
+from lsgd_hpc.data.errors import DataError
+from lsgd_hpc.data.seeds import AUG_TAG, PERM_TAG, generator
+
+if TYPE_CHECKING:
+    from lsgd_hpc.data.loaders import Dataset
+
+__all__ = ["ShardedBatches"]
+
+
+def _int(v) -> Optional[int]:
+    """v as a Python int (numpy and torch integers included), or None; bools are not ints."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+class ShardedBatches:
+    """This rank's share of every epoch, as in torch's DistributedSampler, plus augmentation.
+
+    Epoch e: one permutation of the training indices from a generator seeded by (seed, e), the
+    same on every rank, padded by wrapping to a multiple of world_size; rank r takes
+    perm[r::world_size].  Batches of batch_size in that order (drop_last drops the short tail).
+    Training batches of an augmenting data set (cifar10) are augmented with a generator seeded
+    by (seed, rank, epoch, batch index).  Same (seed, rank, world_size, epoch, start) ->
+    bit-identical batches, so ``batches(epoch, start=k)`` resumes exactly mid-epoch.
+
+    A data set that streams from disk names its own subclass (``ds.sharded_batches``, an
+    image folder's ImageFolderBatches): ``ShardedBatches(ds, ...)`` builds that one.
+    """
+
+    def __new__(cls, ds, *args, **kwargs):
+        sub = getattr(ds, "sharded_batches", None)
+        if cls is ShardedBatches and sub is not None:
+            cls = sub
+        return super().__new__(cls)
+
+    def __init__(self, ds: Dataset, rank: int, world_size: int, batch_size: int, seed: int,
+                 drop_last: bool = True, augment: Optional[bool] = None):
+        w, r, b = _int(world_size), _int(rank), _int(batch_size)
+        if w is None or w < 1:
+            raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
+        if r is None or not 0 <= r < w:
+            raise ValueError(f"rank must be in 0..{w - 1}, got {rank!r}")
+        if b is None or b < 1:
+            raise DataError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+        rank, world_size, batch_size = r, w, b
+        n = ds.n_train
+        if n == 0:
+            raise DataError(f"data set {ds.name} has no training samples")
+        self.ds = ds
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        if _int(seed) is None:
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        self.seed = _int(seed)
+        self.drop_last = bool(drop_last)
+        self.augment = ds.augment if augment is None else bool(augment)
+        self.samples_per_rank = -(-n // world_size)
+        self.total_size = self.samples_per_rank * world_size
+        if self.drop_last:
+            self.steps_per_epoch = self.samples_per_rank // batch_size
+        else:
+            self.steps_per_epoch = -(-self.samples_per_rank // batch_size)
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"--batch-size {batch_size} is larger than the {self.samples_per_rank} training "
+                f"samples each of the {world_size} ranks gets from {ds.name} ({n} in all); "
+                f"use --batch-size <= {self.samples_per_rank}")
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's training indices for ``epoch`` (samples_per_rank of them)."""
+        n = self.ds.n_train
+        perm = torch.randperm(n, generator=generator(PERM_TAG, self.seed, epoch))
+        pad = self.total_size - n
+        if pad:
+            reps = -(-pad // n)
+            perm = torch.cat([perm, perm.repeat(reps)[:pad]])
+        return perm[self.rank:self.total_size:self.world_size]
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """Yield (x, y) for batch indices start..steps_per_epoch-1 of ``epoch``.
+
+        x is normalized (and, for training of an augmenting data set, augmented) float32 NCHW,
+        y int64.  Bad arguments raise at the call, not at the first ``next``.
+        """
+        s, e = _int(start), _int(epoch)
+        if s is None or not 0 <= s <= self.steps_per_epoch:
+            raise ValueError(f"start must be in 0..{self.steps_per_epoch}, got {start!r}")
+        if e is None or e < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        return self._iter(e, s)
+
+    def _iter(self, epoch: int, start: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        idx = self.indices(epoch)
+        b = self.batch_size
+        for i in range(start, self.steps_per_epoch):
+            sel = idx[i * b:(i + 1) * b]
+            x = self.ds.x_train[sel]
+            if self.augment:
+                x = random_crop_flip(x, generator(AUG_TAG, self.seed, self.rank, epoch, i))
+            yield self.ds.normalize(x), self.ds.y_train[sel]
