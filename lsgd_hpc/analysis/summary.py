@@ -13,8 +13,8 @@ import sys
 
 import numpy as np
 
-from lsgd_hpc.analysis.aggregate import (AggregateError, Run, col, eval_table, global_elections,
-                                         leader_counts, leader_rule, read_run)
+from lsgd_hpc.analysis.rundir import AggregateError, Run, col, read_run
+from lsgd_hpc.analysis.tables import eval_table, global_elections, leader_counts, leader_rule
 
 PROG = "lsgd_hpc.summary"
 
