@@ -14,8 +14,8 @@ from _common import fmt_bytes, median, row, write_result
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-sys.path.insert(0, str(REPO / "tests"))
-from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+sys.path.insert(0, str(REPO))
+from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
 
 NP = 4
 RANKS_PER_NODE = 2

@@ -33,10 +33,11 @@ from typing import Dict, Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 from _common import (LayoutError, check_layout, fmt_s, interleaved, row, spread,  # noqa: E402
                      write_result)
-from mpi_util import mpi_env, mpirun_path, run_group  # noqa: E402
+
+from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
 RATE = "1gbit"
 CLUSTER = dict(name="bnbar", subnet="10.79.6")

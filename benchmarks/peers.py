@@ -43,7 +43,7 @@ from typing import Dict, List, Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 from _common import median, row, write_result  # noqa: E402
 
 NP = 4
@@ -245,7 +245,7 @@ class Cluster:
 
 
 def _horovod_missing() -> Optional[str]:
-    from mpi_util import mpi_env
+    from lsgd_hpc.testing import mpi_env
     p = subprocess.run([sys.executable, "-c", "import mpi4py.MPI, horovod.torch"],
                        env=mpi_env(), capture_output=True, text=True, timeout=120)
     return None if p.returncode == 0 else "horovod.torch does not import (run `make horovod`)"
@@ -253,7 +253,7 @@ def _horovod_missing() -> Optional[str]:
 
 def _launch(method: str, skip: int, steps: int, tmp: Path, mpi_args: List[str],
             extra_env: Dict[str, str], timeout: float) -> dict:
-    from mpi_util import mpi_env, mpirun_cmd, run_group
+    from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group
     out = tmp / f"{method}-{time.monotonic_ns()}.json"
     run_dir = tmp / f"run-{out.stem}"
     cmd = mpirun_cmd(NP, [sys.executable, str(Path(__file__).resolve()), "--worker", method,
@@ -274,7 +274,7 @@ def _check_cluster(tmp: Path, mpi_args: List[str], extra_env: Dict[str, str], ra
     """Probe the emulated cluster with the benchmark's mpirun options; why its layout or link
     rate is not the claimed one (None when it is)."""
     from _common import LayoutError, check_layout
-    from mpi_util import mpi_env, mpirun_cmd, run_group
+    from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group
     out = tmp / "probe.json"
     cmd = mpirun_cmd(NP, [sys.executable, str(HERE / "_common.py"), "--probe", str(out)],
                      mpi_args)

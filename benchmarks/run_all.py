@@ -25,9 +25,10 @@ from typing import List, Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO))
 from _common import write_result  # noqa: E402
-from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+
+from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
 
 
 @dataclass

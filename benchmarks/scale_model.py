@@ -43,11 +43,11 @@ from typing import Dict, List, Optional
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 import time_to_accuracy as tta  # noqa: E402
 from _common import median, row, write_result  # noqa: E402
-from mpi_util import mpi_env, mpirun_cmd, mpirun_path, run_group  # noqa: E402
+
+from lsgd_hpc.testing import mpi_env, mpirun_cmd, mpirun_path, run_group  # noqa: E402
 
 from lsgd_hpc.planning import costmodel as cm
 

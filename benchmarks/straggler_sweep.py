@@ -18,9 +18,9 @@ from typing import Callable, Optional, Sequence, Tuple
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-if str(REPO / "tests") not in sys.path:
-    sys.path.insert(0, str(REPO / "tests"))
-from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
 
 __all__ = ["SKIP_STEPS", "slug", "read_run", "sweep", "retention"]
 

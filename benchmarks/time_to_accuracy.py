@@ -56,10 +56,10 @@ from typing import Dict, List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 from _common import LayoutError, check_layout, median, row, write_result  # noqa: E402
-from mpi_util import mpi_env, mpirun_path, run_group  # noqa: E402
+
+from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
 CLUSTER = REPO / "scripts" / "cluster.sh"
 CLUSTER_NAME = "lsgdtta"          # names and subnet of its own: other clusters may be up

@@ -23,12 +23,10 @@ from typing import Dict, Iterable, List, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for p in (str(REPO), str(REPO / "tests")):
+for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
-if str(REPO / "benchmarks") not in sys.path:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-from mpi_util import mpi_env, mpirun_cmd, run_group  # noqa: E402
+from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
 # The layout and link-rate check every benchmark and experiment that claims a multi-node
 # layout or a link rate runs on what its own runs reported (benchmarks/_common.py).
 from _common import LayoutError, check_layout, fmt_bytes  # noqa: E402

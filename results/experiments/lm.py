@@ -67,7 +67,7 @@ from typing import Dict, List, Optional
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-for _p in (REPO, REPO / "benchmarks", REPO / "tests", HERE):
+for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure,  # noqa: E402
@@ -453,7 +453,7 @@ def _train(world: int, argvs: List[List[str]], steps: int, rate: str, raw: Path,
            timeout_per_run: float, log) -> Dict:
     """One mpirun job on the emulated cluster: the probe, a warm-up, then every command line
     of ``argvs``. Returns {"probe": ..., "error": None or why}."""
-    from mpi_util import mpi_env, mpirun_path, run_group
+    from lsgd_hpc.testing import mpi_env, mpirun_path, run_group
     env = mpi_env({"LSGD_HPC_RANKS_PER_NODE": ""})
     env.pop("LSGD_HPC_RANKS_PER_NODE", None)
     warm = raw / f"np{world}" / "warmup"

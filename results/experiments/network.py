@@ -507,7 +507,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(REPO / "results" / NAME))
     p.add_argument("--quick", action="store_true",
-                   help=f"one seed, {QUICK['steps']} steps, target {QUICK['target']:.0%}")
+                   help=f"one seed, {QUICK['steps']} steps, target {QUICK['target']:.0%}".replace("%", "%%"))
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; quick: 0)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per link rate's job")
     args = p.parse_args(argv)
