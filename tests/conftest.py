@@ -20,34 +20,10 @@ sys.path.extend(str(d) for d in sorted(_HERE.iterdir())
 CI_REQUIRED_MARKERS = ("cluster", "netns", "horovod")
 
 
-#: In-process tests that take more than about 5 s here (they start subprocesses or train a
-#: model): marked slow, so that make test-fast leaves them to make test. Measured with
-#: `pytest --durations=30 -m "not mpi and not cluster and not netns"` (2 cores).
-SLOW_TESTS = (
-    "test_measurement.py::test_new_options_bad_values_one_line",
-    "test_reliability.py::test_bad_options_one_line_exit_2",
-    "test_reliability.py::test_bad_yaml_keys_and_values",
-    "test_plan.py::test_model_bytes_equal_the_counted_bytes_of_a_real_run",
-    "test_plan.py::test_measure_under_mpirun_4_ranks_as_2_nodes",
-    "test_plan.py::test_measure_one_node_needs_the_network_figure_exit_2_printed_once",
-    "test_time_to_accuracy_ddp.py::",
-    "test_models.py::test_digits_cnn_learns_digits_quickly",
-    "test_aggregate.py::test_truncated_file_warned_and_skipped",
-    "test_aggregate.py::test_cli_aggregate",
-    "test_outer_methods.py::test_bad_values_one_line_exit_2",
-    "test_gpu_check.py::test_dry_run_report_shape",
-    "test_data_fetch.py::test_fetch_without_network_is_one_line_exit_1",
-    "test_slurm.py::test_gpu_job_launch_per_backend",
-    "test_experiments.py::test_methods_experiment_writes_its_tables_and_figure",
-)
-
-
 def pytest_collection_modifyitems(config, items):
     # Every test about Horovod carries "horovod" in its name or parameters: mark it, so the
     # CI rule below covers the backend tests wherever they live.
     for item in items:
-        if any(k in item.nodeid for k in SLOW_TESTS):
-            item.add_marker(pytest.mark.slow)
         if "horovod" in item.nodeid.lower() and item.get_closest_marker("horovod") is None:
             item.add_marker(pytest.mark.horovod)
         # Under pytest-xdist (make test: -n 2 --dist loadgroup) the emulated-cluster tests run

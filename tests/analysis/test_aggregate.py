@@ -284,6 +284,7 @@ def test_pngs_are_real_plots(aggregated):
         assert float(img[..., :3].std()) > 0.05             # not a blank canvas
 
 
+@pytest.mark.slow
 def test_truncated_file_warned_and_skipped(runs_root, tmp_path, capsys):
     run_dir = tmp_path / "lsgd_trunc"
     shutil.copytree(runs_root / "lsgd_s1", run_dir)
@@ -330,6 +331,7 @@ def _cli(*args):
                           text=True, timeout=120, env={**os.environ, "MPLBACKEND": "Agg"})
 
 
+@pytest.mark.slow
 def test_cli_aggregate(runs_root, tmp_path):
     out = tmp_path / "cli_out"
     p = _cli("lsgd_hpc.aggregate", *(str(runs_root / n) for n in RUN_NAMES), "--out", str(out))

@@ -18,6 +18,7 @@ def _csv(path):
         return list(csv.DictReader(fh))
 
 
+@pytest.mark.slow
 def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
     out, raw = tmp_path / "out", tmp_path / "raw"
     cmd = [sys.executable, str(REPO / "results" / "experiments" / "methods.py"),

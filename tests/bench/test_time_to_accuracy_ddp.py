@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
+
 from mpi_util import REPO, run_mpi
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 import time_to_accuracy as tta  # noqa: E402
+
+pytestmark = pytest.mark.slow
 
 
 def test_ddp_run_matches_lsgd_hpc_allreduce_on_the_same_configuration(tmp_path, monkeypatch):

@@ -151,6 +151,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 def test_new_options_bad_values_one_line(tmp_path):
     procs = [(subprocess.Popen([sys.executable, "-m", "lsgd_hpc.train", "--run-dir",
                                 str(tmp_path / "never"), *args], stdout=subprocess.PIPE,

@@ -64,6 +64,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,option", BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_values_one_line_exit_2(tmp_path, args, option):
     _check_one_line(_run_cli(["--run-dir", str(tmp_path / "never"), *args]), option)

@@ -127,6 +127,7 @@ def _check_one_line(proc, option):
 BAD_AT_ONCE = max(1, min(4, os.cpu_count() or 1))
 
 
+@pytest.mark.slow
 def test_bad_options_one_line_exit_2(tmp_path):
     """Each case in its own process, at most BAD_AT_ONCE at a time."""
     from concurrent.futures import ThreadPoolExecutor
@@ -141,6 +142,7 @@ def test_bad_options_one_line_exit_2(tmp_path):
     assert not (tmp_path / "never" / "metrics").exists()
 
 
+@pytest.mark.slow
 def test_bad_yaml_keys_and_values(tmp_path):
     cases = [("lr: 0.1\nfrobnicate: 3\n", "unknown key"), ("lr: [1, 2]\n", "--lr"),
              ("{{not yaml", "not valid YAML"), ("- a\n- b\n", "mapping")]

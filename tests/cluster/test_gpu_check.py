@@ -47,6 +47,7 @@ def test_argument_errors_exit_2_with_one_line(args, needle, tmp_path):
     assert not list(tmp_path.iterdir()), "nothing is written on an argument error"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_dry_run_report_shape(tmp_path):
     p = run("--dry-run", env={"OUT": str(tmp_path)}, cwd=tmp_path)

@@ -194,6 +194,7 @@ def _trainer_backends() -> list:
     return m.group(1).split(",") if m else []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_gpu_job_launch_per_backend(tmp_path, backend):
     """The template's srun line per LSGD_BACKEND, with a stand-in srun that prints its

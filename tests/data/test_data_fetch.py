@@ -7,6 +7,8 @@ and the real archive (its md5 is checked), which this test suite does not have."
 import subprocess
 import sys
 
+import pytest
+
 from mpi_util import REPO, mpi_env
 
 CLOSED = "http://127.0.0.1:9"   # the discard port; nothing listens on it
@@ -18,6 +20,7 @@ def data_cli(*args, env=None):
                           text=True, env=e, cwd=REPO, timeout=300)
 
 
+@pytest.mark.slow
 def test_fetch_without_network_is_one_line_exit_1(tmp_path):
     root = tmp_path / "cifar"
     proxies = {k: CLOSED for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}

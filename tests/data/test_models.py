@@ -107,6 +107,7 @@ def test_default_models():
         assert build_model(default_model(ds), 10, shape) is not None
 
 
+@pytest.mark.slow
 def test_digits_cnn_learns_digits_quickly():
     """Single process, SGD lr 0.1 / momentum 0.9 / batch 32: >= 90 % (in fact ~98 %) in ~1 s.
 

@@ -211,6 +211,7 @@ _RUN_METHODS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_model_bytes_equal_the_counted_bytes_of_a_real_run(tmp_path):
     """4 ranks as 2 nodes, digits, 8 steps: the model's payload bytes per step per rank (mean
     over ranks) equal what the trainer's counters recorded, for every method."""
@@ -302,6 +303,7 @@ def test_cli_bad_input_one_line_exit_2(args, needle):
     assert "Traceback" not in p.stderr and p.stdout == ""
 
 
+@pytest.mark.slow
 def test_measure_under_mpirun_4_ranks_as_2_nodes():
     proc = run_mpi(4, PLAN + ["--model", "mlp", "--measure", "--measure-ranks-per-node", "2",
                               "--nodes", "16", "--json"], timeout=300)
@@ -318,6 +320,7 @@ def test_measure_under_mpirun_4_ranks_as_2_nodes():
     assert doc["inputs"]["ranks"] == 32
 
 
+@pytest.mark.slow
 def test_measure_one_node_needs_the_network_figure_exit_2_printed_once():
     proc = run_mpi(2, PLAN + ["--model", "mlp", "--measure"], timeout=300, check=False)
     assert proc.returncode == 2
