@@ -16,8 +16,8 @@ the metrics it has, and aborts the job with exit status 1, like NCCL's watchdog 
 Horovod's stall inspector.
 
 The monitor (lsgd_hpc.comm.monitor: the communication layer counts into it) is cheap and
-always on; only the thread is optional. mpi4py releases the GIL inside MPI calls, so the thread runs while the
-main thread is blocked in one.
+always on; only the thread is optional. mpi4py releases the GIL inside MPI calls, so the
+thread runs while the main thread is blocked in one.
 """
 
 from __future__ import annotations
