@@ -16,13 +16,15 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from lsgd_hpc.data.specs import DATASETS as _DATASET_SPECS
+
 __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir",
            "load_dataset", "loader_options", "split_heldout", "default_heldout_size",
            "split_validation",
            "random_crop_flip", "with_label_noise", "verify_cifar10_md5", "write_cifar10_python",
            "main"]
 
-DATASETS = ("digits", "cifar10", "synthetic", "imagefolder")
+DATASETS = tuple(_DATASET_SPECS)   # the built-in data sets (lsgd_hpc.data.specs)
 
 CIFAR10_FOLDER = "cifar-10-batches-py"
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
@@ -392,6 +394,26 @@ def loader_options(cfg) -> dict:
                 pin_memory=cfg.device == "cuda")
 
 
+# Each built-in data set's loader (named by its spec, lsgd_hpc.data.specs) takes the same
+# keyword arguments and uses the ones that concern it.
+def load_digits(data_dir=None, seed: int = 0, **_) -> "Dataset":
+    return _load_digits()
+
+
+def load_cifar10_dir(data_dir=None, seed: int = 0, **_) -> "Dataset":
+    return _load_cifar10(data_dir)
+
+
+def load_synthetic_set(data_dir=None, seed: int = 0, synthetic_size: int = 4096, **_):
+    return _load_synthetic(seed, synthetic_size)
+
+
+def load_imagefolder_dir(data_dir=None, seed: int = 0, image_size: int = 32,
+                         data_workers: int = 2, pin_memory: bool = False, **_):
+    from lsgd_hpc.data.imagefolder import load_imagefolder
+    return load_imagefolder(data_dir, image_size, data_workers, pin_memory)
+
+
 def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
                  synthetic_size: int = 4096, label_noise: float = 0.0, *,
                  image_size: int = 32, data_workers: int = 2, pin_memory: bool = False):
@@ -406,19 +428,18 @@ def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
     ImageFolderData, not a Dataset: same interface, see lsgd_hpc/data/imagefolder.py).
     ``label_noise`` > 0: see ``with_label_noise`` (training labels only, from ``seed``).
     """
-    if ":" in name:
+    from lsgd_hpc.data.specs import PLUGIN, dataset_spec
+    try:
+        spec = dataset_spec(name)
+    except ValueError:
+        raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}") \
+            from None
+    if spec is PLUGIN:
         ds = load_plugin(name, data_dir, seed)
-    elif name == "digits":
-        ds = _load_digits()
-    elif name == "cifar10":
-        ds = _load_cifar10(data_dir)
-    elif name == "synthetic":
-        ds = _load_synthetic(seed, synthetic_size)
-    elif name == "imagefolder":
-        from lsgd_hpc.data.imagefolder import load_imagefolder
-        ds = load_imagefolder(data_dir, image_size, data_workers, pin_memory)
     else:
-        raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
+        ds = spec.load_function()(data_dir=data_dir, seed=seed, synthetic_size=synthetic_size,
+                                  image_size=image_size, data_workers=data_workers,
+                                  pin_memory=pin_memory)
     return with_label_noise(ds, label_noise, seed) if label_noise else ds
 
 
