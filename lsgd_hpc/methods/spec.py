@@ -145,10 +145,7 @@ class Option:
             try:
                 number = float(text) if self.kind == "float" else int(text)
             except ValueError:
-                want = "a number" if self.kind == "float" else "an integer"
-                raise OptionError(self.name, f"must be {want}"
-                                             f"{' or auto' if self.kind == 'int_or_auto' else ''}"
-                                             f", got {text!r}") from None
+                return self.check(text)          # refused, in the words of check
             return self.check(number)
         if isinstance(text, str) and self.kind == "bool":
             low = text.lower()
