@@ -49,6 +49,7 @@ from _common import median, row, write_result  # noqa: E402
 
 from lsgd_hpc.testing import mpi_env, mpirun_cmd, mpirun_path, run_group  # noqa: E402
 
+from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.planning import costmodel as cm
 
 STEPS = 30
@@ -65,10 +66,10 @@ RANKS = [8 * 2 ** k for k in range(10)]          # 8 .. 4096
 #: periods of the prediction: the LSGD reference's tau (64 local, 128 global), local SGD T=8
 PREDICT = [("allreduce", "allreduce", {}),
            ("lsgd tau 64/128", "lsgd", dict(tau_local=64, tau_global=128)),
-           ("easgd tau 64", "easgd", dict(tau=64)),
-           ("local-sgd T=8", "local-sgd", dict(T=8)),
-           ("diloco H=8", "diloco", dict(T=8)),
-           ("slowmo T=8", "slowmo", dict(T=8, slowmo_every=48)),
+           ("easgd tau 64", "easgd", dict(easgd_tau=64)),
+           ("local-sgd T=8", "local-sgd", dict(local_steps=8)),
+           ("diloco H=8", "diloco", dict(local_steps=8)),
+           ("slowmo T=8", "slowmo", dict(local_steps=8, slowmo_every=48)),
            ("gossip ring", "gossip", dict(topology="ring")),
            ("gossip exponential", "gossip", dict(topology="exponential"))]
 
@@ -83,17 +84,16 @@ LATENCY_SCALES = (1.0, 0.5, 0.25, 0.1, 0.03, 0.01)
 
 def _model_call(label: str, w: cm.Workload, c: cm.Cluster, coll: cm.Collectives,
                 overlap: float = 0.0, bucket_bytes: float = BUCKET_BYTES) -> cm.MethodCost:
-    """The cost model of one measured method (METHODS' options, in the model's terms)."""
+    """The cost model of one measured method (its command-line options, by their names)."""
     alg = next(a for l, a, _ in METHODS if l == label)
     opts = next(o for l, _, o in METHODS if l == label)
-    kw = dict(zip(opts[::2], opts[1::2]))
-    return cm.method_cost(alg, w, c, coll=coll,
-                          tau_local=int(kw.get("--tau-local", 1)),
-                          tau_global=int(kw.get("--tau-global", 1)),
-                          tau=int(kw.get("--easgd-tau", 1)), T=int(kw.get("--local-steps", 1)),
-                          topology=kw.get("--topology", "ring"), overlap=overlap,
-                          slowmo_every=int(kw.get("--slowmo-every", 0)),
-                          bucket_bytes=bucket_bytes)
+    spec = SPECS[alg]
+    given = {flag.lstrip("-").replace("-", "_"): value for flag, value in zip(opts[::2], opts[1::2])}
+    options = {k: spec.option(k).parse(v) for k, v in given.items()
+               if any(o.name == k for o in spec.options)}
+    if alg == "allreduce":
+        options["bucket_mb"] = bucket_bytes / 2 ** 20
+    return cm.method_cost(alg, w, c, options, coll=coll, overlap=overlap)
 
 
 def memory_bandwidth(nbytes: int) -> float:
@@ -284,8 +284,8 @@ def predict(gpu: Dict, coll: cm.Collectives) -> Dict:
                        mem_Bps=gpu["mem_gbytes_per_s"] * 1e9,
                        call_overhead_s=gpu["call_overhead_us"] * 1e-6, checks=True)
         for label, alg, kw in PREDICT:
-            r = cm.method_cost(alg, w, c, coll=coll, overlap=gpu["allreduce_overlap"],
-                               bucket_bytes=gpu["bucket_mb"] * 2 ** 20, **kw)
+            opts = dict(kw, bucket_mb=gpu["bucket_mb"]) if alg == "allreduce" else kw
+            r = cm.method_cost(alg, w, c, opts, coll=coll, overlap=gpu["allreduce_overlap"])
             curves[label]["ranks"].append(p)
             curves[label]["step_s"].append(r.step_s)
             curves[label]["comm_share"].append(r.comm_share)

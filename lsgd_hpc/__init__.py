@@ -21,7 +21,7 @@ _EXPORTS = {
     "Method": "methods", "METHODS": "methods", "method_class": "methods",
     "LeaderSGD": "methods", "AsyncLeaderSGD": "methods", "AllreduceSGD": "methods",
     "EASGD": "methods", "LocalSGD": "methods", "GossipSGD": "methods",
-    "DiLoCo": "methods", "SlowMo": "methods",
+    "DiLoCo": "methods", "SlowMo": "methods", "DATASETS": "data.specs",
     "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
     "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
     "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",

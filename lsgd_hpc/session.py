@@ -142,7 +142,11 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     on one rank aborts the whole job (the default), instead of leaving the others hanging.
     """
     if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+        hint = ""
+        if str(backend).lower() in ("nccl", "gloo"):
+            hint = (f"; {backend} is reached through backend=\"torch\" (torch.distributed: "
+                    "NCCL for GPU tensors, gloo for CPU ones)")
+        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}{hint}")
     if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
     from lsgd_hpc.comm import NodeGroups, launcher, make_world

@@ -243,6 +243,7 @@ class Trainer:
 
         from lsgd_hpc.runtime import checkpoint
         from lsgd_hpc.data import datasets as data
+        from lsgd_hpc.data.specs import dataset_spec
         from lsgd_hpc.models import zoo as models
 
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1") or 1))
@@ -254,10 +255,12 @@ class Trainer:
         self.ds, self.heldout = _heldout_split(cfg, self.ds)   # --leader-score heldout
         self.sampler = data.ShardedBatches(self.ds, rank, size, cfg.batch_size, cfg.seed)
         self.spe = self.sampler.steps_per_epoch
-        self.total_steps = max(1, math.ceil(cfg.epochs * self.spe))
+        # the budget: --epochs (capped by --max-steps), or --max-steps alone
+        self.total_steps = (max(1, math.ceil(cfg.epochs * self.spe)) if cfg.epochs
+                            else cfg.max_steps)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.model_name = cfg.model or models.default_model(cfg.dataset)
+        self.model_name = cfg.model or dataset_spec(cfg.dataset).default_model
         self.device = _device(cfg.device, rank, env)
         torch.manual_seed(cfg.seed)                 # the same x_0 on every worker
         try:
@@ -319,9 +322,9 @@ class Trainer:
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
             comm_dtype=cfg.comm_dtype,
-            broadcast_initial=False, **method_options(cfg, self.spe),
+            broadcast_initial=False, **cfg.method_options,
             **({"score_fn": self._leader_score_fn()} if cfg.algorithm == "lsgd" else {}))
-        self.flat, self.algo = self.method.flat, self.method.rule
+        self.flat, self.rule = self.method.flat, self.method.rule
         attrs = {
             "schema_version": SCHEMA_VERSION, "rank": self.rank, "world_size": self.size,
             "local_rank": self.groups.local_rank, "node_index": self.groups.node_index,
@@ -332,8 +335,8 @@ class Trainer:
             "slurm_job_id": env.get("SLURM_JOB_ID", ""), "start_time": shared["start_time"],
         }
         attrs.update(_launch_attrs(cfg.backend, env))
-        attrs.update(self.algo.file_attrs)
-        extra = {g: dict(c) for g, c in self.algo.extra_columns.items()}
+        attrs.update(self.rule.file_attrs)
+        extra = {g: dict(c) for g, c in self.rule.extra_columns.items()}
         if self.scaler is not None:
             extra.setdefault("train", {})["skipped_steps"] = "i8"
         if self.validation is not None:       # val_* beside every test_* column of /eval
@@ -400,12 +403,16 @@ class Trainer:
                   f"node(s), {cfg.dataset} ({self.resolved['model']}), {self.total_steps} steps "
                   f"({self.spe}/epoch), run dir {self.run_dir}"
                   + (f", resumed at step {self.step}" if self.pointer else ""), flush=True)
+            if cfg.preset:
+                print(f"[lsgd_hpc] {cfg.dataset} preset for {cfg.algorithm}: "
+                      + ", ".join(f"{k}={v}" for k, v in cfg.preset.items())
+                      + " (--no-preset: the library's defaults)", flush=True)
             if self.pointer and self.pointer.get("skipped"):
                 print(f"[lsgd_hpc] newer checkpoint set(s) at step(s) "
                       f"{', '.join(map(str, self.pointer['skipped']))} damaged or incomplete: "
                       f"resumed from the previous complete set", flush=True)
         # A method that owns its schedule ends training itself (ranks take uneven steps).
-        owns = self.algo.owns_schedule
+        owns = self.rule.owns_schedule
         last_step = math.inf if owns else self.total_steps
         method = self.method
         from lsgd_hpc.runtime.watchdog import MONITOR
@@ -504,13 +511,13 @@ class Trainer:
                   probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
                   checkpoint_seconds=self.checkpoint_seconds,
                   metrics_seconds=self.metrics_seconds, training_time=self.training_time(wall),
-                  **self.algo.train_columns(),
+                  **self.rule.train_columns(),
                   **({"skipped_steps": self.method.skipped_steps} if self.scaler else {}))
 
     def _print_line(self, test_acc: float, steps_per_s: float) -> None:
         losses, self.losses_since_print = self.losses_since_print, []
         loss = sum(losses) / max(1, len(losses))
-        leader = getattr(self.algo, "last_global", None)
+        leader = getattr(self.rule, "last_global", None)
         lead = f"leader {leader.world_rank} ({leader.score:.3f})" if leader else "leader -"
         samples = steps_per_s * self.cfg.batch_size * self.size
         eta = (self.total_steps - self.step) / max(steps_per_s, 1e-9)
@@ -541,7 +548,7 @@ class Trainer:
         row["test_loss"], row["test_accuracy"] = self._eval_current()
         if self.validation is not None:
             row["val_loss"], row["val_accuracy"] = self._eval_current(self._val_batches())
-        extra = self.algo.eval_models()
+        extra = self.rule.eval_models()
         if extra:
             from lsgd_hpc.models.batchnorm import int_buffers, recompute_bn_stats
             saved = self.flat.flat.clone()
@@ -620,7 +627,7 @@ class Trainer:
         # The set's label: the step, or, where ranks take uneven steps, the largest one (each
         # rank's own step is in its file).
         label = self.step
-        if self.algo.owns_schedule:
+        if self.rule.owns_schedule:
             label = max(self.world.allgather_object(self.step))
         self.ckpt.save_rank(self.run_dir, label, self.rank, state)
         self.metrics.flush()                 # rows up to this step are on disk before the pointer
@@ -709,24 +716,6 @@ def make_optimizer(cfg, params):
                                  weight_decay=cfg.weight_decay)
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay, nesterov=bool(cfg.nesterov))
-
-
-def method_options(cfg, steps_per_epoch: int) -> dict:
-    """The method's own options (lsgd_hpc.METHODS[...].defaults, CLI names) from the resolved
-    configuration: options left unset keep the method's defaults, except where the CLI's
-    meaning differs (noted)."""
-    from lsgd_hpc.methods import METHODS
-    cls = METHODS[cfg.algorithm]
-    opts = {k: getattr(cfg, k) for k in cls.defaults
-            if hasattr(cfg, k) and getattr(cfg, k) is not None}
-    if cfg.algorithm == "easgd" and cfg.easgd_tau is None:
-        opts["easgd_tau"] = cfg.tau_local               # the CLI's EASGD period: --tau-local
-    if cfg.algorithm in ("local-sgd", "diloco", "slowmo"):
-        if opts["local_steps"] != "auto":
-            opts["local_steps"] = int(opts["local_steps"])
-    if cfg.algorithm == "local-sgd":
-        opts["local_steps_max"] = max(1, steps_per_epoch)   # auto: at most one epoch
-    return opts
 
 
 def _device(kind: str, rank: int, env: dict):

@@ -16,6 +16,12 @@ on every rank (each bucket's sum is one MPI reduction whose result every member 
 
 Non-blocking collectives must start in the same order on every member, whatever order the
 hooks fire in: bucket k starts only after buckets 0..k-1 (in backward order) have started.
+
+A second backward before the step (gradient accumulation outside ``no_sync``) is DDP's case:
+before a gradient that already arrived is accumulated again, every bucket of the previous
+backward is completed, so the buffer holds mean_i(g1_i); the new backward adds g2_i to it and
+averages again: mean_i(mean(g1) + g2_i) = mean(g1) + mean(g2), the mean of the sums. Correct,
+at the price of one more round of communication; ``no_sync`` saves it.
 """
 
 from __future__ import annotations
@@ -56,9 +62,7 @@ def bucket_bounds(sizes: List[int], element_size: int,
 class GradBuckets:
     """Average ``flat.grad`` over ``comm`` in buckets started from gradient hooks.
 
-    Hooks are registered on the model's parameters when this is built; they act only
-    between :meth:`finish` calls (every backward must be followed by ``finish`` before the
-    next backward). The bucket plan is checked once, here, to be the same on every member
+    Hooks are registered on the model's parameters when this is built. The bucket plan is checked once, here, to be the same on every member
     (one object allgather), so the per-call agreement check is skipped afterwards.
     """
 
@@ -92,6 +96,7 @@ class GradBuckets:
         if comm.size > 1:
             for i, p in enumerate(params):
                 if p.requires_grad:
+                    self._handles.append(p.register_hook(self._before_accumulate(i)))
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
         self._reset()
 
@@ -116,12 +121,17 @@ class GradBuckets:
             self._arrived(index)
         return hook
 
+    def _before_accumulate(self, index: int):
+        def hook(grad: torch.Tensor):
+            # a second backward before the step: complete the previous one's averaging
+            # before anything is added to the buffer it is reading and writing
+            if self.enabled and (self.arrived[index] or self.bucket_of[index] < len(self.pending)):
+                self.finish()
+            return grad
+        return hook
+
     def _arrived(self, index: int) -> None:
         b = self.bucket_of[index]
-        if self.arrived[index] or b < len(self.pending):
-            raise RuntimeError("gradient buckets: a gradient was accumulated again before the "
-                               "step (its bucket may already be in flight); call backward "
-                               "once per step")
         self.arrived[index] = True
         self.missing[b] -= 1
         # Let MPI advance the buckets in flight (Open MPI progresses them only inside calls).

@@ -24,10 +24,10 @@ import torch
 from lsgd_hpc.comm.base import Communicator
 from lsgd_hpc.comm.groups import NodeGroups
 
-__all__ = ["LowPrecision", "low_precision_groups", "COMM_DTYPES", "MIN_ELEMENTS"]
+__all__ = ["LowPrecision", "low_precision_groups", "WIRE_DTYPES", "MIN_ELEMENTS"]
 
-#: --comm-dtype choices and their wire dtype
-COMM_DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+#: the wire dtype of each low-precision comm_dtype (the names: lsgd_hpc.methods.spec.COMM_DTYPES)
+WIRE_DTYPES = {"bf16": torch.bfloat16}
 #: smaller float32 tensors are control values, not models: they pass through
 MIN_ELEMENTS = 256
 

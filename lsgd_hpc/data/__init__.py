@@ -1,8 +1,11 @@
 """Data sets: the embedded digits, staged CIFAR-10, synthetic images (loaders), streamed image
-folders (imagefolder), label noise and held-out slices (splits), per-rank sharding (sampler),
-and ``python -m lsgd_hpc.data`` to stage and check them (cli).
+folders (imagefolder), each described by its spec (specs: loader, default model, the
+trainer's defaults on it, a preset of method options), label noise and held-out slices
+(splits), per-rank sharding (sampler), and ``python -m lsgd_hpc.data`` to stage and check
+them (cli).
 
-Names are imported on first use, so that ``lsgd_hpc.data.errors`` and the like load no torch.
+``lsgd_hpc.data.specs`` and ``lsgd_hpc.data.errors`` import without torch; the other names
+are imported on first use.
 """
 
 #: public name -> module of this package that defines it

@@ -12,8 +12,12 @@ from lsgd_hpc.data.cifar10_files import cifar_root as _cifar_root
 from lsgd_hpc.data.cifar10_files import looks_like_pickle as _looks_like_pickle
 from lsgd_hpc.data.cli import main
 from lsgd_hpc.data.errors import DataError
+# load_digits, load_cifar10_dir, load_synthetic_set, load_imagefolder_dir, load_plugin: the
+# loaders lsgd_hpc.data.specs names by "lsgd_hpc.data.datasets:<function>"
 from lsgd_hpc.data.loaders import (CIFAR10_MEAN, CIFAR10_STD, DATASETS, Dataset, check_data_dir,
-                                   load_dataset, load_plugin, loader_options)
+                                   load_cifar10_dir, load_dataset, load_digits,
+                                   load_imagefolder_dir, load_plugin, load_synthetic_set,
+                                   loader_options)
 from lsgd_hpc.data.sampler import ShardedBatches
 from lsgd_hpc.data.seeds import AUG_TAG as _AUG_TAG
 from lsgd_hpc.data.seeds import generator as _generator
@@ -29,4 +33,5 @@ __all__ = ["DATASETS", "DataError", "Dataset", "ShardedBatches", "check_data_dir
            # not in the old __all__, but importable from here before the split
            "CIFAR10_FILES", "CIFAR10_FOLDER", "CIFAR10_META_FILE", "CIFAR10_TEST_FILES",
            "CIFAR10_TRAIN_FILES", "CIFAR10_MEAN", "CIFAR10_STD", "FETCH_HINT", "load_plugin",
+           "load_digits", "load_cifar10_dir", "load_synthetic_set", "load_imagefolder_dir",
            "_crop_flip", "_cifar_root", "_looks_like_pickle", "_AUG_TAG", "_generator", "_seed"]

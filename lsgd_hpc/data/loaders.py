@@ -16,12 +16,14 @@ from lsgd_hpc.data.cifar10_files import (CIFAR10_FILES, CIFAR10_FOLDER, FETCH_HI
                                          looks_like_pickle)
 from lsgd_hpc.data.errors import DataError
 from lsgd_hpc.data.seeds import SYNTH_TAG, generator
+from lsgd_hpc.data.specs import DATASETS as _DATASET_SPECS
 from lsgd_hpc.data.splits import with_label_noise
 
 __all__ = ["DATASETS", "Dataset", "load_dataset", "loader_options", "check_data_dir",
-           "load_plugin", "CIFAR10_MEAN", "CIFAR10_STD"]
+           "load_plugin", "load_digits", "load_cifar10_dir", "load_synthetic_set",
+           "load_imagefolder_dir", "CIFAR10_MEAN", "CIFAR10_STD"]
 
-DATASETS = ("digits", "cifar10", "synthetic", "imagefolder")
+DATASETS = tuple(_DATASET_SPECS)   # the built-in data sets (lsgd_hpc.data.specs)
 
 # The usual per-channel statistics of the CIFAR-10 training set, on pixels scaled to [0, 1].
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -274,6 +276,26 @@ def loader_options(cfg) -> dict:
                 pin_memory=cfg.device == "cuda")
 
 
+# Each built-in data set's loader (named by its spec, lsgd_hpc.data.specs) takes the same
+# keyword arguments and uses the ones that concern it.
+def load_digits(data_dir=None, seed: int = 0, **_) -> "Dataset":
+    return _load_digits()
+
+
+def load_cifar10_dir(data_dir=None, seed: int = 0, **_) -> "Dataset":
+    return _load_cifar10(data_dir)
+
+
+def load_synthetic_set(data_dir=None, seed: int = 0, synthetic_size: int = 4096, **_):
+    return _load_synthetic(seed, synthetic_size)
+
+
+def load_imagefolder_dir(data_dir=None, seed: int = 0, image_size: int = 32,
+                         data_workers: int = 2, pin_memory: bool = False, **_):
+    from lsgd_hpc.data.imagefolder import load_imagefolder
+    return load_imagefolder(data_dir, image_size, data_workers, pin_memory)
+
+
 def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
                  synthetic_size: int = 4096, label_noise: float = 0.0, *,
                  image_size: int = 32, data_workers: int = 2, pin_memory: bool = False):
@@ -288,17 +310,16 @@ def load_dataset(name: str, data_dir: Optional[str] = None, seed: int = 0,
     ImageFolderData, not a Dataset: same interface, see lsgd_hpc/data/imagefolder.py).
     ``label_noise`` > 0: see ``with_label_noise`` (training labels only, from ``seed``).
     """
-    if ":" in name:
+    from lsgd_hpc.data.specs import PLUGIN, dataset_spec
+    try:
+        spec = dataset_spec(name)
+    except ValueError:
+        raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}") \
+            from None
+    if spec is PLUGIN:
         ds = load_plugin(name, data_dir, seed)
-    elif name == "digits":
-        ds = _load_digits()
-    elif name == "cifar10":
-        ds = _load_cifar10(data_dir)
-    elif name == "synthetic":
-        ds = _load_synthetic(seed, synthetic_size)
-    elif name == "imagefolder":
-        from lsgd_hpc.data.imagefolder import load_imagefolder
-        ds = load_imagefolder(data_dir, image_size, data_workers, pin_memory)
     else:
-        raise DataError(f"unknown --dataset {name!r}; choose from {', '.join(DATASETS)}")
+        ds = spec.load_function()(data_dir=data_dir, seed=seed, synthetic_size=synthetic_size,
+                                  image_size=image_size, data_workers=data_workers,
+                                  pin_memory=pin_memory)
     return with_label_noise(ds, label_noise, seed) if label_noise else ds

@@ -14,7 +14,9 @@ stay the same objects), every rank checks that it can handle the model, and rank
 is broadcast so every worker starts from the same x_0. ``step`` is the optimizer step plus
 the method's communication.
 
-:data:`METHODS` is the one registry of methods: the CLI, the planner and the docs read it.
+:data:`METHODS` maps each method's name to its class. What a method's options are (defaults,
+ranges, help) is written once, in its spec (``lsgd_hpc.methods.registry``), which the
+classes here, the trainer's command line, the docs and the planner all read.
 """
 
 from __future__ import annotations
@@ -28,33 +30,24 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams
-from lsgd_hpc.methods.rules import (EASGD as _EASGDRule, AllreduceSGD as _AllreduceRule,
-                                    AsyncLeaderSGD as _AsyncRule, DiLoCo as _DiLoCoRule,
-                                    GossipSGD as _GossipRule, LeaderSGD as _LeaderRule,
-                                    LocalSGD as _LocalRule, SlowMo as _SlowMoRule, uncounted)
+from lsgd_hpc.methods.registry import SPECS
+from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
+                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule, uncounted)
+from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
 from lsgd_hpc.runtime.watchdog import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
            "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
 
 
-def _check_int(name: str, value, low: int = 1) -> int:
+_COMMON = {o.name: o for o in COMMON_OPTIONS}
+
+
+def _check_count(name: str, value, low: int) -> int:
+    """The library-only integer arguments of every method (max_steps, ...)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return value
-
-
-def _check_float(name: str, value, low: float, high: float, low_open=False,
-                 high_open=False) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    bad = (v <= low if low_open else v < low) or (v >= high if high_open else v > high)
-    if math.isnan(v) or bad:
-        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        raise ValueError(f"{name} must be in {lo}{low}, {high}{hi}, got {value!r}")
-    return v
 
 
 def _model_problem(model, optimizer) -> Optional[str]:
@@ -106,40 +99,40 @@ class Method:
     - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
       pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
       ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
+
+    A method is a context manager: ``with lsgd_hpc.DiLoCo(model, opt, comm) as method:``
+    closes it at the end (``close()`` does the same); a closed method refuses ``step``.
     """
 
-    #: the CLI's name of the method (``--algorithm``)
-    name = "base"
-    #: the internal update rule (``lsgd_hpc.methods.rules``)
-    rule: type = object
-    #: the method's own options (CLI names) and their defaults
-    defaults: Dict[str, Any] = {}
+    #: what the method is: name, options, defaults, checks, cost (lsgd_hpc.methods.registry)
+    spec: MethodSpec
     #: True when the method averages gradients (so it must see them in the flat buffer)
     averages_gradients = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:
+            #: the CLI's name of the method (``--algorithm``)
+            cls.name = cls.spec.name
+            #: the method's own options and their defaults (the spec's)
+            cls.defaults = cls.spec.defaults
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
                  comm_dtype: str = "fp32", broadcast_initial: bool = True, **options):
-        unknown = sorted(set(options) - set(self.defaults))
-        if unknown:
-            known = ", ".join(sorted(self.defaults)) or "none"
-            raise ValueError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)} "
-                             f"(its options: {known})")
-        opts = {**self.defaults, **options}
+        # The same checks on every rank, before any collective: every rank refuses alike.
+        opts = self.spec.resolve(options, world_size=comm.size, where=type(self).__name__)
         if max_steps is not None:
-            _check_int("max_steps", max_steps)
-        _check_int("checkpoint_every", checkpoint_every, 0)
-        _check_int("consensus_every", consensus_every, 0)
-        _check_int("stop_check_every", stop_check_every)
-        from lsgd_hpc.comm.lowprec import COMM_DTYPES
-        if comm_dtype not in COMM_DTYPES:
-            raise ValueError(f"comm_dtype must be one of {', '.join(COMM_DTYPES)}, "
-                             f"got {comm_dtype!r}")
-        if comm_dtype == "bf16" and getattr(comm, "backend", None) == "horovod":
-            raise ValueError("comm_dtype: bf16 needs the mpi or torch backend (Horovod has no "
-                             "bfloat16 sum here)")
-        self.validate(opts, comm)
+            _check_count("max_steps", max_steps, 1)
+        _check_count("checkpoint_every", checkpoint_every, 0)
+        _check_count("consensus_every", consensus_every, 0)
+        _COMMON["stop_check_every"].check(stop_check_every)
+        _COMMON["comm_dtype"].check(comm_dtype)
+        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None))
+        if problem:
+            raise OptionError("comm_dtype", problem)
+        self.check_usage(opts, model, optimizer)
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
         problem = _model_problem(model, optimizer)
@@ -157,9 +150,9 @@ class Method:
         self.options = opts
         self.world, self.groups = comm.world, comm.groups
         self.comm_dtype = comm_dtype
-        if COMM_DTYPES[comm_dtype] is not None:   # what the method sends, in bfloat16
-            from lsgd_hpc.comm.lowprec import low_precision_groups
-            self.groups = low_precision_groups(comm.groups, COMM_DTYPES[comm_dtype])
+        if comm_dtype != "fp32":                  # what the method sends, in bfloat16
+            from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
+            self.groups = low_precision_groups(comm.groups, WIRE_DTYPES[comm_dtype])
             self.world = self.groups.world
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
@@ -171,6 +164,7 @@ class Method:
         self.steps = 0
         self.skipped_steps = 0      # fp16 steps a GradScaler skipped (inf/NaN gradients)
         self.done = False
+        self.closed = False
         self.stopping = False
         self.checkpoint_due = False
         self._synced = False
@@ -190,8 +184,9 @@ class Method:
             self.broadcast_initial()
 
     # -- what subclasses define --------------------------------------------------------------
-    def validate(self, opts: Dict[str, Any], comm) -> None:
-        """Raise ValueError naming the option for a bad value (the same on every rank)."""
+    def check_usage(self, opts: Dict[str, Any], model, optimizer) -> None:
+        """Raise ValueError for a use the method cannot handle that its options do not show
+        (the options themselves were checked by the spec); the same on every rank."""
 
     def build(self, opts: Dict[str, Any]):
         raise NotImplementedError
@@ -254,6 +249,9 @@ class Method:
         ``scaler.step(optimizer)`` and ``scaler.update()``; a step it skips for inf/NaN
         gradients is counted in ``skipped_steps``.
         """
+        if self.closed:
+            raise RuntimeError(f"{type(self).__name__}.step() after close(): the method has "
+                               "released its hooks; build a new one to train on")
         if self.done:
             raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
         self.synchronize()
@@ -362,33 +360,35 @@ class Method:
                          and self.steps >= self.max_steps)
 
     def close(self) -> None:
-        """Finish what is in flight and release hooks (the communicators stay the user's)."""
+        """Finish what is in flight and release hooks (the communicators stay the user's).
+        ``step`` is refused afterwards; closing twice does nothing."""
+        if self.closed:
+            return
         self.drain()
         buckets = getattr(self.rule, "buckets", None)
         if buckets is not None:
             buckets.remove()
+        self.closed = True
+
+    def __enter__(self) -> "Method":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:            # leave in-flight collectives alone: other ranks may never post theirs
+            buckets = getattr(self.rule, "buckets", None)
+            if buckets is not None:
+                buckets.remove()
+            self.closed = True
+        return False
 
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         return f"{type(self).__name__}({opts})"
 
 
-class _LeaderOptions:
-    defaults = {"tau_local": 64, "tau_global": 128, "pull_local": 0.1, "pull_global": 0.1,
-                "leader_window": 10}
-
-    def validate(self, opts, comm) -> None:
-        _check_int("tau_local", opts["tau_local"])
-        _check_int("tau_global", opts["tau_global"])
-        if opts["tau_global"] % opts["tau_local"]:
-            raise ValueError(f"tau_global must be a multiple of tau_local "
-                             f"({opts['tau_global']} vs {opts['tau_local']})")
-        _check_float("pull_local", opts["pull_local"], 0, 1)
-        _check_float("pull_global", opts["pull_global"], 0, 1)
-        _check_int("leader_window", opts["leader_window"])
-
-
-class LeaderSGD(_LeaderOptions, Method):
+class LeaderSGD(Method):
     """Leader SGD (Teng et al. 2019), synchronous, single- or multi-leader: every
     ``tau_local`` steps each worker is pulled toward its node's leader,
     ``x <- x - pull_local (x - x_l)``, and every ``tau_global`` steps toward the global
@@ -399,26 +399,13 @@ class LeaderSGD(_LeaderOptions, Method):
     ``uncounted(comm.world, probe=True)`` to keep it out of the training time). The reported
     model is the last elected global leader's."""
 
-    name = "lsgd"
-    rule = _LeaderRule
-    defaults = {**_LeaderOptions.defaults, "lsgd_pull_every_step": False, "lsgd_bn": "keep",
-                "score_fn": None}
-
-    def validate(self, opts, comm) -> None:
-        super().validate(opts, comm)
-        if opts["score_fn"] is not None and not callable(opts["score_fn"]):
-            raise ValueError(f"score_fn must be a callable returning a float, got "
-                             f"{type(opts['score_fn']).__name__}")
-        from lsgd_hpc.methods.rules.lsgd import BN_POLICIES
-        if opts["lsgd_bn"] not in BN_POLICIES:
-            raise ValueError(f"lsgd_bn must be one of {', '.join(BN_POLICIES)}, "
-                             f"got {opts['lsgd_bn']!r}")
+    spec = SPECS["lsgd"]
 
     def build(self, o):
-        return _LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
-                           o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
-                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
-                           score_fn=o["score_fn"])
+        return LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
+                          o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
+                          pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
+                          score_fn=o["score_fn"])
 
     def reported_state(self) -> torch.Tensor:
         """The last elected global leader's parameters (elected now if none was yet):
@@ -432,27 +419,20 @@ class LeaderSGD(_LeaderOptions, Method):
         return buf
 
 
-class AsyncLeaderSGD(_LeaderOptions, Method):
+class AsyncLeaderSGD(Method):
     """Leader SGD without per-step coupling: rounds are counted in the total work of the
     workers and decided by non-blocking probes, and no worker waits for another one's step
     (``max_staleness`` bounds how far ahead a worker runs past a request it posted; default
     ``tau_global``). Ranks take different numbers of steps: ``max_steps`` is required, and
     the loop ends when ``done`` turns True (agreed by every rank)."""
 
-    name = "lsgd-async"
-    rule = _AsyncRule
-    defaults = {**_LeaderOptions.defaults, "max_staleness": None}
-
-    def validate(self, opts, comm) -> None:
-        super().validate(opts, comm)
-        if opts["max_staleness"] is not None:
-            _check_int("max_staleness", opts["max_staleness"], 0)
+    spec = SPECS["lsgd-async"]
 
     def build(self, o):
         staleness = o["max_staleness"] if o["max_staleness"] is not None else o["tau_global"]
-        return _AsyncRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
-                          o["pull_local"], o["pull_global"], o["leader_window"], staleness,
-                          log=self.log)
+        return AsyncLeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
+                               o["pull_local"], o["pull_global"], o["leader_window"], staleness,
+                               log=self.log)
 
     def reported_state(self) -> torch.Tensor:
         # between rounds no leader is pinned down on every rank: the worker's own model
@@ -468,18 +448,12 @@ class AllreduceSGD(Method):
     ``check_replicas_every`` steps the replicas are checked to be bit-identical (one small
     object allgather; 0: never): a divergence raises on every rank instead of going on."""
 
-    name = "allreduce"
-    rule = _AllreduceRule
-    defaults = {"bucket_mb": 0.0, "check_replicas_every": 100}
+    spec = SPECS["allreduce"]
     averages_gradients = True
 
-    def validate(self, opts, comm) -> None:
-        _check_float("bucket_mb", opts["bucket_mb"], 0, math.inf)
-        _check_int("check_replicas_every", opts["check_replicas_every"], 0)
-
     def build(self, o):
-        rule = _AllreduceRule(self.groups, self.flat, log=self.log,
-                              bucket_bytes=int(float(o["bucket_mb"]) * 2**20))
+        rule = AllreduceRule(self.groups, self.flat, log=self.log,
+                             bucket_bytes=int(float(o["bucket_mb"]) * 2**20))
         if rule.buckets is not None:
             rule.buckets.adopt_gradients = True     # copy a fresh .grad in from its hook
         return rule
@@ -514,18 +488,11 @@ class EASGD(Method):
     ``c <- c + sum_i d_i`` (one allreduce), the centre c held identically on every rank.
     ``easgd_alpha`` defaults to 0.9 / world size. The reported model is the centre."""
 
-    name = "easgd"
-    rule = _EASGDRule
-    defaults = {"easgd_alpha": None, "easgd_tau": 4}
-
-    def validate(self, opts, comm) -> None:
-        if opts["easgd_alpha"] is not None:
-            _check_float("easgd_alpha", opts["easgd_alpha"], 0, 1, low_open=True, high_open=True)
-        _check_int("easgd_tau", opts["easgd_tau"])
+    spec = SPECS["easgd"]
 
     def build(self, o):
         alpha = o["easgd_alpha"] if o["easgd_alpha"] is not None else 0.9 / self.world.size
-        return _EASGDRule(self.groups, self.flat, alpha, o["easgd_tau"], log=self.log)
+        return EASGDRule(self.groups, self.flat, alpha, o["easgd_tau"], log=self.log)
 
     def reported_state(self) -> torch.Tensor:
         return self.rule.center
@@ -536,21 +503,11 @@ class LocalSGD(Method):
     allreduce). ``local_steps="auto"`` measures the cost of a round against a local step
     and the local loss decay, and picks T at run time (at most ``local_steps_max``)."""
 
-    name = "local-sgd"
-    rule = _LocalRule
-    defaults = {"local_steps": 8, "local_steps_cost_ratio": None, "local_steps_max": 1024}
-
-    def validate(self, opts, comm) -> None:
-        if opts["local_steps"] != "auto":
-            _check_int("local_steps", opts["local_steps"])
-        if opts["local_steps_cost_ratio"] is not None:
-            _check_float("local_steps_cost_ratio", opts["local_steps_cost_ratio"], 0, math.inf,
-                         low_open=True)
-        _check_int("local_steps_max", opts["local_steps_max"])
+    spec = SPECS["local-sgd"]
 
     def build(self, o):
-        return _LocalRule(self.groups, self.flat, o["local_steps"], t_max=o["local_steps_max"],
-                          cost_ratio=o["local_steps_cost_ratio"], log=self.log)
+        return LocalSGDRule(self.groups, self.flat, o["local_steps"], t_max=o["local_steps_max"],
+                            cost_ratio=o["local_steps_cost_ratio"], log=self.log)
 
 
 class DiLoCo(Method):
@@ -561,21 +518,13 @@ class DiLoCo(Method):
     outer lr 1 and momentum 0 it is local SGD with T = H. The inner optimizer's state stays
     local; the outer state is in ``state_dict``."""
 
-    name = "diloco"
-    rule = _DiLoCoRule
-    defaults = {"local_steps": 500, "outer_lr": 0.7, "outer_momentum": 0.9,
-                "outer_nesterov": True}
-
-    def validate(self, opts, comm) -> None:
-        _check_int("local_steps", opts["local_steps"])
-        _check_float("outer_lr", opts["outer_lr"], 0, math.inf, low_open=True)
-        _check_float("outer_momentum", opts["outer_momentum"], 0, 1, high_open=True)
+    spec = SPECS["diloco"]
 
     def build(self, o):
-        return _DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
-                           outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
-                           outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
-                           log=self.log)
+        return DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                          outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
+                          outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
+                          log=self.log)
 
 
 class SlowMo(Method):
@@ -586,24 +535,13 @@ class SlowMo(Method):
     rate (its first parameter group's). ``slowmo_beta`` 0 and ``slowmo_alpha`` 1 give back
     local SGD."""
 
-    name = "slowmo"
-    rule = _SlowMoRule
-    defaults = {"local_steps": 1, "slowmo_every": 48, "slowmo_beta": 0.5, "slowmo_alpha": 1.0}
-
-    def validate(self, opts, comm) -> None:
-        _check_int("local_steps", opts["local_steps"])
-        _check_int("slowmo_every", opts["slowmo_every"])
-        if opts["slowmo_every"] % opts["local_steps"]:
-            raise ValueError(f"slowmo_every must be a multiple of local_steps "
-                             f"({opts['slowmo_every']} vs {opts['local_steps']})")
-        _check_float("slowmo_beta", opts["slowmo_beta"], 0, 1, high_open=True)
-        _check_float("slowmo_alpha", opts["slowmo_alpha"], 0, math.inf, low_open=True)
+    spec = SPECS["slowmo"]
 
     def build(self, o):
-        return _SlowMoRule(self.groups, self.flat, local_steps=o["local_steps"],
-                           slowmo_every=o["slowmo_every"], slowmo_beta=o["slowmo_beta"],
-                           slowmo_alpha=o["slowmo_alpha"], optimizer=self.optimizer,
-                           log=self.log)
+        return SlowMoRule(self.groups, self.flat, local_steps=o["local_steps"],
+                          slowmo_every=o["slowmo_every"], slowmo_beta=o["slowmo_beta"],
+                          slowmo_alpha=o["slowmo_alpha"], optimizer=self.optimizer,
+                          log=self.log)
 
 
 class GossipSGD(Method):
@@ -611,26 +549,19 @@ class GossipSGD(Method):
     ``topology`` (a name of ``python -m lsgd_hpc.topology``), parameters sent to the
     neighbours only, never an allreduce."""
 
-    name = "gossip"
-    rule = _GossipRule
-    defaults = {"topology": "ring"}
-
-    def validate(self, opts, comm) -> None:
-        from lsgd_hpc.topology import TOPOLOGIES
-        if opts["topology"] not in TOPOLOGIES:
-            raise ValueError(f"topology must be one of {', '.join(sorted(TOPOLOGIES))}, "
-                             f"got {opts['topology']!r}")
+    spec = SPECS["gossip"]
 
     def build(self, o):
         from lsgd_hpc.topology import build_topology
         topo = build_topology(o["topology"], self.world.size, node_of=self.groups.node_of)
-        return _GossipRule(self.groups, self.flat, topo, log=self.log)
+        return GossipRule(self.groups, self.flat, topo, log=self.log)
 
 
-#: every method by its CLI name (``--algorithm``)
-METHODS: Dict[str, type] = {cls.name: cls for cls in
+#: every method's class by its name (``--algorithm``), in the registry's order
+METHODS: Dict[str, type] = {cls.spec.name: cls for cls in
                             (LeaderSGD, AsyncLeaderSGD, AllreduceSGD, EASGD, LocalSGD, DiLoCo,
                              SlowMo, GossipSGD)}
+assert tuple(METHODS) == tuple(SPECS), "a spec without a class, or the reverse"
 
 
 def method_class(name: str) -> type:

@@ -8,22 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODELS", "DEFAULT_MODELS", "build_model", "default_model", "count_parameters",
+__all__ = ["MODELS", "build_model", "count_parameters",
            "DigitsCNN", "CNN7", "VGG16", "ResNet20", "MLP", "WideMLP"]
 
 MODELS = ("digits_cnn", "cnn7", "vgg16", "resnet20", "mlp", "mlp_wide")
-
-# digits: the small CNN reaches >= 95 % in a few epochs and is cheap enough for 4 ranks on
-# 2 cores.  cifar10: ResNet-20, the standard small CIFAR model.  synthetic: the MLP, whose
-# forward/backward costs ~1 MFLOP per image, so synthetic benchmarks measure communication
-# (0.86 M parameters, 3.4 MB per model exchange) rather than convolution speed.
-# imagefolder: ResNet-20 too (global average pooling, so any --image-size >= 8).
-# mlp_wide (1024-1024): on digits 1.13 M parameters whose 6 x 1.13 MFLOP per image of compute
-# dominate the trainer's fixed per-step costs, so that the ratio of compute to communication
-# follows the batch size and the link (benchmarks/time_to_accuracy.py sets it to a GPU
-# cluster's).
-DEFAULT_MODELS = {"digits": "digits_cnn", "cifar10": "resnet20", "synthetic": "mlp",
-                  "imagefolder": "resnet20"}
 
 # Plain modules only: the training code re-seats every parameter and floating-point buffer as a
 # view of one flat tensor, so no parameter sharing/tying and no parametrizations here.
@@ -311,18 +299,6 @@ def build_model(name: str, num_classes: int, input_shape: Sequence[int]) -> nn.M
     _check_shape(name, shape)  # type: ignore[arg-type]
     model = _CLASSES[name](num_classes, shape)
     return model.float()
-
-
-def default_model(dataset_name: str) -> str:
-    """The default model of a data set: digits -> digits_cnn, cifar10 and imagefolder ->
-    resnet20, synthetic -> mlp (fast: synthetic benchmarks are about communication, see DEFAULT_MODELS)."""
-    if ":" in dataset_name:
-        return "mlp"                 # a user's data set: any shape, any class count
-    try:
-        return DEFAULT_MODELS[dataset_name]
-    except KeyError:
-        raise ValueError(f"no default model for data set {dataset_name!r}; "
-                         f"known: {', '.join(DEFAULT_MODELS)}") from None
 
 
 def count_parameters(model: nn.Module) -> int:

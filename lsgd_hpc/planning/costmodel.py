@@ -50,6 +50,7 @@ out-neighbour), averaged over ranks.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -470,27 +471,16 @@ def gossip(w: Workload, c: Cluster, topology: str,
     return MethodCost("gossip", topology, w.compute_s, t + _passes(n, c, dmax + 1), sent)
 
 
-def method_cost(method: str, w: Workload, c: Cluster, *, tau_local: int = 1, tau_global: int = 1,
-                T: int = 1, tau: int = 1, topology: str = "ring", slowmo_every: int = 0,
-                coll: Collectives = Collectives(), overlap: float = 0.0,
-                bucket_bytes: float = 0.0) -> MethodCost:
-    """Dispatch by lsgd_hpc's method names (``--algorithm``). ``T`` is local SGD's and
-    SlowMo's period and DiLoCo's H; ``slowmo_every`` 0 means T (a slow step every round)."""
-    if method == "allreduce":
-        return allreduce_sgd(w, c, coll, overlap, bucket_bytes)
-    if method == "lsgd":
-        return lsgd(w, c, tau_local, tau_global)
-    if method == "easgd":
-        return easgd(w, c, tau, coll)
-    if method == "local-sgd":
-        return local_sgd(w, c, T, coll)
-    if method == "diloco":
-        return diloco(w, c, T, coll)
-    if method == "slowmo":
-        return slowmo(w, c, T, slowmo_every or T, coll)
-    if method == "gossip":
-        return gossip(w, c, topology)
-    raise ValueError(f"unknown method {method!r}")
+def method_cost(method: str, w: Workload, c: Cluster, options: Optional[Dict] = None, *,
+                coll: Collectives = Collectives(), overlap: float = 0.0) -> MethodCost:
+    """The cost of lsgd_hpc's method ``method`` (``--algorithm``) with ``options`` (its own
+    options by their names; the rest at the library's defaults), from the method's spec:
+    each spec names its entry here (lsgd_hpc.methods.registry). ``overlap`` applies to
+    allreduce SGD (see allreduce_sgd)."""
+    from lsgd_hpc.methods.registry import spec_of
+    spec = spec_of(method)
+    return spec.cost(sys.modules[__name__], w, c, spec.resolve(dict(options or {})), coll,
+                     overlap)
 
 
 def smallest_period(cost_at, max_share: float, periods: Sequence[int] = tuple(2 ** k for k in

@@ -28,20 +28,21 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from lsgd_hpc.data.specs import DATASETS
+from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
            "DATASET_SHAPES"]
 
-#: (classes, input shape) of lsgd_hpc.data's data sets, and the data set each model is run on
-DATASET_SHAPES = {"digits": (10, (1, 8, 8)), "cifar10": (10, (3, 32, 32)),
-                  "synthetic": (10, (3, 32, 32))}
+#: (classes, input shape) of lsgd_hpc.data's data sets of a fixed shape (their specs'), and
+#: the data set each model is run on
+DATASET_SHAPES = {d.name: (d.num_classes, d.input_shape) for d in DATASETS.values()
+                  if d.input_shape is not None}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
-#: the trainer's default gradient bucket of allreduce SGD (--bucket-mb 1)
-TRAIN_BUCKET_BYTES = 2 ** 20
-#: SlowMo's slow period in the plan: fairscale's default slowmo_frequency (the trainer's too)
-SLOWMO_EVERY = 48
+#: SlowMo's slow period in the plan: its default (fairscale's slowmo_frequency)
+SLOWMO_EVERY = SPECS["slowmo"].option("slowmo_every").default
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
 TRAIN_FLOP_PER_MAC = 6
 
@@ -148,9 +149,9 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
                     element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
-    # allreduce SGD as the trainer runs it: --bucket-mb 1 buckets, no overlap counted (a CPU
-    # MPI progresses non-blocking collectives only inside MPI calls)
-    rows: List[cm.MethodCost] = [cm.allreduce_sgd(w, c, coll, bucket_bytes=TRAIN_BUCKET_BYTES)]
+    # allreduce SGD at its defaults (buckets of bucket_mb), no overlap counted (a CPU MPI
+    # progresses non-blocking collectives only inside MPI calls)
+    rows: List[cm.MethodCost] = [cm.method_cost("allreduce", w, c, coll=coll)]
     multi = 1 < c.nodes < c.ranks
 
     # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
@@ -397,8 +398,7 @@ def _check(args) -> None:
 
 
 def _batch_size(args, facts: ModelFacts) -> int:
-    from lsgd_hpc.cli.config import DATASET_DEFAULTS
-    return args.batch_size or int(DATASET_DEFAULTS[facts.dataset]["batch_size"])
+    return args.batch_size or int(DATASETS[facts.dataset].defaults["batch_size"])
 
 
 def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInputs:

@@ -77,8 +77,10 @@ def test_config_parses_the_new_options():
     assert (cfg.outer_nesterov, cfg.outer_lr, cfg.outer_momentum) == (False, 0.5, 0.9)
     cfg = parse_config(["--algorithm", "slowmo", "--local-steps", "2"], env={})
     assert (cfg.slowmo_every, cfg.slowmo_beta, cfg.slowmo_alpha) == (48, 0.5, 1.0)
-    assert parse_config([], env={}).outer_nesterov is True and \
+    assert parse_config(["--algorithm", "diloco"], env={}).outer_nesterov is True and \
         parse_config([], env={}).leader_score == "train"
+    # another method's options are not resolved for lsgd
+    assert parse_config([], env={}).outer_nesterov is None
 
 
 def test_heldout_slice_is_fixed_by_seed_and_never_in_a_training_batch():

@@ -219,8 +219,8 @@ def test_check_command(folder, capsys):
 
 def test_config_options():
     from lsgd_hpc.cli.config import ConfigError, parse_config
-    from lsgd_hpc.models.zoo import default_model
-    assert default_model("imagefolder") == "resnet20"
+    from lsgd_hpc.data.specs import dataset_spec
+    assert dataset_spec("imagefolder").default_model == "resnet20"
     with pytest.raises(ConfigError, match="--data-dir: --dataset imagefolder needs --data-dir"):
         parse_config(["--dataset", "imagefolder"], env={})
     for bad, opt in ((["--image-size", "4"], "--image-size"),

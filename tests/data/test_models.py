@@ -8,7 +8,12 @@ from torch import nn
 
 from lsgd_hpc.comm.flat import FlatParams
 from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
-from lsgd_hpc.models.zoo import MODELS, build_model, count_parameters, default_model
+from lsgd_hpc.data.specs import dataset_spec
+from lsgd_hpc.models.zoo import MODELS, build_model, count_parameters
+
+
+def default_model(name):
+    return dataset_spec(name).default_model
 
 CIFAR = (3, 32, 32)
 SHAPES = {"digits_cnn": (1, 8, 8), "cnn7": CIFAR, "vgg16": CIFAR, "resnet20": CIFAR, "mlp": CIFAR,

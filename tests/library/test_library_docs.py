@@ -13,7 +13,7 @@ have one):
   run block before it, after that block; each must exit 0.
 
 The table between ``<!-- methods-table`` and ``<!-- /methods-table -->`` must be exactly
-what :func:`methods_table` generates from ``METHODS[...].defaults``.
+what :func:`methods_table` generates from the methods' specs (``METHODS[...].spec``).
 """
 
 import re
@@ -63,12 +63,29 @@ def runs():
 
 
 def methods_table() -> str:
+    """The table of docs/library.md, from the specs (lsgd_hpc.methods.registry): every
+    option with its default, its values and the digits preset, in the classes' order."""
+    from lsgd_hpc.data.specs import DATASETS
     from lsgd_hpc.methods import METHODS
-    lines = ["| name | class | option | default |", "|---|---|---|---|"]
+
+    def values(o):
+        if o.kind == "choice":
+            return ", ".join(o.choices) if len(o.choices) <= 4 else f"{len(o.choices)} names"
+        if o.kind in ("int", "float", "int_or_auto"):
+            text = o._range() if o.kind == "float" else f">= {o.low:g}"
+            return text + (" or auto" if o.kind == "int_or_auto" else "")
+        return o.kind
+
+    lines = ["| name | class | option | default | values | digits preset |",
+             "|---|---|---|---|---|---|"]
     for name, cls in METHODS.items():
-        for i, (opt, default) in enumerate(cls.defaults.items()):
+        preset = DATASETS["digits"].preset(name)
+        for i, o in enumerate(cls.spec.options):
             head = f"| `{name}` | `{cls.__name__}` |" if i == 0 else "| | |"
-            lines.append(f"{head} `{opt}` | `{default!r}` |")
+            default = f"`{o.default!r}`" + (f" ({o.none})" if o.default is None and o.none
+                                              else "")
+            shown = f"`{preset[o.name]!r}`" if o.name in preset else ""
+            lines.append(f"{head} `{o.name}` | {default} | {values(o)} | {shown} |")
     return "\n".join(lines)
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
-                                    SlowMo)
+from lsgd_hpc.methods.rules import (AllreduceRule, DiLoCoRule, EASGDRule, GossipRule, LeaderRule,
+                                    LocalSGDRule, SlowMoRule)
 from lsgd_hpc.comm import FlatParams
 from lsgd_hpc.topology import build_topology
 
@@ -43,7 +43,7 @@ def test_lsgd_global_pull_matches_formula(groups):
     flat.flat.copy_(x_of(world.rank))
     rows = Rows()
     c = 0.3
-    algo = LeaderSGD(groups, flat, tau_local=5, tau_global=5, pull_local=0.0, pull_global=c,
+    algo = LeaderRule(groups, flat, tau_local=5, tau_global=5, pull_local=0.0, pull_global=c,
                      window=3, log=rows)
     # scores: rank with the lowest mean loss leads; make the last rank the best
     losses = [10.0 - world.rank] * 2
@@ -71,7 +71,7 @@ def test_lsgd_local_then_global(groups):
     flat.flat.copy_(x_of(world.rank))
     rows = Rows()
     cl, cg = 0.5, 0.25
-    algo = LeaderSGD(groups, flat, tau_local=2, tau_global=4, pull_local=cl, pull_global=cg,
+    algo = LeaderRule(groups, flat, tau_local=2, tau_global=4, pull_local=cl, pull_global=cg,
                      window=1, log=rows)
     score = float((world.rank * 7) % 5)           # a scrambled order of scores
     scores = [float((r * 7) % 5) for r in range(world.size)]
@@ -114,7 +114,7 @@ def test_lsgd_nan_worker_never_leads(groups):
     world = groups.world
     flat = tiny(float(world.rank))
     rows = Rows()
-    algo = LeaderSGD(groups, flat, 1, 1, 0.1, 0.1, window=4, log=rows)
+    algo = LeaderRule(groups, flat, 1, 1, 0.1, 0.1, window=4, log=rows)
     loss = math.nan if world.rank == 0 else 1.0 + world.rank
     algo.after_step(1, loss)
     lead = [r["leader_rank"] for r in rows.rows["leader"] if r["scope"] == 0][0]
@@ -127,7 +127,7 @@ def test_easgd_centre_identical_and_formula(world, groups):
     flat = tiny(0.0)
     flat.flat.copy_(x_of(0))                 # the common x_0
     rows = Rows()
-    algo = EASGD(groups, flat, alpha=alpha, tau=2, log=rows)
+    algo = EASGDRule(groups, flat, alpha=alpha, tau=2, log=rows)
     flat.flat.copy_(x_of(world.rank))        # workers moved apart
     algo.after_step(1, 0.0)                  # not a round
     assert torch.equal(algo.center, x_of(0))
@@ -145,7 +145,7 @@ def test_local_sgd_exact_average_on_period_only(world, groups):
     flat = tiny(0.0)
     flat.flat.copy_(x_of(world.rank))
     rows = Rows()
-    algo = LocalSGD(groups, flat, local_steps=3, log=rows)
+    algo = LocalSGDRule(groups, flat, local_steps=3, log=rows)
     before = world.stats.snapshot()
     algo.after_step(1, 1.0)
     algo.after_step(2, 1.0)
@@ -169,7 +169,7 @@ def test_auto_local_steps_ranks_with_different_evidence_end_on_the_same_T(world,
     n, c = world.size, 3.0
     beta = 0.4 + 0.1 * world.rank
     rows = Rows()
-    algo = LocalSGD(groups, tiny(0.0), "auto", t_max=64, t_initial=4, reestimate_steps=40,
+    algo = LocalSGDRule(groups, tiny(0.0), "auto", t_max=64, t_initial=4, reestimate_steps=40,
                     cost_ratio=None if measured else c, log=rows)
     Ts, laws, rounds = [], [], []
     for step in range(1, 121):
@@ -194,7 +194,7 @@ def test_allreduce_sgd_mean_gradient(world, groups):
     flat = tiny(1.0)
     flat.grad.copy_(x_of(world.rank))
     before = world.stats.snapshot()
-    AllreduceSGD(groups, flat).before_step(1)
+    AllreduceRule(groups, flat).before_step(1)
     assert torch.equal(flat.grad, torch.arange(8, dtype=torch.float64) * 0.25
                        + (world.size - 1) / 2)
     if world.size > 1:
@@ -207,7 +207,7 @@ def test_gossip_preserves_mean_neighbour_only(world, groups, name):
     topo = build_topology(name, world.size, node_of=groups.node_of)
     flat = tiny(0.0)
     flat.flat.copy_(x_of(world.rank) * (1 + world.rank))
-    algo = GossipSGD(groups, flat, topo)
+    algo = GossipRule(groups, flat, topo)
     mean0 = sum(x_of(r) * (1 + r) for r in range(world.size)) / world.size
     before = world.stats.snapshot()
     for step in range(1, 4):
@@ -243,7 +243,7 @@ def test_gossip_on_the_directed_exponential_graph_mixes_from_in_neighbours(world
         pytest.skip(f"no hand-computed step for n={n} (have {sorted(EXPONENTIAL_ONE_STEP)})")
     topo = build_topology("exponential", n)
     flat = tiny(float(world.rank))
-    algo = GossipSGD(groups, flat, topo)
+    algo = GossipRule(groups, flat, topo)
     before = world.stats.snapshot()
     algo.combine(1)
     want = EXPONENTIAL_ONE_STEP[n][world.rank]
@@ -262,7 +262,7 @@ def test_one_peer_exponential_exact_average_over_period(world, groups):
     topo = build_topology("one-peer-exponential", n)
     flat = tiny(0.0)
     flat.flat.copy_(x_of(world.rank))
-    algo = GossipSGD(groups, flat, topo)
+    algo = GossipRule(groups, flat, topo)
     for step in range(topo.period):
         algo.combine(step)
     want = torch.arange(8, dtype=torch.float64) * 0.25 + (n - 1) / 2
@@ -303,9 +303,9 @@ def test_diloco_outer_lr_1_momentum_0_is_local_sgd_step_for_step(world, groups, 
     a, b = bn_flat(), bn_flat()
     for f in (a, b):
         set_rank_values(f, 0)                    # the common x_0 ...
-    diloco = DiLoCo(groups, a, local_steps=H, outer_lr=1.0, outer_momentum=0.0,
+    diloco = DiLoCoRule(groups, a, local_steps=H, outer_lr=1.0, outer_momentum=0.0,
                     outer_nesterov=False)
-    local = LocalSGD(groups, b, local_steps=H)
+    local = LocalSGDRule(groups, b, local_steps=H)
     for step in range(1, 13):
         diloco.before_step(step)
         local.before_step(step)
@@ -325,7 +325,7 @@ def test_diloco_two_outer_steps_with_nesterov_against_the_formula(world, groups)
     set_rank_values(flat, 0)
     n = flat.n_params
     x0 = flat.params.clone()
-    algo = DiLoCo(groups, flat, local_steps=2, outer_lr=lr, outer_momentum=mu,
+    algo = DiLoCoRule(groups, flat, local_steps=2, outer_lr=lr, outer_momentum=mu,
                   outer_nesterov=True)
     algo.before_step(1)                                   # x_prev <- x_0
     g1 = [torch.linspace(-1, 1, n, dtype=torch.float64) * (r + 1) for r in range(p)]
@@ -345,7 +345,7 @@ def test_diloco_two_outer_steps_with_nesterov_against_the_formula(world, groups)
     # a resumed copy continues exactly like the original
     twin_flat = bn_flat()
     twin_flat.flat.copy_(flat.flat)
-    twin = DiLoCo(groups, twin_flat, local_steps=2, outer_lr=lr, outer_momentum=mu)
+    twin = DiLoCoRule(groups, twin_flat, local_steps=2, outer_lr=lr, outer_momentum=mu)
     twin.load_state_dict(algo.state_dict())
     twin.before_step(3)                                   # must not re-anchor
     for f, al in ((flat, algo), (twin_flat, twin)):
@@ -361,22 +361,25 @@ def test_diloco_two_outer_steps_with_nesterov_against_the_formula(world, groups)
     assert all(e == everyone[0] for e in everyone)        # identical replicas after a step
 
 
-def test_diloco_and_slowmo_refuse_bad_arguments(groups):
-    flat = tiny(0.0)
-    for kwargs, word in ((dict(outer_lr=-1.0), "outer_lr must be > 0, got -1"),
+def test_diloco_and_slowmo_refuse_bad_arguments(comm):
+    """The public classes refuse bad options with the spec's words, on every rank, before
+    any collective (the rules themselves trust their options)."""
+    import lsgd_hpc
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for kwargs, word in ((dict(outer_lr=-1.0), r"outer_lr must be in \(0, inf\), got -1"),
                          (dict(outer_momentum=1.0), "outer_momentum"),
                          (dict(local_steps=0), "local_steps")):
         with pytest.raises(ValueError, match=word):
-            DiLoCo(groups, flat, **kwargs)
-    opt = opt_holder(0.1)
+            lsgd_hpc.DiLoCo(model, opt, comm, **kwargs)
     for kwargs, word in ((dict(local_steps=2, slowmo_every=3), "slowmo_every must be a multiple"),
                          (dict(slowmo_beta=1.0), "slowmo_beta"),
                          (dict(slowmo_alpha=0.0), "slowmo_alpha"),
                          (dict(slowmo_every=0), "slowmo_every")):
         with pytest.raises(ValueError, match=word):
-            SlowMo(groups, flat, optimizer=opt, **kwargs)
+            lsgd_hpc.SlowMo(model, opt, comm, **kwargs)
     with pytest.raises(ValueError, match="optimizer"):
-        SlowMo(groups, flat)
+        lsgd_hpc.SlowMo(model, None, comm)
 
 
 @pytest.mark.parametrize("T,every", [(1, 1), (2, 6)])
@@ -385,9 +388,9 @@ def test_slowmo_beta_0_alpha_1_is_local_sgd_step_for_step(world, groups, T, ever
     for f in (a, b):
         set_rank_values(f, 0)
     opt = opt_holder(0.1)
-    slow = SlowMo(groups, a, local_steps=T, slowmo_every=every, slowmo_beta=0.0,
+    slow = SlowMoRule(groups, a, local_steps=T, slowmo_every=every, slowmo_beta=0.0,
                   slowmo_alpha=1.0, optimizer=opt)
-    local = LocalSGD(groups, b, local_steps=T)
+    local = LocalSGDRule(groups, b, local_steps=T)
     for step in range(1, 13):
         opt.param_groups[0]["lr"] = 0.1 / step           # gamma changes every step
         slow.before_step(step)
@@ -407,7 +410,7 @@ def test_slowmo_slow_steps_against_the_formula(world, groups):
     n = flat.n_params
     x0 = flat.params.clone()
     opt = opt_holder(0.1)
-    algo = SlowMo(groups, flat, local_steps=1, slowmo_every=2, slowmo_beta=beta,
+    algo = SlowMoRule(groups, flat, local_steps=1, slowmo_every=2, slowmo_beta=beta,
                   slowmo_alpha=alpha, optimizer=opt)
     algo.before_step(1)
     ys = [torch.linspace(0, 1, n, dtype=torch.float64) * (r + 2) for r in range(p)]
@@ -447,7 +450,7 @@ def test_lsgd_score_fn_replaces_the_window_at_elections(groups):
         calls.append(1)
         return 5.0 - world.rank if world.rank != 0 else 0.5    # rank 0 is best held out
 
-    algo = LeaderSGD(groups, flat, tau_local=4, tau_global=4, pull_local=0.0, pull_global=0.5,
+    algo = LeaderRule(groups, flat, tau_local=4, tau_global=4, pull_local=0.0, pull_global=0.5,
                      window=2, log=rows, score_fn=held_out_loss)
     for step in range(1, 5):
         algo.after_step(step, 1.0 / (1 + world.rank))    # the last rank is best in training

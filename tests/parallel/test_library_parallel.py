@@ -232,7 +232,9 @@ def test_fp16_grad_scaler_skipped_steps_counted(comm):
     skipped on every rank alike (the averaged gradient holds the inf) and counted."""
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    method = lsgd_hpc.AllreduceSGD(model, opt, comm)
+    # the test writes a gradient after backward: without buckets (with them that write
+    # would race the averaging in flight; see test_allreduce_replicas_bit_identical...)
+    method = lsgd_hpc.AllreduceSGD(model, opt, comm, bucket_mb=0.0)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()

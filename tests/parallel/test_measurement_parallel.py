@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.methods.rules import (EASGD, AllreduceSGD, DiLoCo, GossipSGD, LeaderSGD, LocalSGD,
-                                    SlowMo)
+from lsgd_hpc.methods.rules import (AllreduceRule, DiLoCoRule, EASGDRule, GossipRule, LeaderRule,
+                                    LocalSGDRule, SlowMoRule)
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
 from lsgd_hpc.cli.train import make_optimizer
@@ -132,7 +132,7 @@ def test_lsgd_pull_every_step_matches_hand(world, groups):
     flat = FlatParams(nn.Linear(3, 2).double())
     n = flat.n_params
     flat.flat.copy_(params_of(world.rank, n))
-    algo = LeaderSGD(groups, flat, tl, tg, cl, cg, window=1, pull_every_step=True)
+    algo = LeaderRule(groups, flat, tl, tg, cl, cg, window=1, pull_every_step=True)
     scores = _scores(world.size)
     me = world.rank
     multi = 1 < groups.n_nodes < world.size
@@ -166,7 +166,7 @@ def test_lsgd_pull_every_step_matches_hand(world, groups):
     x = x - (cg / tg) * (x - xg)
     assert torch.allclose(flat.flat, x, rtol=0, atol=1e-12)
     # the copies are part of the state: a resumed worker pulls toward the same points
-    again = LeaderSGD(groups, FlatParams(nn.Linear(3, 2).double()), tl, tg, cl, cg, window=1,
+    again = LeaderRule(groups, FlatParams(nn.Linear(3, 2).double()), tl, tg, cl, cg, window=1,
                       pull_every_step=True)
     again.load_state_dict(algo.state_dict())
     assert torch.equal(again.copies[0], algo.copies[0])
@@ -179,7 +179,7 @@ def test_lsgd_batchnorm_policy_matches_hand(world, flat_groups, policy):
     n = flat.n_params
     set_state(flat, world.rank)
     x, buf = flat.params.clone(), flat.flat[n:].clone()
-    algo = LeaderSGD(flat_groups, flat, 1, 1, 0.0, c, window=1, bn=policy)
+    algo = LeaderRule(flat_groups, flat, 1, 1, 0.0, c, window=1, bn=policy)
     scores = _scores(world.size)
     lead = _leader(range(world.size), scores)
     e0 = world.stats.bytes_recv

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from lsgd_hpc.methods.rules import AllreduceSGD
+from lsgd_hpc.methods.rules import AllreduceRule
 from lsgd_hpc.comm import CommError, FlatParams, GradBuckets, NodeGroups, make_world
 from lsgd_hpc.comm.buckets import bucket_bounds
 from lsgd_hpc.models.zoo import build_model
@@ -177,7 +177,7 @@ def test_overlapped_allreduce_matches_blocking_and_keeps_replicas_identical(worl
     for bucket_bytes in (64, 0):                # overlapped (7 buckets), then the reference
         m, f, o = _replica()
         models.append(m), flats.append(f), opts.append(o)
-        algos.append(AllreduceSGD(groups, f, bucket_bytes=bucket_bytes))
+        algos.append(AllreduceRule(groups, f, bucket_bytes=bucket_bytes))
     over, ref = algos
     assert over.buckets.n_buckets >= 4 and ref.buckets is None
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -203,17 +203,27 @@ def test_overlapped_allreduce_matches_blocking_and_keeps_replicas_identical(worl
     assert torch.allclose(flats[0].flat, flats[1].flat, rtol=1e-4, atol=1e-5)
 
 
-def test_second_backward_before_step_is_refused(world):
+def test_second_backward_before_step_averages_the_sum(world):
+    """Accumulation without no_sync (DDP's semantics): the second backward waits for the
+    first one's buckets, and the step sees mean_i(g1_i + g2_i), the same bits everywhere,
+    equal to one unbucketed allreduce of the summed gradients."""
     if world.size == 1:
         pytest.skip("no buckets on one rank")
     groups = NodeGroups.build(world, None)
     model, flat, _ = _replica()
-    algo = AllreduceSGD(groups, flat, bucket_bytes=64)
+    algo = AllreduceRule(groups, flat, bucket_bytes=64)
     x, y = _batch(world.rank, 1)
+    x2, y2 = _batch(world.rank + 7, 1)
     torch.nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.raises(RuntimeError, match="backward once per step"):
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-    algo.before_step(1)                         # completes what was started; usable again
+    torch.nn.functional.cross_entropy(model(x2), y2).backward()
+    algo.before_step(1)
+    assert same_bits_everywhere(world, flat.grad)
+    # reference: the local sum of both gradients, averaged in one blocking allreduce
+    ref_model, ref_flat, _ = _replica()          # (no hooks: plain local gradients)
+    torch.nn.functional.cross_entropy(ref_model(x), y).backward()
+    torch.nn.functional.cross_entropy(ref_model(x2), y2).backward()
+    world.allreduce_(ref_flat.grad, "mean")
+    assert torch.allclose(flat.grad, ref_flat.grad, rtol=1e-5, atol=1e-6)
     flat.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     algo.before_step(2)

@@ -15,14 +15,14 @@ import sys
 import time
 
 from lsgd_hpc.cli import train
-from lsgd_hpc.methods.rules.base import Algorithm
+from lsgd_hpc.methods.rules.base import Rule
 
 
 def inject(kind: str, rank: int, step: int) -> None:
     from lsgd_hpc.comm.launcher import env_rank      # mpirun's, srun's or torchrun's rank
     if env_rank() != rank:
         return
-    for cls in Algorithm.__subclasses__():
+    for cls in Rule.__subclasses__():
         original = cls.after_step
 
         def after_step(self, s, loss, _orig=original):

@@ -70,11 +70,12 @@ def test_one_node_never_touches_the_network():
     w = cm.Workload(250_000, 100, 0.01)
     slow, fast = cluster(1, 8, inter=cm.Link(1.0, 1.0)), cluster(1, 8, inter=FAST)
     for method, kw in (("allreduce", {}), ("lsgd", dict(tau_local=2, tau_global=4)),
-                       ("easgd", dict(tau=4)), ("local-sgd", dict(T=4)),
-                       ("diloco", dict(T=4)), ("slowmo", dict(T=2, slowmo_every=8)),
+                       ("easgd", dict(easgd_tau=4)), ("local-sgd", dict(local_steps=4)),
+                       ("diloco", dict(local_steps=4)),
+                       ("slowmo", dict(local_steps=2, slowmo_every=8)),
                        ("gossip", dict(topology="exponential"))):
-        a = cm.method_cost(method, w, slow, **kw)
-        b = cm.method_cost(method, w, fast, **kw)
+        a = cm.method_cost(method, w, slow, kw)
+        b = cm.method_cost(method, w, fast, kw)
         assert a.comm_s == pytest.approx(b.comm_s) and a.comm_s > 0, method
 
 
@@ -343,7 +344,10 @@ def test_diloco_and_slowmo_cost_one_model_allreduce_per_period():
     assert slow == pytest.approx(5 * 2 * w.flat_bytes / 1e12 / 48)
     with pytest.raises(ValueError):
         cm.slowmo(w, c, 4, 6)
-    assert cm.method_cost("slowmo", w, c, T=4).setting == "T 4, slow every 4"
+    assert cm.method_cost("slowmo", w, c, {"local_steps": 4}).setting == "T 4, slow every 48"
+    # every method's cost comes from its spec, with the spec's checks
+    with pytest.raises(ValueError, match="slowmo_every must be a multiple of local_steps"):
+        cm.method_cost("slowmo", w, c, {"local_steps": 5})
 
 
 def test_comm_dtype_bf16_halves_every_methods_bytes():

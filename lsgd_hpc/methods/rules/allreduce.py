@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from lsgd_hpc.comm import FlatParams, GradBuckets, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm
+from lsgd_hpc.methods.rules.base import Rule
 
-__all__ = ["AllreduceSGD"]
+__all__ = ["AllreduceRule"]
 
 
-class AllreduceSGD(Algorithm):
+class AllreduceRule(Rule):
     """Synchronous data parallel SGD, as Horovod's DistributedOptimizer and PyTorch DDP:
         g <- (1/p) sum_i g_i   (allreduce of the fused gradient buffer)
     then every worker takes the same step. With ``bucket_bytes > 0`` the buffer is averaged

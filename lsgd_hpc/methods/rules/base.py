@@ -9,14 +9,15 @@ import torch
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.comm.accounting import uncounted  # re-exported: it moved to the comm layer
 
-__all__ = ["Algorithm", "uncounted", "MetricsSink"]
+__all__ = ["Rule", "uncounted", "MetricsSink"]
 
 #: log(group, **row): the trainer's metrics writer (or a list-appender in tests)
 MetricsSink = Callable[..., None]
 
 
-class Algorithm:
-    """A training method is a hook around each worker's own optimizer step.
+class Rule:
+    """A method's update rule: a hook around each worker's own optimizer step. Its options
+    arrive checked (lsgd_hpc.methods.spec); a rule does not check them again.
 
     The trainer calls ``before_step`` after backward (gradients in ``flat.grad``) and
     ``after_step`` after the optimizer step with the number of completed steps and the
@@ -29,7 +30,7 @@ class Algorithm:
     #: extra HDF5 file attributes this method adds, e.g. the meaning of a code column
     file_attrs: Dict[str, str] = {}
     #: True for a method that decides itself when training ends, stops and checkpoints
-    #: (ranks take different numbers of steps): see AsyncLeaderSGD.control
+    #: (ranks take different numbers of steps): see AsyncLeaderRule.control
     owns_schedule = False
     #: --consensus-every, set by the trainer: a method that owns its schedule measures the
     #: consensus distance at its own agreed moments when this is non-zero (0: never)

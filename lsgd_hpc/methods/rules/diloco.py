@@ -9,12 +9,12 @@ from typing import Optional
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+from lsgd_hpc.methods.rules.base import Rule, MetricsSink
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCoRule"]
 
 
-class DiLoCo(Algorithm):
+class DiLoCoRule(Rule):
     """DiLoCo (Douillard et al. 2023; as in torchft's DiLoCo and OpenDiLoCo).
 
     Inner loop: every worker takes ``local_steps`` (H) steps of its own optimizer, whose state
@@ -41,12 +41,6 @@ class DiLoCo(Algorithm):
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  log: Optional[MetricsSink] = None):
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-        if not (math.isfinite(outer_lr) and outer_lr > 0):
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr}")
-        if not (math.isfinite(outer_momentum) and 0 <= outer_momentum < 1):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         super().__init__(groups, flat, log)
         self.H = local_steps
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm
+from lsgd_hpc.methods.rules.base import Rule
 
-__all__ = ["EASGD"]
+__all__ = ["EASGDRule"]
 
 
-class EASGD(Algorithm):
+class EASGDRule(Rule):
     """Elastic averaging SGD (Zhang, Choromanska, LeCun 2015), synchronous.
 
     Every ``tau`` steps, with the centre c identical on every worker:
@@ -25,8 +25,6 @@ class EASGD(Algorithm):
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, alpha: float, tau: int, log=None):
         super().__init__(groups, flat, log)
-        if not 0 < alpha < 1 or tau < 1:
-            raise ValueError("EASGD needs 0 < alpha < 1 and tau >= 1")
         self.alpha, self.tau = alpha, tau
         self.center = flat.flat.detach().clone()
         self.d = torch.empty_like(self.center)

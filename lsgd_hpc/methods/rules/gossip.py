@@ -6,12 +6,12 @@ import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import Topology
-from lsgd_hpc.methods.rules.base import Algorithm
+from lsgd_hpc.methods.rules.base import Rule
 
-__all__ = ["GossipSGD"]
+__all__ = ["GossipRule"]
 
 
-class GossipSGD(Algorithm):
+class GossipRule(Rule):
     """Adapt-then-combine decentralized SGD over a mixing matrix W:
         x_i <- sum_j W_ij (x_j - eta g_j)
     (the optimizer step is the "adapt"; this hook is the "combine"). Only neighbours

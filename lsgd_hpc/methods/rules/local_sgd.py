@@ -11,15 +11,15 @@ import numpy as np
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm
+from lsgd_hpc.methods.rules.base import Rule
 from lsgd_hpc.methods.rules.local_steps import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE,
                                                 DecayStatistics, Decision, choose_local_steps,
                                                 decay_statistics, decide)
 
-__all__ = ["LocalSGD", "choose_local_steps"]
+__all__ = ["LocalSGDRule", "choose_local_steps"]
 
 
-class LocalSGD(Algorithm):
+class LocalSGDRule(Rule):
     """Every T local steps:  x_i <- (1/p) sum_j x_j   (one allreduce over the fused buffer).
 
     T = 1 is parameter-averaged SGD. ``auto``: start at ``t_initial``; keep this rank's recent

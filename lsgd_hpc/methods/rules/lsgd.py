@@ -9,9 +9,10 @@ from typing import Callable, Optional
 import torch
 
 from lsgd_hpc.comm import Election, FlatParams, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
+from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 
-__all__ = ["LeaderSGD", "BN_POLICIES", "window_score"]
+__all__ = ["LeaderRule", "BN_POLICIES", "window_score"]
 
 GLOBAL, LOCAL = 0, 1
 
@@ -21,12 +22,12 @@ def window_score(losses) -> float:
     return sum(losses) / len(losses) if losses else math.inf
 
 
-#: BatchNorm policies of a pull: running statistics pulled like parameters, kept local,
-#: or copied from the leader
-BN_POLICIES = ("pull", "keep", "copy")
+#: BatchNorm policies of a pull: statistics kept local, copied from the leader, or pulled like
+#: parameters (the spec's list)
+BN_POLICIES = LSGD_BN_POLICIES
 
 
-class LeaderSGD(Algorithm):
+class LeaderRule(Rule):
     """Multi-leader LSGD (Teng et al.), synchronous.
 
     Every ``tau_local`` steps, inside each node:   x_i <- x_i - c_L (x_i - x_l(node))
@@ -64,10 +65,6 @@ class LeaderSGD(Algorithm):
                  log: Optional[MetricsSink] = None, pull_every_step: bool = False,
                  bn: str = "keep", score_fn: Optional[Callable[[], float]] = None):
         super().__init__(groups, flat, log)
-        if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
-            raise ValueError("tau_global must be a positive multiple of tau_local")
-        if bn not in BN_POLICIES:
-            raise ValueError(f"bn must be one of {BN_POLICIES}, got {bn!r}")
         self.tau_local, self.tau_global = tau_local, tau_global
         self.pull_local, self.pull_global = pull_local, pull_global
         self.pull_every_step, self.bn = pull_every_step, bn

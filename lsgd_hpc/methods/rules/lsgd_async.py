@@ -45,10 +45,10 @@ import torch
 
 from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups, Request
 from lsgd_hpc.comm.monitor import MONITOR
-from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+from lsgd_hpc.methods.rules.base import Rule, MetricsSink
 from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL, window_score
 
-__all__ = ["AsyncLeaderSGD", "ACTIONS"]
+__all__ = ["AsyncLeaderRule", "ACTIONS"]
 
 #: what the world level can decide besides a round, in order of precedence
 ACTIONS = ("stop", "end", "checkpoint")
@@ -83,7 +83,7 @@ class _Level:
     def busy(self) -> bool:
         return self.probe is not None or self.bcast is not None
 
-    def post_probe(self, algo: "AsyncLeaderSGD") -> None:
+    def post_probe(self, algo: "AsyncLeaderRule") -> None:
         self.posted_round = self.round_steps
         s = self.sums
         s.zero_()
@@ -98,7 +98,7 @@ class _Level:
                       self.comm.ielect(self.my_score)]
         self.idle = False
 
-    def progress(self, algo: "AsyncLeaderSGD") -> None:
+    def progress(self, algo: "AsyncLeaderRule") -> None:
         """Advance without blocking: complete what has arrived, post what comes next."""
         if self.bcast is not None and self.bcast.test():
             self._apply(algo)
@@ -109,7 +109,7 @@ class _Level:
         if not self.busy and not self.idle:
             self.post_probe(algo)
 
-    def _decide(self, algo: "AsyncLeaderSGD", s: torch.Tensor, election) -> None:
+    def _decide(self, algo: "AsyncLeaderRule", s: torch.Tensor, election) -> None:
         n = self.comm.size
         if self.scope == GLOBAL:
             action = algo.decide(s)
@@ -123,7 +123,7 @@ class _Level:
             self._start_round(algo, election)
         # otherwise progress() posts the next probe
 
-    def _start_round(self, algo: "AsyncLeaderSGD", election) -> None:
+    def _start_round(self, algo: "AsyncLeaderRule", election) -> None:
         self.leader = election
         self.last_round_steps = self.posted_round
         self.round_steps -= self.posted_round    # steps taken since the probe count next time
@@ -132,7 +132,7 @@ class _Level:
         self.bcast_at_step = self.posted_at = algo.steps
         self.bcast = self.comm.ibroadcast_(self.buf, election.rank)
 
-    def _apply(self, algo: "AsyncLeaderSGD") -> None:
+    def _apply(self, algo: "AsyncLeaderRule") -> None:
         self.bcast = None
         self.rounds += 1
         x = self.flat.flat
@@ -152,7 +152,7 @@ class _Level:
         self.round_steps, self.rounds = int(state["round_steps"]), int(state["rounds"])
 
 
-class AsyncLeaderSGD(Algorithm):
+class AsyncLeaderRule(Rule):
     """Multi-leader LSGD without per-step coupling (module docstring has the schedule).
 
     The trainer calls ``set_schedule`` once, ``after_step`` after each optimizer step and
@@ -169,10 +169,6 @@ class AsyncLeaderSGD(Algorithm):
                  pull_local: float, pull_global: float, window: int, max_staleness: int,
                  log: Optional[MetricsSink] = None):
         super().__init__(groups, flat, log)
-        if tau_local < 1 or tau_global < 1 or tau_global % tau_local:
-            raise ValueError("tau_global must be a positive multiple of tau_local")
-        if max_staleness < 0:
-            raise ValueError("max_staleness must be >= 0")
         self.max_staleness = max_staleness
         self.losses: deque = deque(maxlen=window)
         multi_level = 1 < groups.n_nodes < groups.world.size

@@ -8,12 +8,12 @@ from typing import Optional
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.methods.rules.base import Algorithm, MetricsSink
+from lsgd_hpc.methods.rules.base import Rule, MetricsSink
 
-__all__ = ["SlowMo"]
+__all__ = ["SlowMoRule"]
 
 
-class SlowMo(Algorithm):
+class SlowMoRule(Rule):
     """Slow momentum (Wang, Tantia, Ballas, Rabbat 2019; fairscale's
     SlowMoDistributedDataParallel), over local SGD.
 
@@ -40,21 +40,6 @@ class SlowMo(Algorithm):
                  slowmo_every: int = 48, slowmo_beta: float = 0.5, slowmo_alpha: float = 1.0,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  log: Optional[MetricsSink] = None):
-        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-            raise ValueError(f"local_steps must be an integer >= 1, got {local_steps!r}")
-        if isinstance(slowmo_every, bool) or not isinstance(slowmo_every, int) or slowmo_every < 1:
-            raise ValueError(f"slowmo_every must be an integer >= 1, got {slowmo_every!r}")
-        if slowmo_every % local_steps:
-            raise ValueError(f"slowmo_every must be a multiple of local_steps, got "
-                             f"{slowmo_every} and {local_steps}")
-        if not (math.isfinite(slowmo_beta) and 0 <= slowmo_beta < 1):
-            raise ValueError(f"slowmo_beta must be in [0, 1), got {slowmo_beta}")
-        if not (math.isfinite(slowmo_alpha) and slowmo_alpha > 0):
-            raise ValueError(f"slowmo_alpha must be > 0, got {slowmo_alpha}")
-        if optimizer is None or not getattr(optimizer, "param_groups", None):
-            raise ValueError("optimizer must be the workers' optimizer (SlowMo reads the "
-                             "learning rate gamma from its param group), got "
-                             f"{optimizer!r}")
         super().__init__(groups, flat, log)
         self.T, self.every = local_steps, slowmo_every
         self.beta, self.alpha = float(slowmo_beta), float(slowmo_alpha)

@@ -1,0 +1,265 @@
+"""What a method is, written once: its name, its class, and each option's default, type or
+range, help text and command-line section, plus its entry in the cost model.
+
+A :class:`MethodSpec` is plain data and imports neither torch nor mpi4py: the library's
+classes (``lsgd_hpc.LeaderSGD``...), the trainer's command line (``--tau-local``...), the docs'
+methods table and the planner all read it (``lsgd_hpc.methods.registry.SPECS``). Checks live
+here too, so a value is refused with the same words wherever it comes from::
+
+    spec.resolve({"tau_local": 4, "tau_global": 6})
+    ValueError: tau_global must be a multiple of tau_local (6 vs 4)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+__all__ = ["Option", "OptionError", "Check", "MethodSpec", "COMMON_OPTIONS", "COMM_DTYPES",
+           "SECTIONS", "comm_dtype_problem"]
+
+#: Command-line help sections, in the order ``--help`` prints them.
+SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
+            "output and checkpoints")
+
+#: What a method may send its model-sized traffic in (``comm_dtype``).
+COMM_DTYPES = ("fp32", "bf16")
+
+#: Option kinds and how a value of each is described in an error
+KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto")
+
+
+class OptionError(ValueError):
+    """A bad option value: ``option`` names it, ``reason`` says why (``must be ...``)."""
+
+    def __init__(self, option: str, reason: str):
+        super().__init__(f"{option} {reason}")
+        self.option, self.reason = option, reason
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a method.
+
+    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, or int_or_auto
+    (a positive integer or the word ``auto``). ``low``/``high`` bound numbers (``low_open``,
+    ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
+    (the text --help shows); otherwise None is refused. ``cli``: False for options that only
+    a library user can pass (callables).
+    """
+
+    name: str
+    default: Any
+    kind: str
+    help: str
+    section: str = "baselines"
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: Tuple[str, ...] = ()
+    none: Optional[str] = None
+    cli: bool = True
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise TypeError(f"option {self.name}: kind must be one of {KINDS}")
+        if self.section not in SECTIONS:
+            raise TypeError(f"option {self.name}: section must be one of {SECTIONS}")
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag (``--tau-local``)."""
+        return "--" + self.name.replace("_", "-")
+
+    def _range(self) -> str:
+        lo = "-inf" if self.low is None else f"{self.low:g}"
+        hi = "inf" if self.high is None else f"{self.high:g}"
+        return f"{'(' if self.low_open or self.low is None else '['}{lo}, {hi}" \
+               f"{')' if self.high_open or self.high is None else ']'}"
+
+    def check(self, value: Any) -> Any:
+        """The value, normalised (an int stays an int, a float becomes float); raises
+        :class:`OptionError` naming the option for anything else."""
+        if value is None:
+            if self.none is not None:
+                return None
+            raise OptionError(self.name, "must be given (None is not a value for it)")
+        k = self.kind
+        if k == "int_or_auto":
+            if value == "auto":
+                return value
+            k = "int"
+        if k == "int":
+            if isinstance(value, bool) or not isinstance(value, int):
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                else:
+                    auto = " or auto" if self.kind == "int_or_auto" else ""
+                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{auto}, "
+                                                 f"got {value!r}")
+            self._check_bounds(value, f"an integer >= {self.low:g}" if self.high is None
+                               else f"an integer in {self._range()}")
+            return int(value)
+        if k == "float":
+            if isinstance(value, bool):
+                raise OptionError(self.name, f"must be a number, got {value!r}")
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                raise OptionError(self.name, f"must be a number, got {value!r}") from None
+            if math.isnan(v) or (math.isinf(v) and self.high is not None):
+                raise OptionError(self.name, f"must be in {self._range()}, got {value!r}")
+            self._check_bounds(v, f"in {self._range()}")
+            return v
+        if k == "bool":
+            if not isinstance(value, bool):
+                raise OptionError(self.name, f"must be True or False, got {value!r}")
+            return value
+        if k == "choice":
+            if value not in self.choices:
+                raise OptionError(self.name, f"must be one of {', '.join(self.choices)}, "
+                                             f"got {value!r}")
+            return value
+        if k == "str":
+            if not isinstance(value, str):
+                raise OptionError(self.name, f"must be a string, got {value!r}")
+            return value
+        if not callable(value):     # callable
+            raise OptionError(self.name, f"must be a callable, got {type(value).__name__}")
+        return value
+
+    def _check_bounds(self, v: float, want: str) -> None:
+        bad_low = self.low is not None and (v <= self.low if self.low_open else v < self.low)
+        bad_high = self.high is not None and (v >= self.high if self.high_open else v > self.high)
+        if bad_low or bad_high:
+            raise OptionError(self.name, f"must be {want}, got {v!r}")
+
+    def parse(self, text: Any) -> Any:
+        """A value from a command line or a YAML file (text, or YAML's own types) in this
+        option's type, then checked."""
+        if isinstance(text, str) and self.kind in ("int", "float", "int_or_auto"):
+            if self.kind == "int_or_auto" and text == "auto":
+                return "auto"
+            try:
+                number = float(text) if self.kind == "float" else int(text)
+            except ValueError:
+                return self.check(text)          # refused, in the words of check
+            return self.check(number)
+        if isinstance(text, str) and self.kind == "bool":
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise OptionError(self.name, f"must be true or false, got {text!r}")
+        return self.check(text)
+
+    def default_text(self) -> str:
+        if self.default is None and self.none:
+            return self.none
+        if self.default is True:
+            return "on"
+        if self.default is False:
+            return "off"
+        return str(self.default)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check across options (or of options against the world size): ``test(options)`` or
+    ``test(options, world_size)`` returns why the values do not go together, or None; the
+    error names ``option``."""
+
+    option: str
+    test: Callable[..., Optional[str]]
+
+
+def comm_dtype_problem(comm_dtype: str, backend: Optional[str]) -> Optional[str]:
+    """Why ``comm_dtype`` cannot run on ``backend``, or None."""
+    if comm_dtype == "bf16" and backend == "horovod":
+        return "bf16 needs the mpi or torch backend (Horovod has no bfloat16 sum here)"
+    return None
+
+
+#: Options every method takes (besides its own), with the library's defaults.
+COMMON_OPTIONS: Tuple[Option, ...] = (
+    Option("comm_dtype", "fp32", "choice",
+           "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
+           "half the bytes, rounded (see docs/algorithms.md)",
+           section="cluster and backend", choices=COMM_DTYPES),
+    Option("stop_check_every", 10, "int",
+           "steps between the non-blocking agreements on a stop signal",
+           section="cluster and backend", low=1),
+)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method, as every part of the package sees it.
+
+    ``name``: the trainer's ``--algorithm`` value; ``class_name``: the public class
+    (``lsgd_hpc.<class_name>``); ``summary``: one line for tables; ``options``: the method's
+    own options with the library's defaults (the papers' values); ``checks``: checks across
+    options; ``world_checks``: checks that need the world size; ``cost``: its entry in the
+    cost model, ``cost(cm, workload, cluster, options, collectives)`` with ``cm`` the module
+    :mod:`lsgd_hpc.planning.costmodel` (passed in, so that this module needs none of it),
+    returning a ``MethodCost``.
+    """
+
+    name: str
+    class_name: str
+    summary: str
+    options: Tuple[Option, ...]
+    cost: Callable[..., Any]
+    checks: Tuple[Check, ...] = ()
+    world_checks: Tuple[Check, ...] = ()
+    notes: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def defaults(self) -> Dict[str, Any]:
+        """The method's own options and their defaults (a new dict each time)."""
+        return {o.name: o.default for o in self.options}
+
+    def option(self, name: str) -> Option:
+        for o in self.options:
+            if o.name == name:
+                return o
+        raise KeyError(name)
+
+    def resolve(self, given: Mapping[str, Any], world_size: Optional[int] = None,
+                where: str = "") -> Dict[str, Any]:
+        """The defaults updated by ``given``, every value checked: an OptionError (a
+        ValueError) names the bad option; an unknown option is refused naming ``where`` (the
+        class). With ``world_size`` the checks that need it run too."""
+        known = {o.name for o in self.options}
+        unknown = sorted(set(given) - known)
+        prefix = f"{where}: " if where else ""
+        if unknown:
+            raise ValueError(f"{prefix}unknown option(s) {', '.join(unknown)} "
+                             f"(its options: {', '.join(sorted(known)) or 'none'})")
+        out = self.defaults
+        for o in self.options:
+            if o.name in given:
+                out[o.name] = o.check(given[o.name])
+        for c in self.checks:
+            why = c.test(out)
+            if why:
+                raise OptionError(c.option, why)
+        if world_size is not None:
+            self.check_world(out, world_size)
+        return out
+
+    def check_world(self, options: Mapping[str, Any], world_size: int) -> None:
+        """Raise OptionError for options that cannot work on ``world_size`` ranks."""
+        for c in self.world_checks:
+            why = c.test(options, world_size)
+            if why:
+                raise OptionError(c.option, why)
+
+    def with_defaults(self, **defaults) -> "MethodSpec":
+        """This spec with other defaults (tests, experiments)."""
+        opts = tuple(replace(o, default=defaults[o.name]) if o.name in defaults else o
+                     for o in self.options)
+        return replace(self, options=opts)
