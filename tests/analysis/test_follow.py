@@ -86,12 +86,13 @@ def steps_of(lines):
 def test_follow_a_run_being_written(tmp_path, rule):
     config = {"total_steps": TOTAL} if rule == "total_steps" else {}
     proc = summary(tmp_path, "--follow", "--interval", "0.2")   # before any file exists
-    time.sleep(1.0)
+    first = proc.stdout.readline()                  # it is waiting: now the run starts
     ws = writers(tmp_path, config)
     t = threading.Thread(target=write_run, args=(ws,), kwargs={"close": rule == "close"})
     t.start()
     rc, lines, err = finish(proc)
     t.join()
+    lines = [first.rstrip("\n")] + lines
     assert rc == 0, (lines, err)
     assert err == ""
     assert lines[0] == f"waiting for metrics files in {tmp_path / 'metrics'} ..."
@@ -119,12 +120,13 @@ def test_a_run_that_stops_short_times_out(tmp_path):
 
 
 def test_nothing_ever_appears_times_out(tmp_path):
-    rc, lines, _ = finish(summary(tmp_path / "none", "--follow", "--interval", "0.2",
-                                  "--timeout", "0.5"))
+    out, ticks = [], iter(range(100))
+    rc = fl.follow(tmp_path / "none", interval=1, timeout=3, out=out.append,
+                   clock=lambda: float(next(ticks)), sleep=lambda s: None)
     assert rc == 1
-    assert lines == [f"waiting for metrics files in {tmp_path / 'none' / 'metrics'} ...",
-                     f"stopped following: no metrics file appeared in {tmp_path / 'none'} "
-                     "for 0.5 s (the run has not ended)"]
+    assert out == [f"waiting for metrics files in {tmp_path / 'none' / 'metrics'} ...",
+                   f"stopped following: no metrics file appeared in {tmp_path / 'none'} "
+                   "for 3 s (the run has not ended)"]
 
 
 def test_ctrl_c_is_quiet_and_exit_0(tmp_path):
@@ -140,12 +142,16 @@ def test_ctrl_c_is_quiet_and_exit_0(tmp_path):
     assert rc == 0 and err == "", err
 
 
-def test_bad_options_exit_2(tmp_path):
+def test_bad_options_exit_2(tmp_path, capsys):
+    from lsgd_hpc.analysis.summary import main
     for args, says in [(["--interval", "1"], "--interval and --timeout go with --follow"),
                        (["--follow", "--interval", "0"], "--interval: must be a positive"),
                        (["--follow", "--timeout", "-1"], "--timeout: must be a positive")]:
-        rc, _, err = finish(summary(tmp_path, *args))
-        assert rc == 2 and err.startswith("lsgd_hpc.summary: error: ") and says in err, err
+        with pytest.raises(SystemExit) as exc:
+            main([str(tmp_path), *args])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("lsgd_hpc.summary: error: "), err
+        assert says in err and len(err.splitlines()) == 1, err
 
 
 def test_a_file_being_replaced_keeps_its_last_rows(tmp_path):
