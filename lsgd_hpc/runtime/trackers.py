@@ -17,17 +17,18 @@ The per-rank HDF5 files stay the record; a tracker is a mirror of rank 0's rows:
 The row's step is the tracker's step; NaN values (a column the loop did not give) are not
 sent. Where the files go: TensorBoard event files in ``RUN_DIR/tensorboard``, an offline
 wandb run in ``RUN_DIR/wandb/offline-run-*`` (``wandb sync`` uploads it later), an MLflow
-file store in ``RUN_DIR/mlruns`` (``mlflow ui --backend-store-uri file:RUN_DIR/mlruns``).
+file store in ``RUN_DIR/mlruns`` (``MLFLOW_ALLOW_FILE_STORE=true mlflow ui
+--backend-store-uri file:RUN_DIR/mlruns``).
 
 Every tracker is one small class behind one interface (``log_scalars(step, dict)``,
 ``flush()``, ``close()``); the packages are optional (``pip install lsgd_hpc[trackers]``) and
-imported only when a tracker is asked for. This module imports neither torch nor mpi4py.
+imported only when a tracker is asked for: importing this module loads neither torch nor
+mpi4py (the TensorBoard tracker writes with torch's ``SummaryWriter``).
 """
 
 from __future__ import annotations
 
 import atexit
-import importlib
 import importlib.util
 import json
 import math
@@ -161,7 +162,6 @@ class WandbTracker(Tracker):
             project=os.environ.get("WANDB_PROJECT") or "lsgd_hpc", config=dict(config or {}),
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True))
-        self.dir = os.path.dirname(self.run.dir)       # .../offline-run-<time>-<id>
         self.last_step = -1
         self.dropped = 0
 
@@ -236,11 +236,12 @@ _CLASSES = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": 
 
 def make_trackers(names: Optional[Iterable[str]], run_dir: str, config: Optional[dict] = None,
                   rank: int = 0) -> List[Tracker]:
-    """The trackers named, started (rank 0; every other rank gets an empty list). Raises
-    ValueError with :func:`check_trackers`' line for an unknown or missing one, and the
-    package's own error when it is installed but fails to import or start."""
+    """The trackers named, started on rank 0; every other rank gets an empty list (and only
+    the names are checked there). Raises ValueError with :func:`check_trackers`' line for an
+    unknown or missing one, and one line with the package's own error when it is installed
+    but fails to import or to start."""
     names = _names(names)
-    problem = check_trackers(names)
+    problem = check_trackers(names) if rank == 0 else _unknown(names)
     if problem:
         raise ValueError(problem)
     if rank != 0:

@@ -26,7 +26,7 @@ import pytest
 import lsgd_hpc
 from lsgd_hpc.runtime import trackers as trk
 from lsgd_hpc.runtime.metrics import MetricsWriter
-from mpi_util import REPO, mpi_env, run_mpi
+from mpi_util import mpi_env, run_mpi
 
 
 @pytest.fixture(scope="module")
