@@ -277,13 +277,15 @@ def _one_file_per_rank(datas: list[dict], skip: Callable[[str, str], None]) -> d
 
 
 def read_run(run_dir: str | os.PathLike, name: str | None = None,
-             warn: Callable[[str], None] = _warn) -> Run:
+             warn: Callable[[str], None] = _warn,
+             read: Callable[[Path], dict] = read_rank_file) -> Run:
     """Read a run directory.
 
     Rank files are skipped, each with one warning naming the file and why, when they are
     unreadable (truncated, not HDF5), carry a ``schema_version`` this aggregator does not know,
     belong to another run (``_one_run``), or claim the rank of another file
-    (``_one_file_per_rank``). Raises AggregateError when nothing readable is left."""
+    (``_one_file_per_rank``). Raises AggregateError when nothing readable is left. ``read``:
+    what reads one rank file (``read_rank_file``; ``summary --follow`` passes a cached one)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise AggregateError(f"run directory not found: {run_dir}")
@@ -300,7 +302,7 @@ def read_run(run_dir: str | os.PathLike, name: str | None = None,
     datas: list[dict] = []
     for p in files:
         try:
-            data = read_rank_file(p)
+            data = read(p)
         except Exception as exc:  # truncated / corrupt file: skip it, keep the rest
             reason = " ".join(str(exc).split()) or type(exc).__name__
             skip(str(p), f"unreadable ({reason[:200]})")

@@ -1,4 +1,5 @@
-"""Short human summary of one run: ``python -m lsgd_hpc.summary RUN_DIR``.
+"""Short human summary of one run: ``python -m lsgd_hpc.summary RUN_DIR``; with ``--follow``
+the progress of a running one (lsgd_hpc/analysis/follow.py).
 
 Prints where the metrics files are, one line per rank (node, final training loss, final
 test accuracy, times elected global leader, bytes sent), then the final global leader
@@ -88,9 +89,32 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m lsgd_hpc.summary",
-                description="Print a short summary of one lsgd_hpc run.")
+                description="Print a short summary of one lsgd_hpc run, or with --follow the "
+                            "progress of a running one, one line per interval.")
     p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--follow", action="store_true",
+                   help="follow a running job: one progress line per --interval until the run "
+                        "ends (exit 0), Ctrl-C (exit 0) or --timeout (exit 1); the rule that "
+                        "says a run ended is in docs/metrics.md")
+    p.add_argument("--interval", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: seconds between lines; default: 10")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="with --follow: stop when no file of the run changed for this long; "
+                        "default: none")
     args = p.parse_args(argv)
+    if not args.follow and (args.interval is not None or args.timeout is not None):
+        p.error("--interval and --timeout go with --follow")
+    if args.follow:
+        for name in ("interval", "timeout"):
+            v = getattr(args, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                p.error(f"--{name}: must be a positive number of seconds, got {v:g}")
+        from lsgd_hpc.analysis.follow import follow
+        try:
+            return follow(args.run_dir, interval=args.interval or 10.0, timeout=args.timeout,
+                          prog=PROG)
+        except KeyboardInterrupt:
+            return 0
     try:
         run = read_run(args.run_dir,
                        warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))

@@ -111,7 +111,7 @@ class Option:
                 raise OptionError(self.name, f"must be a number, got {value!r}") from None
             if math.isnan(v) or (math.isinf(v) and self.high is not None):
                 raise OptionError(self.name, f"must be in {self._range()}, got {value!r}")
-            self._check_bounds(v, f"in {self._range()}")
+            self._check_bounds(v, self._want_number())
             return v
         if k == "bool":
             if not isinstance(value, bool):
@@ -129,6 +129,11 @@ class Option:
         if not callable(value):     # callable
             raise OptionError(self.name, f"must be a callable, got {type(value).__name__}")
         return value
+
+    def _want_number(self) -> str:
+        if self.high is None and self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {self._range()}"
 
     def _check_bounds(self, v: float, want: str) -> None:
         bad_low = self.low is not None and (v <= self.low if self.low_open else v < self.low)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as _dt
 import json
 import os
 import time
@@ -51,10 +52,15 @@ class MetricsWriter:
     previous one, so the file on disk is at every moment a complete HDF5 file holding every row
     up to the last flush: a job killed at any instant (even mid-flush) leaves a readable file.
     A rank's metrics are a few MB at most, so rewriting them is cheap next to a training step.
+
+    ``trackers``: experiment trackers that mirror the rows (rank 0's; lsgd_hpc.runtime.trackers:
+    ``open_trackers`` or ``make_trackers``): every row logged is sent to them as it comes,
+    they are flushed at every flush and closed by ``close()``.
     """
 
     def __init__(self, path: str, attrs: dict, flush_every: int = 50,
-                 flush_seconds: float = 30.0, extra_columns: Optional[Dict[str, Dict]] = None):
+                 flush_seconds: float = 30.0, extra_columns: Optional[Dict[str, Dict]] = None,
+                 trackers=None):
         self.path = path
         self.attrs = dict(attrs)
         self.flush_every = flush_every
@@ -66,6 +72,7 @@ class MetricsWriter:
             g: {c: [] for c in cols} for g, cols in self.columns.items()}
         self._last_flush_time = time.monotonic()
         self._rows_since_flush = 0
+        self.trackers = _mirror(trackers)
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
 
     # -- rows ------------------------------------------------------------------------------
@@ -78,6 +85,14 @@ class MetricsWriter:
             cols[c].append(v)
         if group == "train":
             self._rows_since_flush += 1
+        if self.trackers:
+            self.trackers.log_row(group, row)
+
+    def track(self, step: int, **scalars: float) -> None:
+        """Send values that have no column in the file to the trackers only, under the keys
+        given (``track(step, **{"leader/score": s})``); nothing without trackers."""
+        if self.trackers:
+            self.trackers.log_scalars(step, scalars)
 
     def row_counts(self) -> Dict[str, int]:
         return {g: len(next(iter(cols.values()))) for g, cols in self.rows.items()}
@@ -110,6 +125,23 @@ class MetricsWriter:
         os.replace(tmp, self.path)
         self._last_flush_time = time.monotonic()
         self._rows_since_flush = 0
+        if self.trackers:
+            self.trackers.flush()
+
+    def close(self) -> None:
+        """The end of the run: stamp the file's ``end_time`` attribute (ISO 8601, UTC; how
+        ``lsgd_hpc.summary --follow`` knows a run ended), flush, close the trackers. Rows
+        logged after it still go to the file at the next flush, not to the trackers."""
+        self.attrs["end_time"] = _dt.datetime.now(_dt.timezone.utc).isoformat()
+        try:
+            self.flush()
+        finally:
+            self.close_trackers()
+
+    def close_trackers(self) -> None:
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
     def load_existing(self, counts: Dict[str, int]) -> None:
         """Resume: take back the first ``counts[g]`` rows of each group from the file on disk
@@ -125,6 +157,14 @@ class MetricsWriter:
                         self.rows[g][c] = data.tolist()
                     else:
                         raise RuntimeError(f"{self.path}: /{g}/{c} missing; cannot resume")
+
+
+def _mirror(trackers):
+    """None, a trackers.Mirror, or a list of trackers (wrapped in a Mirror)."""
+    if trackers is None or hasattr(trackers, "log_row"):
+        return trackers
+    from lsgd_hpc.runtime.trackers import Mirror
+    return Mirror(trackers) if trackers else None
 
 
 def encode_config(config: dict) -> str:

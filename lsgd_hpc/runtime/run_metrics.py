@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import json
 import math
 import os
 import socket
@@ -27,8 +28,8 @@ class RunMetrics(MetricsWriter):
     and in checkpoints is left out of the training time."""
 
     def __init__(self, path: str, attrs: dict, comm, flush_every: int = 1000,
-                 flush_seconds: float = 60.0, extra_columns=None):
-        super().__init__(path, attrs, flush_every, flush_seconds, extra_columns)
+                 flush_seconds: float = 60.0, extra_columns=None, trackers=None):
+        super().__init__(path, attrs, flush_every, flush_seconds, extra_columns, trackers)
         self.comm = comm
         self.t0 = time.perf_counter()
         self.elapsed0 = 0.0
@@ -111,7 +112,7 @@ def _library_of(comm) -> str:
 
 def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
                  flush_every: int = 1000, flush_seconds: float = 60.0,
-                 extra_columns: Optional[dict] = None) -> RunMetrics:
+                 extra_columns: Optional[dict] = None, trackers=None) -> RunMetrics:
     """Collective: this rank's ``RUN_DIR/metrics/rankNNNNN.h5`` with the schema's file
     attributes (``lsgd_hpc.aggregate`` and ``lsgd_hpc.summary`` read it). ``method``: its
     name and extra columns go into the file (pass the writer back to it as ``metrics=``
@@ -119,7 +120,9 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     any JSON-able dict recorded as the run's configuration; ``extra_columns``: columns of
     your own, ``{group: {column: numpy dtype string}}`` (e.g. ``{"eval": {"val_loss": "f8"}}``),
     given as keyword arguments of ``log_step``/``log_eval`` (an /eval column not given is NaN).
-    A name of the schema's own or of the method's is refused (ValueError)."""
+    A name of the schema's own or of the method's is refused (ValueError). ``trackers``:
+    e.g. ``["tensorboard", "wandb", "mlflow"]``, rank 0 mirrors its rows to them
+    (lsgd_hpc/runtime/trackers.py; an unknown or missing one: ValueError on every rank)."""
     # the same arguments on every rank: every rank refuses them alike, before any collective
     extra = ({g: dict(c) for g, c in method.rule.extra_columns.items()}
              if method is not None else {})
@@ -149,8 +152,10 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     }
     if method is not None:
         attrs.update(method.rule.file_attrs)
+    from lsgd_hpc.runtime.trackers import open_trackers
+    mirror = open_trackers(trackers, run_dir, comm, json.loads(attrs["config"]))
     writer = RunMetrics(rank_file(run_dir, comm.rank), attrs, comm, flush_every, flush_seconds,
-                        extra_columns=extra)
+                        extra_columns=extra, trackers=mirror)
     if method is not None:
         method.set_metrics(writer)
         writer.method = method
@@ -167,6 +172,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         error = f"metrics file {writer.path}: {exc.strerror or exc}"
     message = comm.agree(error)
     if message:
+        writer.close_trackers()
         raise ValueError(message)
     return writer
 

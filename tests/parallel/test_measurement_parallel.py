@@ -55,14 +55,14 @@ def hand_distance(size: int, n: int) -> float:
 def make_methods(groups, flat, rows):
     topo = build_topology("ring", groups.world.size, node_of=groups.node_of)
     return {
-        "lsgd": LeaderSGD(groups, flat, 2, 4, 0.1, 0.1, window=2, log=rows),
-        "allreduce": AllreduceSGD(groups, flat, log=rows),
-        "easgd": EASGD(groups, flat, alpha=0.5 / groups.world.size, tau=2, log=rows),
-        "local-sgd": LocalSGD(groups, flat, local_steps=2, log=rows),
-        "diloco": DiLoCo(groups, flat, local_steps=2, log=rows),
-        "slowmo": SlowMo(groups, flat, local_steps=2, slowmo_every=4, log=rows,
+        "lsgd": LeaderRule(groups, flat, 2, 4, 0.1, 0.1, window=2, log=rows),
+        "allreduce": AllreduceRule(groups, flat, log=rows),
+        "easgd": EASGDRule(groups, flat, alpha=0.5 / groups.world.size, tau=2, log=rows),
+        "local-sgd": LocalSGDRule(groups, flat, local_steps=2, log=rows),
+        "diloco": DiLoCoRule(groups, flat, local_steps=2, log=rows),
+        "slowmo": SlowMoRule(groups, flat, local_steps=2, slowmo_every=4, log=rows,
                          optimizer=torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)),
-        "gossip": GossipSGD(groups, flat, topo, log=rows),
+        "gossip": GossipRule(groups, flat, topo, log=rows),
     }
 
 
