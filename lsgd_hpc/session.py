@@ -6,17 +6,26 @@
 The object it returns is what every method and run-time helper of the library takes. Ranks
 are grouped into nodes by host name (``ranks_per_node=K`` groups K consecutive ranks instead,
 to try a multi-node layout on one machine).
+
+``on_failure="shrink"`` (MPI backend under ``mpirun --with-ft ulfm``): the survivors of a
+rank failure go on in a smaller world (lsgd_hpc/comm/faults.py); ``comm.rank``, ``size``,
+``local_rank``, ``node_index`` and ``n_nodes`` are then the new world's, and
+``comm.on_failure(callback)`` hears of every recovery.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from typing import Optional
 
-__all__ = ["Comm", "init"]
+__all__ = ["Comm", "init", "ON_FAILURE"]
 
 _BACKENDS = ("mpi", "horovod", "torch")
+#: the values of ``init(on_failure=...)``: "abort" (the first dead rank ends the job) or
+#: "shrink" (the survivors go on; needs ULFM)
+ON_FAILURE = ("abort", "shrink")
 
 
 class Comm:
@@ -30,6 +39,66 @@ class Comm:
 
     def __init__(self, world, groups, device, backend: str):
         self.world, self.groups, self.device, self.backend = world, groups, device, backend
+        #: the recovery machinery when on_failure="shrink" (lsgd_hpc.comm.faults), else None
+        self._ft = None
+
+    # -- failures (on_failure="shrink") ------------------------------------------------------
+    @property
+    def failure_policy(self) -> str:
+        """``"abort"`` or ``"shrink"`` (``init(on_failure=...)``)."""
+        return "abort" if self._ft is None else "shrink"
+
+    @property
+    def initial_rank(self) -> int:
+        """This rank's rank at the start of the job (``rank`` is the current world's)."""
+        return self.rank if self._ft is None else self._ft.initial_ranks[self.rank]
+
+    @property
+    def initial_size(self) -> int:
+        return self.size if self._ft is None else self._ft.initial_size
+
+    @property
+    def initial_ranks(self) -> tuple:
+        """The initial rank of every current world rank."""
+        return tuple(range(self.size)) if self._ft is None else tuple(self._ft.initial_ranks)
+
+    @property
+    def lost_ranks(self) -> tuple:
+        """Initial ranks lost so far (on_failure="shrink")."""
+        return () if self._ft is None else tuple(sorted(self._ft.lost))
+
+    @property
+    def generation(self) -> int:
+        """How many recoveries this world has been through."""
+        return 0 if self._ft is None else self._ft.generation
+
+    @property
+    def failures(self) -> list:
+        """The FailureEvents so far, oldest first."""
+        return [] if self._ft is None else list(self._ft.events)
+
+    def on_failure(self, callback):
+        """Call ``callback(event)`` (a ``lsgd_hpc.comm.faults.FailureEvent``) on every
+        survivor after each recovery, once the methods have restored their state (e.g. to
+        reshard your data: ``comm.rank`` and ``comm.size`` are the new world's). Returns the
+        callback (usable as a decorator). Needs ``init(on_failure="shrink")``."""
+        if self._ft is None:
+            raise ValueError("comm.on_failure: the job runs with on_failure='abort' (a dead "
+                             "rank ends it); pass on_failure='shrink' to lsgd_hpc.init")
+        self._ft.callbacks.append(callback)
+        return callback
+
+    def recover(self, exc: Optional[BaseException] = None):
+        """Collective over the survivors, after a ``ProcessFailure`` raised by a collective of
+        your own on ``comm.world``: shrink the world, rebuild the node groups, restore the
+        methods; returns the FailureEvent. The methods and this object's helpers call it
+        themselves."""
+        if self._ft is None:
+            raise ValueError("comm.recover: the job runs with on_failure='abort'")
+        return self._ft.recover(exc)
+
+    def _resilient(self, fn):
+        return fn() if self._ft is None else self._ft.resilient(fn)
 
     @property
     def rank(self) -> int:
@@ -62,22 +131,28 @@ class Comm:
 
     def barrier(self) -> None:
         from lsgd_hpc.comm import uncounted
-        with uncounted(self.world):
-            self.world.barrier()
+
+        def run():
+            with uncounted(self.world):
+                self.world.barrier()
+        self._resilient(run)
 
     def allgather_object(self, obj) -> list:
-        return self.world.allgather_object(obj)
+        return self._resilient(lambda: self.world.allgather_object(obj))
 
     def any_true(self, flag: bool) -> bool:
         from lsgd_hpc.comm import uncounted
-        with uncounted(self.world):
-            return self.world.any_true(flag)
+
+        def run():
+            with uncounted(self.world):
+                return self.world.any_true(flag)
+        return self._resilient(run)
 
     def agree(self, error: Optional[str]) -> Optional[str]:
         """Collective: the first rank's error message (saying on how many ranks it was
         seen), or None when no rank had one. Use it before raising a check's error so that
         every rank raises the same one instead of some waiting in a collective."""
-        errors = self.world.allgather_object(error)
+        errors = self.allgather_object(error)
         bad = [r for r, e in enumerate(errors) if e]
         if not bad:
             return None
@@ -131,7 +206,8 @@ def _install_abort_hook(world) -> None:
 
 
 def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="auto",
-         abort_on_exception: bool = True) -> Comm:
+         abort_on_exception: bool = True, on_failure: str = "abort",
+         min_ranks: int = 1) -> Comm:
     """Join the job's world (collective: every rank calls it once, first).
 
     ``backend``: ``"mpi"`` (mpi4py; mpirun, srun --mpi=pmix), ``"horovod"``, or ``"torch"``
@@ -140,6 +216,11 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     ``"auto"`` (this rank's GPU by node-local rank when torch sees one, else the CPU),
     ``"cpu"``, ``"cuda"`` or a torch.device. ``abort_on_exception``: an uncaught exception
     on one rank aborts the whole job (the default), instead of leaving the others hanging.
+    ``on_failure``: ``"abort"`` (the default: the first dead rank ends the job) or
+    ``"shrink"`` (the survivors go on in a smaller world; the MPI backend under a
+    fault-tolerant MPI only, ``mpirun --with-ft ulfm``; ValueError on every rank otherwise).
+    ``min_ranks``: with ``"shrink"``, fewer survivors than this end the job
+    (``lsgd_hpc.comm.faults.UnrecoverableFailure`` on every survivor).
     """
     if backend not in _BACKENDS:
         hint = ""
@@ -149,12 +230,52 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}{hint}")
     if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
         raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
+    if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
+        raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
     from lsgd_hpc.comm import NodeGroups, launcher, make_world
+    if on_failure == "shrink" and backend != "mpi":
+        from lsgd_hpc.comm.faults import ulfm_problem
+        raise ValueError(ulfm_problem(backend))       # before joining: no world to agree over
     local = launcher.local_rank()
     # the device first: NCCL binds the process group to this rank's GPU
     dev = _pick_device(device, local if local is not None else launcher.env_rank())
     world = make_world(backend, device=dev) if backend == "torch" else make_world(backend)
     if abort_on_exception:
         _install_abort_hook(world)
+    if on_failure == "shrink":
+        _check_fault_tolerance(world, min_ranks)
+    from lsgd_hpc.comm.groups import RANKS_PER_NODE_ENV
+    if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
+        ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
     groups = NodeGroups.build(world, ranks_per_node)
-    return Comm(world, groups, dev, backend)
+    comm = Comm(world, groups, dev, backend)
+    if on_failure == "shrink":
+        _enable_fault_tolerance(comm, min_ranks, ranks_per_node)
+    return comm
+
+
+def _check_fault_tolerance(world, min_ranks: int) -> None:
+    """The same ValueError on every rank when ULFM is not active here (or min_ranks is more
+    than the world): shrink would otherwise run as an ordinary MPI (Shrink a Dup)."""
+    from lsgd_hpc.comm.faults import ulfm_problem
+    problem = ulfm_problem("mpi")
+    if problem is None and min_ranks > world.size:
+        problem = f"min_ranks={min_ranks} is more than the {world.size} ranks of the job"
+    problems = world.allgather_object(problem)
+    bad = [p for p in problems if p]
+    if bad:
+        raise ValueError(bad[0])
+
+
+def _enable_fault_tolerance(comm: Comm, min_ranks: int, ranks_per_node) -> None:
+    import atexit
+    import socket
+    from lsgd_hpc.comm.faults import FaultTolerance
+    comm._ft = FaultTolerance(comm, min_ranks, ranks_per_node)
+    comm.groups.node_key = (comm.rank // ranks_per_node if ranks_per_node
+                            else socket.gethostname())
+    # a survivor that finished its loop waits here for one whose last step was cut off
+    # (registered after mpi4py's own exit handler, so it runs before MPI_Finalize)
+    atexit.register(comm._ft.final_barrier)

@@ -93,6 +93,8 @@ class GradBuckets:
         for b in self.bucket_of:
             self.expected[b] += 1
         self._handles = []
+        #: a rank failure met inside a gradient hook, raised by finish()
+        self.failure = None
         if comm.size > 1:
             for i, p in enumerate(params):
                 if p.requires_grad:
@@ -118,17 +120,31 @@ class GradBuckets:
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)
                     param.grad = view
-            self._arrived(index)
+            if self.failure is None:
+                self._kept(self._arrived, index)
         return hook
 
     def _before_accumulate(self, index: int):
         def hook(grad: torch.Tensor):
             # a second backward before the step: complete the previous one's averaging
             # before anything is added to the buffer it is reading and writing
-            if self.enabled and (self.arrived[index] or self.bucket_of[index] < len(self.pending)):
-                self.finish()
+            if self.enabled and self.failure is None and \
+                    (self.arrived[index] or self.bucket_of[index] < len(self.pending)):
+                self._kept(self.finish)
             return grad
         return hook
+
+    def _kept(self, call, *args) -> None:
+        """``call`` inside a gradient hook: a dead rank's failure (on_failure="shrink") is kept
+        for ``finish`` (inside the method's step, which recovers) instead of escaping from
+        the user's backward()."""
+        try:
+            call(*args)
+        except Exception as exc:                  # noqa: BLE001
+            from lsgd_hpc.comm.faults import is_process_failure
+            if not is_process_failure(exc):
+                raise
+            self.failure = exc
 
     def _arrived(self, index: int) -> None:
         b = self.bucket_of[index]
@@ -148,6 +164,10 @@ class GradBuckets:
 
     def finish(self) -> torch.Tensor:
         """Start the buckets not yet started, wait for all; ``flat.grad`` is then the mean."""
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            self._reset()
+            raise failure
         if self.comm.size > 1:
             try:
                 self._start_ready(all_=True)

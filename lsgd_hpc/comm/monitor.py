@@ -27,6 +27,9 @@ class CollectiveMonitor:
     def __init__(self):
         self.rank = 0
         self.step = 0                     # the trainer keeps this current
+        #: after a recovery (on_failure="shrink"): the initial rank of each current world
+        #: rank (heartbeat files keep the initial numbering); None before any
+        self.rank_map = None
         self._lock = threading.Lock()
         self._entered: Dict[str, list] = {}          # key -> [count, name, step]
         self._inside: Optional[dict] = None

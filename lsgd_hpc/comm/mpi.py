@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from lsgd_hpc.comm.monitor import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR, _Inside
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 check_tensor, sanitize_score)
 
@@ -102,6 +102,45 @@ def _buffer(t: torch.Tensor, count: Optional[int] = None):
 def _buffer_key(t: torch.Tensor) -> tuple:
     """What identifies a buffer whose shape was agreed on: its memory, length and type."""
     return (t.device.type, t.data_ptr(), t.numel(), t.dtype)
+
+
+def _failure_of(exc: BaseException, comm=None):
+    """The ProcessFailure an mpi4py error stands for (a dead rank, a revoked communicator:
+    lsgd_hpc.comm.faults), or None."""
+    from lsgd_hpc.comm.faults import mpi_failure
+    return mpi_failure(exc, comm)
+
+
+class _Watched(_Inside):
+    """A blocking collective, numbered for the watchdog; an MPI error of a dead rank or a
+    revoked communicator leaves it as ProcessFailure (lsgd_hpc.comm.faults)."""
+
+    __slots__ = ("mpi_comm",)
+
+    def __init__(self, mon, key, members, name, seq, mpi_comm=None):
+        _Inside.__init__(self, mon, key, members, name, seq)
+        self.mpi_comm = mpi_comm
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        _Inside.__exit__(self, exc_type, exc, tb)
+        if exc_type is not None and issubclass(exc_type, MPI.Exception):
+            failure = _failure_of(exc, self.mpi_comm)
+            if failure is not None:
+                raise failure from exc
+        return False
+
+
+def _translated(call, comm=None):
+    """``call`` (a request's Wait/Test, a non-blocking start) with failures as ProcessFailure."""
+    def run(*args, **kwargs):
+        try:
+            return call(*args, **kwargs)
+        except MPI.Exception as exc:
+            failure = _failure_of(exc, comm)
+            if failure is None:
+                raise
+            raise failure from exc
+    return run
 
 
 class MPICommunicator(Communicator):
@@ -227,8 +266,9 @@ class MPICommunicator(Communicator):
             self._agree("iallreduce_", tensor)
         if self.one_host or tensor.numel() * tensor.element_size() < NB_SEND_COPY_MIN_BYTES:
             # The memory stays alive while in flight: the Pending holds the tensor that owns it.
-            req = self.comm.Iallreduce(MPI.IN_PLACE, _buffer(tensor), op=_sum_op(tensor))
-            return req.Wait, req.Test
+            req = _translated(self.comm.Iallreduce)(MPI.IN_PLACE, _buffer(tensor),
+                                                    op=_sum_op(tensor))
+            return _translated(req.Wait), _translated(req.Test)
         # Out of place from a copy: Open MPI's non-blocking allreduce (coll/libnbc) takes a
         # binomial tree (reduce to one rank, then broadcast: the whole buffer through one
         # rank's link, twice) whenever it is called in place, and reduce-scatter + allgather
@@ -244,13 +284,15 @@ class MPICommunicator(Communicator):
             if agreed:
                 self._send_copies[key] = send
         send.copy_(tensor)
-        req = self.comm.Iallreduce(_buffer(send), _buffer(tensor), op=_sum_op(tensor))
+        req = _translated(self.comm.Iallreduce)(_buffer(send), _buffer(tensor),
+                                                op=_sum_op(tensor))
+        wait_, test_ = _translated(req.Wait), _translated(req.Test)
 
         def wait(_send=send) -> None:      # the copy stays alive while in flight
-            req.Wait()
+            wait_()
 
         def test(_send=send) -> bool:
-            return req.Test()
+            return test_()
         return wait, test
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
@@ -343,7 +385,7 @@ class MPICommunicator(Communicator):
         return self._adopt(sub, f"{self.key}/dup{self._n_derived}")
 
     def _adopt(self, sub: MPI.Comm, key: str) -> "MPICommunicator":
-        with MONITOR.blocking(key, (), "world ranks"):
+        with _Watched(MONITOR, key, (), "world ranks", None):
             members = sub.allgather((self.world_rank, socket.gethostname()))
         child = MPICommunicator(sub, self.stats, [r for r, _ in members], key=key)
         child.one_host = len({h for _, h in members}) == 1
@@ -368,8 +410,9 @@ class MPICommunicator(Communicator):
             return Pending(self, tensor, "sum", lambda: None, lambda: True, name=name,
                            finish=finish)
         with self._counted(sent, recv):
-            req = start()
-        return Pending(self, tensor, "sum", req.Wait, req.Test, name=name, finish=finish)
+            req = _translated(start)()
+        return Pending(self, tensor, "sum", _translated(req.Wait), _translated(req.Test),
+                       name=name, finish=finish)
 
     def ibroadcast_(self, tensor: torch.Tensor, root: int) -> Request:
         check_tensor(tensor)
@@ -398,7 +441,7 @@ class MPICommunicator(Communicator):
 
     def _watch(self, name: str):
         """A blocking collective on this communicator, numbered for the watchdog (a context)."""
-        return MONITOR.blocking(self.key, self.world_ranks, name)
+        return _Watched(MONITOR, self.key, self.world_ranks, name, None, self.comm)
 
     def free(self) -> None:
         for g, *_ in self._graphs.values():
@@ -408,6 +451,35 @@ class MPICommunicator(Communicator):
             child.free()
             child.comm.Free()
         self._children.clear()
+
+    # -- fault tolerance (lsgd_hpc.comm.faults) ------------------------------------------------
+    def revoke_all(self) -> None:
+        """Revoke this communicator and every one derived from it (children, graph
+        communicators), so that every member blocked in any of them, or entering one later,
+        fails and joins the recovery (ULFM; errors of revoked or dead communicators ignored)."""
+        comms = [self.comm] + [g for g, *_ in self._graphs.values()]
+        for c in comms:
+            try:
+                if not c.Is_revoked():
+                    c.Revoke()
+            except MPI.Exception:
+                pass
+        for child in self._children:
+            child.revoke_all()
+
+    def adopt_shrunk(self, comm: MPI.Comm, key: str) -> None:
+        """Rewire this communicator object, in place, onto ``comm`` (the shrunk world of a
+        recovery): rank, size and world ranks are the new world's; graph communicators and
+        children of the old one are dropped (revoked; the groups are rebuilt). Buffers agreed
+        on stay agreed: the survivors are a subset of the members that agreed."""
+        self._graphs.clear()
+        self._children.clear()
+        self.comm = comm
+        self._rank, self._size = comm.Get_rank(), comm.Get_size()
+        self.world_ranks = tuple(range(self._size))
+        self.key = key
+        self._n_derived = 0
+        self.one_host = None         # known again once the groups are rebuilt
 
     def abort(self, code: int = 1) -> None:
         """End every rank of the job now (fail fast instead of hanging in the next collective)."""

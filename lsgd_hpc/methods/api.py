@@ -133,6 +133,9 @@ class Method:
         if problem:
             raise OptionError("comm_dtype", problem)
         self.check_usage(opts, model, optimizer)
+        from lsgd_hpc.methods import recovery
+        if getattr(comm, "_ft", None) is not None and self.name in recovery.REFUSED:
+            raise ValueError(recovery.REFUSED[self.name])      # on_failure="shrink"
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
         problem = _model_problem(model, optimizer)
@@ -168,6 +171,10 @@ class Method:
         self.stopping = False
         self.checkpoint_due = False
         self._synced = False
+        # on_failure="shrink" (methods/recovery.py): the part of a step running now, and a
+        # step to drop after a recovery inside the user's synchronize()
+        self._phase = None
+        self._drop_next = False
         params = [p for p in model.parameters()]
         self._grad_views = [(p, self.flat.grad[off:off + n].view_as(p))
                             for p, (_, off, n) in zip(params, self.flat.slices) if p.requires_grad]
@@ -182,6 +189,7 @@ class Method:
             self._agreement = StopAgreement(self.world, stop_check_every) if stop else None
         if broadcast_initial:
             self.broadcast_initial()
+        recovery.attach(self)          # on_failure="shrink": restored after every recovery
 
     # -- what subclasses define --------------------------------------------------------------
     def check_usage(self, opts: Dict[str, Any], model, optimizer) -> None:
@@ -234,6 +242,15 @@ class Method:
         for the others). Call it after backward and before anything that reads or changes
         the gradients, such as ``clip_grad_norm_`` or ``GradScaler.unscale_``; ``step``
         then does not communicate the gradients again."""
+        if getattr(self.comm, "_ft", None) is None or self._synced:
+            return self._synchronize()
+        from lsgd_hpc.methods.recovery import guarded
+        self._phase = "sync"
+        guarded(self, self._synchronize)
+        if self._phase == "sync":
+            self._phase = None
+
+    def _synchronize(self) -> None:
         if self._synced:
             return
         if self.averages_gradients and self.world.size > 1:   # (alone: nothing to average)
@@ -254,7 +271,19 @@ class Method:
                                "released its hooks; build a new one to train on")
         if self.done:
             raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
-        self.synchronize()
+        if getattr(self.comm, "_ft", None) is None:
+            return self._step(loss, scaler)
+        from lsgd_hpc.methods.recovery import guarded, injection_point
+        if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
+            self._drop_next = self._synced = False
+            return None
+        injection_point("step", self.steps + 1, self.comm)
+        guarded(self, self._step, loss, scaler)
+        self._phase = None
+
+    def _step(self, loss, scaler) -> None:
+        self._phase = "before"
+        self._synchronize()
         self._synced = False
         if scaler is not None:
             scale = scaler.get_scale()
@@ -266,12 +295,14 @@ class Method:
             self.optimizer.step()
         self.steps += 1
         MONITOR.step = self.steps          # the collective watchdog's reports name the step
+        self._phase = "after"
         value = self._loss_value(loss)
         if self.consensus_every and not self.rule.owns_schedule \
                 and self.steps % self.consensus_every == 0:
             self.rule.measure_consensus(self.steps)
         self.rule.after_step(self.steps, value)
         self.after_rule(self.steps)
+        self._phase = "control"
         self._control()
 
     def after_rule(self, step: int) -> None:
@@ -359,11 +390,22 @@ class Method:
         self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
                          and self.steps >= self.max_steps)
 
+    # -- after a failure (on_failure="shrink"; methods/recovery.py) ---------------------------
+    def _ft_prepare(self, ctx) -> None:
+        from lsgd_hpc.methods.recovery import prepare
+        prepare(self, ctx)
+
+    def _ft_restore(self, ctx) -> None:
+        from lsgd_hpc.methods.recovery import restore
+        restore(self, ctx)
+
     def close(self) -> None:
         """Finish what is in flight and release hooks (the communicators stay the user's).
         ``step`` is refused afterwards; closing twice does nothing."""
         if self.closed:
             return
+        if getattr(self.comm, "_ft", None) is not None:
+            self.comm._ft.unregister(self)
         self.drain()
         buckets = getattr(self.rule, "buckets", None)
         if buckets is not None:
@@ -377,6 +419,8 @@ class Method:
         if exc_type is None:
             self.close()
         else:            # leave in-flight collectives alone: other ranks may never post theirs
+            if getattr(self.comm, "_ft", None) is not None:
+                self.comm._ft.unregister(self)
             buckets = getattr(self.rule, "buckets", None)
             if buckets is not None:
                 buckets.remove()

@@ -110,7 +110,10 @@ class Watchdog:
         now = time.time()
         key, seq = ins["key"], ins["seq"]
         late: List[str] = []
+        rank_map = self.monitor.rank_map       # after a recovery: files by initial rank
         for m in ins["members"]:
+            if rank_map is not None and m < len(rank_map):
+                m = rank_map[m]
             if m == self.rank:
                 continue
             try:
@@ -146,5 +149,6 @@ def start_watchdog(comm, run_dir: str, timeout: float = 300.0, metrics=None) -> 
     aborts the job with a report (in ``run_dir``) of the ranks that did not arrive; the
     metrics are flushed first. ``watchdog.stop()`` at the end."""
     on_stall = (lambda report: metrics.flush()) if metrics is not None else None
-    return Watchdog(timeout, run_dir, comm.rank, abort=lambda: comm.world.abort(1),
+    return Watchdog(timeout, run_dir, getattr(comm, "initial_rank", comm.rank),
+                    abort=lambda: comm.world.abort(1),
                     on_stall=on_stall).start()

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from lsgd_hpc.comm import Election, FlatParams, NodeGroups
+from lsgd_hpc.comm.faults import injection_point
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 
@@ -81,6 +82,10 @@ class LeaderRule(Rule):
         self.multi_level = 1 < groups.n_nodes < groups.world.size
         self.last_global: Optional[Election] = None
         self.score_fn = score_fn
+        # fault recovery (methods/recovery.py): the pull whose broadcast is in flight, as
+        # (level, is_leader), and how many pulls of each level this rank completed
+        self.pull_in_flight = None
+        self.pulls_done = {LOCAL: 0, GLOBAL: 0}
 
     def score(self) -> float:
         return window_score(self.losses)
@@ -102,6 +107,7 @@ class LeaderRule(Rule):
             el = self.groups.world.elect(score)
             self.last_global = el
             self._log(step, GLOBAL, el, score)
+            injection_point("elected", step, leader=el.world_rank == self.world.world_rank)
             self._pull(GLOBAL, el.world_rank, self.pull_global,
                        lambda t: self.groups.broadcast_from_(t, el.world_rank))
         if self.pull_every_step:
@@ -115,10 +121,17 @@ class LeaderRule(Rule):
         is_leader = self.world.world_rank == leader
         if is_leader:
             xl.copy_(x)
+        self.pull_in_flight = (level, is_leader)
         broadcast(xl)
+        self.pull_in_flight = None
+        self.pulls_done[level] += 1
         self.have_copy[level] = True
-        if is_leader:
-            return
+        if not is_leader:
+            self.apply_pull(level, c)
+
+    def apply_pull(self, level: int, c: float) -> None:
+        """Pull toward the copy of ``level``'s leader just received: x <- x - c (x - x_L)."""
+        xl = self.copies[level]
         n = self.pulled.numel()
         if c > 0:
             self.pulled.sub_(self.pulled - xl[:n], alpha=c)      # x <- x - c (x - x_L)

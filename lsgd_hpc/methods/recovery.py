@@ -1,0 +1,417 @@
+"""How each method restores its invariants after ranks died (``on_failure="shrink"``).
+
+The communication layer has shrunk the world and rebuilt the node groups
+(lsgd_hpc/comm/faults.py); every survivor then runs, for every method built on the
+communicator (in the order they were built), :func:`prepare` (local: where this rank's step
+was cut off) and :func:`restore` (collective over the new world):
+
+1. **Where was each survivor?** One allgather of (completed steps, whether that step's
+   communication completed, stop flag, the rule's report). A survivor cut off in the
+   gradient exchange of step s had completed s - 1 (nothing of s is applied); one cut off in
+   the rule's communication after its optimizer step has taken s steps, incompletely.
+   Survivors may be a few steps apart: a collective can complete on some survivors and fail on
+   others (ULFM reports failures non-uniformly), and those go on to their next collective.
+2. **The agreed step** K is the most advanced survivor's step count; the *source* is the
+   lowest rank among those at K whose communication completed (else the lowest at K).
+   Every survivor ends the recovery with ``method.steps == K``: the call that was cut off
+   returns, and a survivor that was behind skips the local steps it did not take (its
+   minibatches are lost; schedules stay in step on every rank).
+3. **The rule's state.** What must be equal on every rank is broadcast from the source and
+   checked (a digest allgather): AllreduceSGD the parameters, buffers and optimizer state
+   (replicas bit-identical again); EASGD the centre; DiLoCo x_prev, the outer optimizer's
+   momentum and its count (a survivor that missed the source's last outer step restarts its
+   inner phase from x_prev); SlowMo x_old and u; local SGD its period state (T, the position
+   in the period, the estimator's state; an averaging that was cut off is skipped).
+   LeaderSGD keeps no shared state: a pull cut off by the failure is finished on every
+   survivor of its group or on none -- the survivors report whether they hold a complete copy
+   of the leader (they finished its broadcast, or are that leader); if one does, it is
+   re-broadcast from the lowest such rank and the others pull; if none does (the leader died
+   before anyone had its copy), nobody pulled. A dead rank is never elected again: the new
+   world does not hold it. GossipSGD rebuilds its topology over the survivors (a ring when
+   the topology cannot be built at the new size), with a warning from the lowest survivor.
+4. **Control.** A stop already agreed on one survivor is taken on all; a stop agreement in
+   flight is dropped (flags raised since are posted again); ``done`` and
+   ``checkpoint_due`` follow K.
+
+AllreduceSGD and a failure during the gradient averaging of step s: if any survivor finished
+step s, every survivor takes that survivor's parameters and optimizer state (the step
+counts); otherwise the step is dropped on every survivor (its minibatch lost, the count
+stays s - 1, the next call is step s again). Its averaging over the survivors is not redone:
+a survivor's own gradient is gone by then (the in-place allreduce overwrote it).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import math
+import sys
+from typing import Dict, List, Optional
+
+import torch
+
+from lsgd_hpc.comm.faults import injection_point, is_process_failure  # noqa: F401
+
+__all__ = ["attach", "prepare", "restore", "guarded", "REFUSED"]
+
+#: methods that refuse on_failure="shrink", and why (one line each)
+REFUSED = {
+    "lsgd-async": ("AsyncLeaderSGD does not support on_failure='shrink': its rounds are decided "
+                   "by non-blocking probes, so a failure can leave a round started on some "
+                   "survivors and not on others, at different local steps, with requests in "
+                   "flight on every level; use LeaderSGD, or on_failure='abort' and resume "
+                   "from a checkpoint"),
+}
+
+
+def attach(method) -> None:
+    """At construction, when the communicator recovers from failures: register the method
+    (its prepare/restore run at every recovery) or refuse it (ValueError)."""
+    ft = getattr(method.comm, "_ft", None)
+    if ft is None:
+        return
+    if method.name in REFUSED:
+        raise ValueError(REFUSED[method.name])
+    ft.register(method)
+
+
+def guarded(method, call, *args):
+    """``call(*args)``; after a rank failure, recover (every method restores) and return
+    None: the call that was cut off ends there, with the method's state agreed."""
+    try:
+        return call(*args)
+    except Exception as exc:                      # noqa: BLE001
+        ft = method.comm._ft
+        if ft is None or ft.recovering or not is_process_failure(exc):
+            raise
+        method.comm.recover(exc)
+        return None
+
+
+# -- the two phases ----------------------------------------------------------------------------
+def prepare(method, ctx) -> None:
+    """Local, once per recovery, before anything is shrunk: what this rank has completed."""
+    phase = method._phase
+    complete = phase != "after"
+    if phase == "sync":                 # the user's synchronize(): drop the step that follows
+        method._drop_next = True
+    method._phase = None
+    method._ft_report = {"steps": int(method.steps), "complete": bool(complete),
+                         "stopping": bool(method.stopping)}
+    method._synced = False
+    if method._agreement is not None:
+        method._agreement.pending = None             # its request died with the old world
+    buckets = getattr(method.rule, "buckets", None)
+    if buckets is not None:
+        buckets.failure = None
+        buckets._reset()
+    handler = _HANDLERS.get(method.rule.name)
+    report = handler.prepare(method, ctx, complete) if handler is not None else None
+    method._ft_report["rule"] = report
+
+
+def restore(method, ctx) -> None:
+    """Collective over the new world (may run again if a rank dies during it)."""
+    world = method.comm.world                          # exact, whatever comm_dtype
+    _refresh_groups(method)
+    reports = world.allgather_object(method._ft_report)
+    K = max(r["steps"] for r in reports)
+    at_k = [i for i, r in enumerate(reports) if r["steps"] == K]
+    done_k = [i for i in at_k if reports[i]["complete"]]
+    source = min(done_k or at_k)
+    handler = _HANDLERS.get(method.rule.name)
+    if handler is not None:
+        handler.restore(method, ctx, reports, source)
+    shared = handler.shared(method) if handler is not None else {}
+    if shared:
+        digests = world.allgather_object(_digest(shared))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"{type(method).__name__}: the survivors' shared state still "
+                               f"differs after the recovery ({len(set(digests))} versions)")
+    method.steps = K
+    from lsgd_hpc.comm.monitor import MONITOR
+    MONITOR.step = K
+    method._ft_report.update(steps=K, complete=True)   # a second attempt starts from here
+    method.stopping = method.stopping or any(r["stopping"] for r in reports)
+    method._ft_report["stopping"] = method.stopping
+    if not method.rule.owns_schedule:
+        method.done = method.max_steps is not None and K >= method.max_steps
+    method.checkpoint_due = bool(method.checkpoint_every and K % method.checkpoint_every == 0)
+    ctx.step = K
+
+
+def _refresh_groups(method) -> None:
+    """A method that sends in low precision holds wrappers of the node communicators: point
+    them at the rebuilt ones (in place, so the rule's reference stays valid)."""
+    groups, base = method.groups, method.comm.groups
+    if groups is base:
+        return
+    wrap = getattr(groups.node, "inner", None) is not None
+
+    def like(template, inner):
+        if inner is None:
+            return None
+        if not wrap:
+            return inner
+        w = copy.copy(template)
+        w.inner = inner
+        return w
+    groups.node = like(groups.node, base.node)
+    groups.roots = like(groups.node, base.roots)
+    groups.node_of = base.node_of
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def broadcast_object(world, obj, root: int):
+    """``obj`` from ``root`` to every member (torch.save over two broadcasts), exact."""
+    if world.rank == root:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+    else:
+        n = torch.zeros(1, dtype=torch.int64)
+    world.broadcast_(n, root)
+    if world.rank != root:
+        data = torch.empty(int(n.item()), dtype=torch.uint8)
+    world.broadcast_(data, root)
+    if world.rank == root:
+        return obj
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def _digest(obj) -> str:
+    h = hashlib.blake2b(digest_size=16)
+
+    def feed(v):
+        if isinstance(v, torch.Tensor):
+            h.update(str(v.dtype).encode())
+            h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                     if v.numel() else b"")
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                h.update(str(k).encode())
+                feed(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                feed(x)
+        elif isinstance(v, float) and math.isnan(v):
+            h.update(b"nan")
+        else:
+            h.update(repr(v).encode())
+    feed(obj)
+    return h.hexdigest()
+
+
+def _source_state(method, world, source: int, state_of, load) -> None:
+    """Broadcast ``state_of()`` from ``source``; every other rank calls ``load(state)``."""
+    state = broadcast_object(world, state_of() if world.rank == source else None, source)
+    if world.rank != source:
+        load(state)
+
+
+# -- per rule ------------------------------------------------------------------------------------
+class _Handler:
+    def prepare(self, method, ctx, complete: bool):
+        return None
+
+    def restore(self, method, ctx, reports: List[dict], source: int) -> None:
+        pass
+
+    def shared(self, method) -> dict:
+        """What must be equal on every survivor afterwards (checked by a digest)."""
+        return {}
+
+
+class _Allreduce(_Handler):
+    def restore(self, method, ctx, reports, source):
+        world = method.comm.world
+        world.broadcast_(method.flat.flat, source)          # parameters and buffers
+        _source_state(method, world, source, method.optimizer.state_dict,
+                      method.optimizer.load_state_dict)
+
+    def shared(self, method):
+        return {"flat": method.flat.flat, "optimizer": method.optimizer.state_dict()["state"]}
+
+
+class _EASGD(_Handler):
+    def restore(self, method, ctx, reports, source):
+        rule = method.rule
+        method.comm.world.broadcast_(rule.center, source)
+
+    def shared(self, method):
+        return {"center": method.rule.center}
+
+
+class _DiLoCo(_Handler):
+    def restore(self, method, ctx, reports, source):
+        rule = method.rule
+
+        def state():
+            return {"prev": rule.prev.data.clone(), "outer": rule.outer_opt.state_dict(),
+                    "outer_steps": rule.outer_steps, "norm": rule.last_grad_norm}
+
+        def load(s):
+            behind = rule.outer_steps < int(s["outer_steps"])
+            rule.prev.data.copy_(s["prev"])
+            rule.outer_opt.load_state_dict(s["outer"])
+            rule.outer_steps = int(s["outer_steps"])
+            rule.last_grad_norm = float(s["norm"])
+            rule._anchor_pending = False
+            if behind:          # the outer step this rank missed: start its inner phase there
+                method.flat.flat[:rule.n_params].copy_(rule.prev.data)
+        _source_state(method, method.comm.world, source, state, load)
+
+    def shared(self, method):
+        rule = method.rule
+        return {"prev": rule.prev.data, "outer": rule.outer_opt.state_dict()["state"],
+                "outer_steps": rule.outer_steps}
+
+
+class _SlowMo(_Handler):
+    def restore(self, method, ctx, reports, source):
+        rule = method.rule
+
+        def state():
+            return {"old": rule.old.clone(), "u": rule.u.clone(), "norm": rule.last_u_norm}
+
+        def load(s):
+            rule.old.copy_(s["old"])
+            rule.u.copy_(s["u"])
+            rule.last_u_norm = float(s["norm"])
+            rule._anchor_pending = False
+        _source_state(method, method.comm.world, source, state, load)
+
+    def shared(self, method):
+        return {"old": method.rule.old, "u": method.rule.u}
+
+
+class _LocalSGD(_Handler):
+    _KEYS = ("T", "law", "since_avg", "last_estimate")
+
+    def prepare(self, method, ctx, complete):
+        rule = method.rule
+        if not complete and rule.since_avg >= rule.T:
+            rule.since_avg = 0          # the averaging that was cut off is skipped
+        return None
+
+    def restore(self, method, ctx, reports, source):
+        rule = method.rule
+
+        def state():
+            d = rule.last_decision
+            return {**{k: getattr(rule, k) for k in self._KEYS},
+                    "decision": (d.law, d.rate, d.r2, d.cost_ratio, d.T, d.reason)}
+
+        def load(s):
+            from lsgd_hpc.methods.rules.local_steps import Decision
+            for k in self._KEYS:
+                setattr(rule, k, s[k])
+            rule.last_decision = Decision(*s["decision"])
+        _source_state(method, method.comm.world, source, state, load)
+
+    def shared(self, method):
+        rule = method.rule
+        return {k: getattr(rule, k) for k in self._KEYS}
+
+
+class _Gossip(_Handler):
+    def restore(self, method, ctx, reports, source):
+        from lsgd_hpc.topology import build_topology
+        rule, world = method.rule, method.comm.world
+        name = method.options["topology"]
+        n = world.size
+        try:
+            topo = build_topology(name, n, node_of=method.groups.node_of)
+            note = f"topology {name} rebuilt over the {n} survivors"
+        except ValueError as exc:
+            topo = build_topology("ring", n)
+            note = f"topology {name} cannot be built over {n} ranks ({exc}); a ring instead"
+        rule.topology = topo
+        rule._recv = {}
+        if world.rank == 0 and ctx.first_attempt:
+            print(f"[lsgd_hpc] warning: GossipSGD: {note}, with its weights for {n} ranks",
+                  file=sys.stderr, flush=True)
+
+
+class _Leader(_Handler):
+    """LeaderSGD: the pull cut off by the failure (see the module docstring)."""
+
+    def prepare(self, method, ctx, complete):
+        from lsgd_hpc.methods.rules.lsgd import LOCAL
+        rule = method.rule
+        flight = getattr(rule, "pull_in_flight", None)
+        node = method.comm.groups.node_key
+        pending = None
+        if flight is not None:
+            level, is_leader = flight
+            pending = (int(level), int(rule.pulls_done[level]),
+                       str(node) if level == LOCAL else "", bool(is_leader))
+        rule.pull_in_flight = None
+        last = rule.last_global
+        self_state = {"last_global": None if last is None else
+                      (ctx.initial_of(last.world_rank), last.score)}
+        method._ft_leader = self_state
+        return {"pending": pending, "done": {int(k): int(v) for k, v in rule.pulls_done.items()},
+                "node": str(node)}
+
+    def restore(self, method, ctx, reports, source):
+        from lsgd_hpc.comm.base import Election
+        from lsgd_hpc.methods.rules.lsgd import LOCAL
+        rule, world = method.rule, method.comm.world
+        me = world.rank
+        mine = method._ft_report["rule"]          # updated in place: a rerun sees what was done
+        pulls: Dict[tuple, list] = {}
+        for r, rep in enumerate(reports):
+            p = rep["rule"]["pending"]
+            if p is not None:
+                pulls.setdefault(p[:3], []).append(r)
+        scratch = None
+        for key in sorted(pulls):
+            level, count, node = key
+            holders = []
+            for r, rep in enumerate(reports):
+                rr = rep["rule"]
+                if level == LOCAL and rr["node"] != node:
+                    continue
+                finished = rr["done"].get(level, 0) == count + 1
+                is_its_leader = rr["pending"] is not None and rr["pending"][:3] == key \
+                    and rr["pending"][3]
+                if finished or is_its_leader:
+                    holders.append(r)
+            in_it = mine["pending"] is not None and mine["pending"][:3] == key
+            if holders:
+                root = min(holders)
+                if in_it or me in holders:
+                    buf = rule.copies[level]
+                else:
+                    if scratch is None or scratch.numel() != rule.copies[level].numel():
+                        scratch = torch.empty_like(rule.copies[level])
+                    buf = scratch
+                world.broadcast_(buf, root)                 # exact
+                if in_it:
+                    if not mine["pending"][3]:
+                        rule.apply_pull(level, rule.pull_local if level == LOCAL
+                                        else rule.pull_global)
+                    rule.pulls_done[level] = count + 1
+                    rule.have_copy[level] = True
+            elif in_it:
+                rule.have_copy[level] = False              # its copy is half a broadcast
+            if in_it:
+                mine["pending"] = None                       # done, should the restore rerun
+                if holders:
+                    mine["done"][level] = count + 1
+        last = method._ft_leader["last_global"]
+        rule.last_global = None
+        if last is not None:
+            now = ctx.now_of_initial(last[0])
+            if now is not None:                  # a dead leader is never reported again
+                rule.last_global = Election(now, now, last[1])
+        groups = rule.groups
+        rule.multi_level = 1 < groups.n_nodes < groups.world.size
+
+
+_HANDLERS = {"allreduce": _Allreduce(), "easgd": _EASGD(), "diloco": _DiLoCo(),
+             "slowmo": _SlowMo(), "local-sgd": _LocalSGD(), "gossip": _Gossip(),
+             "lsgd": _Leader()}
