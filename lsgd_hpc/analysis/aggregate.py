@@ -6,6 +6,13 @@ Reads every ``RUN_DIR/metrics/rank%05d.h5`` (read-only, h5py) and writes
 * ``DIR/groups.csv``   one row per group of runs (columns: ``group_columns``): n_runs and the
   mean, std, min and max over its runs of the figures in ``group_metrics``;
 * ``DIR/curves.csv``   tidy rows ``run, rank, step, wall_time, metric, value``;
+* ``DIR/faults.csv``   only when some run lost ranks (``on_failure="shrink"``): one row per
+  recovery (columns: ``FAULT_COLUMNS``); such a run's summary.csv row counts them
+  (``failures``) and names the lost ranks (``lost_ranks``, initial numbering, e.g. "1,3").
+  A lost rank's file holds its rows up to its last flush; from the step of its recovery on
+  the run's figures wait for the survivors only (an evaluation is complete when every rank
+  still training wrote it; a method without elections is reported by its lowest surviving
+  rank);
 * ``DIR/*.png``        test accuracy against training time (the default time axis), wall
   time, bytes sent and step, and the training loss against step;
 * with predictions (``--predictions``): ``DIR/correlations.csv`` and one
@@ -106,7 +113,8 @@ from lsgd_hpc.analysis.rundir import (GROUPS, KNOWN_SCHEMA_VERSIONS, NON_CONFIG_
 from lsgd_hpc.analysis.rundir import read_runs as _read_runs
 # Part of this module's interface: the experiments rank predictors against measurements.
 from lsgd_hpc.analysis.stats import rank_correlation
-from lsgd_hpc.analysis.tables import (ACCURACY_FIGURES, CURVE_COLUMNS, SUMMARY_COLUMNS,
+from lsgd_hpc.analysis.tables import (ACCURACY_FIGURES, CURVE_COLUMNS, FAULT_COLUMNS,
+                                      SUMMARY_COLUMNS, fault_rows,
                                       TARGET_ACC_COLUMNS, TARGET_LOSS_COLUMNS, Targets,
                                       consensus_figures, curve_rows, eval_table,
                                       global_elections, leader_counts, leader_rule,
@@ -197,7 +205,7 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
     result = {"runs": runs, "summary": summary, "summary_columns": summary_columns(targets),
               "groups": groups, "group_rows": group_rows, "group_columns": columns,
               "predictors": predictors, "correlations": correlations, "plots": [],
-              "curve_rows": 0}
+              "curve_rows": 0, "faults": fault_rows(runs)}
     if out_dir is None:
         return result
     out = Path(out_dir)
@@ -208,6 +216,8 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
         write_table_csv(summary, summary_columns(targets), out / "summary.csv")
         write_table_csv(group_rows, columns, out / "groups.csv")
         result["curve_rows"] = write_curves_csv(runs, out / "curves.csv")
+        if result["faults"]:                 # runs that lost ranks (on_failure="shrink")
+            write_table_csv(result["faults"], FAULT_COLUMNS, out / "faults.csv")
         result["plots"] = plot_all(runs, out, groups, targets)
         if predictions is not None:
             write_table_csv(correlations, CORRELATION_COLUMNS, out / "correlations.csv")
@@ -294,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     extra = f", correlations.csv ({len(res['correlations'])} rows)" if args.predictions else ""
+    if res["faults"]:
+        hit = sorted({f["run"] for f in res["faults"]})
+        extra += (f", faults.csv ({len(res['faults'])} recoveries from lost ranks in "
+                  f"{len(hit)} run(s): {', '.join(hit[:5])}{' ...' if len(hit) > 5 else ''})")
     print(f"{PROG}: {len(res['runs'])} run(s) in {len(res['groups'])} group(s) -> "
           f"{Path(args.out) / 'summary.csv'}, groups.csv, curves.csv ({res['curve_rows']} rows)"
           f"{extra}, {len(res['plots'])} plots")

@@ -23,6 +23,7 @@ size has a file and either
 
 * every file carries the ``end_time`` attribute (``MetricsWriter.close()``; a library loop
   that closes its writer), or
+  (ranks lost to a failure, named in the survivors' ``/faults``, are left out of both rules),
 * the configuration has ``total_steps`` (the trainer's; else ``max_steps``) T and the ranks'
   newest /train steps add up to world size x T (every rank at step T; asynchronous LSGD's
   ranks take uneven steps whose sum is the budget).
@@ -207,12 +208,17 @@ def run_ended(run: Run) -> Optional[str]:
     n = run.world_size
     if len(run.ranks) < n:
         return None
-    if all("end_time" in d["attrs"] for d in run.ranks.values()):
-        return f"every rank's metrics file is closed ({n} ranks)"
+    lost = run.lost_ranks                 # on_failure="shrink": the lost ranks never end
+    live = {r: d for r, d in run.ranks.items() if r not in lost}
+    if lost:
+        n = len(live)
+    if all("end_time" in d["attrs"] for d in live.values()):
+        return f"every rank's metrics file is closed ({n} ranks" + (
+            f"; {len(lost)} lost)" if lost else ")")
     total = _total_steps(run)
     if total is None:
         return None
-    steps = [int(_last(col(d, "train", "step", int), -1)) for d in run.ranks.values()]
+    steps = [int(_last(col(d, "train", "step", int), -1)) for d in live.values()]
     if min(steps) < 0 or sum(steps) < n * total:
         return None
     if all(s == total for s in steps):

@@ -25,7 +25,7 @@ __all__ = ["GROUPS", "KNOWN_SCHEMA_VERSIONS", "NON_CONFIG_KEYS", "AggregateError
            "read_rank_file", "col", "run_identities", "read_run", "expand_run_dirs", "read_runs",
            "canonical"]
 
-GROUPS = ("train", "eval", "leader", "consensus")
+GROUPS = ("train", "eval", "leader", "consensus", "faults")
 
 #: schema versions whose meaning the readers know (docs/metrics.md, schema_version policy)
 KNOWN_SCHEMA_VERSIONS = (SCHEMA_VERSION,)
@@ -67,7 +67,8 @@ def _open_h5(path: Path):
 def read_rank_file(path: str | os.PathLike) -> dict:
     """Read one rank's HDF5 metrics file.
 
-    Returns ``{"path", "rank", "attrs", "config", "train", "eval", "leader", "consensus"}``;
+    Returns ``{"path", "rank", "attrs", "config", "train", "eval", "leader", "consensus",
+    "faults"}`` (/faults: the recoveries from lost ranks; empty in most files);
     each group is a dict name -> 1-D numpy array (all columns cut to the shortest, so rows
     stay aligned; a missing group is empty). Raises OSError/ValueError/KeyError when the
     file cannot be read.
@@ -139,6 +140,42 @@ class Run:
         if n is not None:
             return int(n)
         return len({d["attrs"].get("node_index", 0) for d in self.ranks.values()})
+
+    def faults(self) -> list[dict]:
+        """The recoveries from lost ranks (/faults, on_failure="shrink"), oldest first: one
+        dict per event (step, wall_time, lost_ranks as a list of initial ranks, n_lost,
+        world_size_after, recovery_seconds), the union over the survivors' files (the
+        slowest recovery's seconds)."""
+        from lsgd_hpc.comm.faults import parse_ranks
+        events: dict[tuple, dict] = {}
+        for r in sorted(self.ranks):
+            f = self.ranks[r].get("faults", {})
+            n = len(f.get("step", ()))
+            for i in range(n):
+                lost = parse_ranks(f["lost_ranks"][i]) if "lost_ranks" in f else []
+                key = (int(f["step"][i]), tuple(lost))
+                ev = events.setdefault(key, {
+                    "step": key[0], "wall_time": float(f["wall_time"][i]), "lost_ranks": lost,
+                    "n_lost": int(f["n_lost"][i]) if "n_lost" in f else len(lost),
+                    "world_size_after": int(f["world_size_after"][i]),
+                    "recovery_seconds": float(f["recovery_seconds"][i])})
+                ev["recovery_seconds"] = max(ev["recovery_seconds"],
+                                             float(f["recovery_seconds"][i]))
+        return [events[k] for k in sorted(events)]
+
+    @property
+    def lost_ranks(self) -> dict[int, int]:
+        """initial rank -> the step of the recovery that found it gone (empty: none lost)."""
+        out: dict[int, int] = {}
+        for ev in self.faults():
+            for r in ev["lost_ranks"]:
+                out.setdefault(int(r), ev["step"])
+        return out
+
+    def alive(self, step: int) -> list[int]:
+        """The ranks (of those read) still training at ``step``: not lost at or before it."""
+        lost = self.lost_ranks
+        return sorted(r for r in self.ranks if r not in lost or step < lost[r])
 
     @property
     def seed(self):

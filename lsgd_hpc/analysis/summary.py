@@ -45,17 +45,29 @@ def format_summary(run: Run) -> str:
                  f"{run.n_nodes} node(s)")
     counts = leader_counts(run)
     tab = eval_table(run)
+    faults, lost = run.faults(), run.lost_ranks
+    for ev in faults:
+        from lsgd_hpc.comm.faults import format_ranks
+        lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost; "
+                     f"{ev['world_size_after']} rank(s) went on from step {ev['step']} "
+                     f"(wall {ev['wall_time']:.1f} s, recovery {ev['recovery_seconds']:.2f} s)")
     lines.append(f"{'rank':>5} {'node':>5} {'train_loss':>11} {'test_acc':>9} "
-                 f"{'times_leader':>14} {'bytes_sent':>12}")
+                 f"{'times_leader':>14} {'bytes_sent':>12}" + ("  status" if lost else ""))
     for r in sorted(run.ranks):
         d = run.ranks[r]
         loss = col(d, "train", "loss")
         acc = col(d, "eval", "test_accuracy")
         sent = col(d, "train", "comm_bytes_sent")
         node = d["attrs"].get("node_index", "?")
+        status = ""
+        if lost:
+            steps = col(d, "train", "step", np.int64)
+            status = (f"  lost (recovery at step {lost[r]}; rows to step "
+                      f"{int(steps[-1]) if len(steps) else 0})" if r in lost else "  ok")
         lines.append(f"{r:>5} {node!s:>5} {_num(loss[-1] if len(loss) else math.nan):>11} "
                      f"{_acc(acc[-1] if len(acc) else math.nan):>9} "
-                     f"{counts.get(r, 0):>14} {_bytes(sent[-1] if len(sent) else 0):>12}")
+                     f"{counts.get(r, 0):>14} {_bytes(sent[-1] if len(sent) else 0):>12}"
+                     + status)
     use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
     rule = leader_rule(run)
     if not use.any():
@@ -73,8 +85,9 @@ def format_summary(run: Run) -> str:
         lines.append(f"final global leader: none ({run.algorithm or 'EASGD'} reports its "
                      f"centre model), centre test accuracy {_acc(lacc)} at step {step}")
     else:
-        lines.append(f"final global leader: none ({run.algorithm} has no elections; rank 0 "
-                     f"reports), rank 0 test accuracy {_acc(lacc)} at step {step}")
+        r0 = int(tab["leader_rank"][use][-1])
+        lines.append(f"final global leader: none ({run.algorithm} has no elections; rank {r0} "
+                     f"reports), rank {r0} test accuracy {_acc(lacc)} at step {step}")
     lines.append(f"mean test accuracy: {_acc(float(tab['acc_mean'][use][-1]))} over "
                  f"{int(tab['n_ranks'][use][-1])} ranks, best worker "
                  f"{_acc(float(tab['acc_best'][use][-1]))}")

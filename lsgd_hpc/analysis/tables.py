@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
@@ -16,7 +17,7 @@ import numpy as np
 
 from lsgd_hpc.analysis.rundir import AggregateError, Run, col
 
-__all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "ACCURACY_FIGURES", "TARGET_ACC_COLUMNS",
+__all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "FAULT_COLUMNS", "fault_rows", "write_faults_csv", "ACCURACY_FIGURES", "TARGET_ACC_COLUMNS",
            "TARGET_LOSS_COLUMNS", "Targets", "global_elections", "leader_rule", "eval_table",
            "train_table", "time_to_accuracy", "time_to_loss", "consensus_figures",
            "summarize_run", "leader_counts", "summary_columns", "write_table_csv",
@@ -27,8 +28,11 @@ SUMMARY_COLUMNS = (
     "final_test_acc_leader", "final_test_acc_mean", "final_test_acc_best",
     "best_test_acc_leader", "best_test_acc_mean", "best_test_acc_best",
     "total_bytes_sent", "total_bytes_recv", "steps", "final_consensus_distance",
-    "mean_consensus_distance",
+    "mean_consensus_distance", "failures", "lost_ranks",
 )
+#: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
+FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
+                 "recovery_seconds")
 CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
 
@@ -109,11 +113,12 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
     for s in all_steps:
         have = {r: m[s] for r, m in per_rank.items() if s in m}
         accs = np.array([v[0] for v in have.values()])
+        alive = run.alive(s)
         if rule == "centre":
             lr = -1
             lacc = centre.get(s, np.nan)
         else:
-            lr = 0
+            lr = alive[0] if alive else 0        # rank 0, or the lowest survivor once it is lost
             if rule == "elected":
                 lr = int(_value_at(el_steps, el_leader, s, default=0))
             lacc = have[lr][0] if lr in have else np.nan
@@ -123,7 +128,7 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
             total_bytes += float(_value_at(st[:n], b[:n], s, default=0.0))
         rows["step"].append(s)
         rows["n_ranks"].append(len(have))
-        rows["complete"].append(len(have) == len(run.ranks))
+        rows["complete"].append(set(alive) <= set(have))   # every rank still training
         rows["wall_time"].append(_nanmax(np.array([v[2] for v in have.values()])))
         rows["training_time"].append(_nanmax(np.array([v[3] for v in have.values()])))
         rows["bytes_sent"].append(total_bytes)
@@ -157,24 +162,45 @@ def train_table(run: Run) -> dict[str, np.ndarray]:
         n = min([len(steps)] + [len(v) for v in cols.values() if len(v)])
         cols = {k: (v[:n] if len(v) >= n else np.full(n, np.nan)) for k, v in cols.items()}
         per_rank.append((steps[:n], cols))
-    common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_rank))) \
-        if per_rank else []
+    lost = run.lost_ranks
+    if not lost:
+        common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_rank))) \
+            if per_rank else []
+    else:
+        # a rank lost at step k (on_failure="shrink") is not waited for from k on
+        ranks = list(run.ranks)
+        have = [set(st.tolist()) for st, _ in per_rank]
+        common = sorted(s for s in set().union(*have)
+                        if all(s in h for r, h in zip(ranks, have)
+                               if r not in lost or s < lost[r]))
     grid = np.asarray(common, dtype=np.int64)
     picked = []
     for steps, cols in per_rank:
         first = {int(s): i for i, s in reversed(list(enumerate(steps)))}  # first row of a step
-        idx = np.asarray([first[int(s)] for s in grid], dtype=np.int64)
-        picked.append({k: v[idx] for k, v in cols.items()})
+        idx = np.asarray([first.get(int(s), -1) for s in grid], dtype=np.int64)
+        row = {k: np.where(idx >= 0, v[np.maximum(idx, 0)] if len(v) else np.nan, np.nan)
+               for k, v in cols.items()}
+        if (idx < 0).any():               # a lost rank: its counter stays where it stopped
+            sent = cols["comm_bytes_sent"]
+            row["comm_bytes_sent"] = np.where(idx >= 0, row["comm_bytes_sent"],
+                                              sent[-1] if len(sent) else 0.0)
+        picked.append(row)
     if not picked:
         e = np.zeros(0)
         return {"step": grid, "loss_mean": e, "training_time": e, "wall_time": e,
                 "bytes_sent": e}
     stack = {k: np.vstack([p[k] for p in picked]) for k in picked[0]}
-    with np.errstate(all="ignore"):
-        return {"step": grid, "loss_mean": stack["loss"].mean(0),
-                "training_time": np.max(stack["training_time"], 0),
-                "wall_time": np.max(stack["wall_time"], 0),
-                "bytes_sent": stack["comm_bytes_sent"].sum(0)}
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)     # all-NaN columns of lost ranks
+        if not lost:
+            return {"step": grid, "loss_mean": stack["loss"].mean(0),
+                    "training_time": np.max(stack["training_time"], 0),
+                    "wall_time": np.max(stack["wall_time"], 0),
+                    "bytes_sent": stack["comm_bytes_sent"].sum(0)}
+        return {"step": grid, "loss_mean": np.nanmean(stack["loss"], 0),
+                "training_time": np.nanmax(stack["training_time"], 0),
+                "wall_time": np.nanmax(stack["wall_time"], 0),
+                "bytes_sent": np.nansum(stack["comm_bytes_sent"], 0)}
 
 
 ACCURACY_FIGURES = ("mean", "leader", "best")
@@ -300,6 +326,9 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
     steps = [int(s) for s in steps if s is not None]
     row["steps"] = max(steps) if steps else None
     row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
+    row["failures"] = len(run.faults())
+    from lsgd_hpc.comm.faults import format_ranks
+    row["lost_ranks"] = format_ranks(run.lost_ranks)
     targets = targets or Targets()
     if targets.acc is not None:
         hit = time_to_accuracy(run, targets.acc, targets.figure)
@@ -398,3 +427,17 @@ def write_curves_csv(runs: list[Run], path: str | os.PathLike) -> int:
                 w.writerow([_fmt(v) for v in row])
                 n += 1
     return n
+
+
+def fault_rows(runs: list[Run]) -> list[dict]:
+    """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3')."""
+    from lsgd_hpc.comm.faults import format_ranks
+    return [{"run": run.name, **{k: v for k, v in ev.items() if k != "lost_ranks"},
+             "lost_ranks": format_ranks(ev["lost_ranks"])}
+            for run in runs for ev in run.faults()]
+
+
+def write_faults_csv(runs: list[Run], path: str | os.PathLike) -> int:
+    rows = fault_rows(runs)
+    write_table_csv(rows, FAULT_COLUMNS, path)
+    return len(rows)

@@ -229,6 +229,7 @@ class FaultTolerance:
         self.listeners: List[Callable] = []      # the metrics writers (before user callbacks)
         self.callbacks: List[Callable] = []
         self.recovering = False
+        self.in_transaction = False
         #: set once UnrecoverableFailure was raised: the world is not to be used again
         self.broken = False
         self.lost: List[int] = []
@@ -246,13 +247,22 @@ class FaultTolerance:
         self.participants = [p for p in self.participants if p is not participant]
 
     # -- the recovery --------------------------------------------------------------------------
-    def recover(self, exc: Optional[BaseException] = None) -> FailureEvent:
+    def recover(self, exc: Optional[BaseException] = None, _voted: bool = False) -> FailureEvent:
         """Collective over the survivors (see the module docstring); returns the event."""
         if self.recovering:
             raise exc if exc is not None else ProcessFailure("failure during recovery")
         t0 = time.perf_counter()
         self.recovering = True
         try:
+            if not _voted:
+                # A survivor that was finishing a transaction (a checkpoint) waits in its
+                # closing agreement on this world: meet it there (its answer is then "no",
+                # and it recovers too) before anyone shrinks.
+                self.comm.world.revoke_all()
+                try:
+                    self.comm.world.comm.Agree(0)
+                except _mpi().Exception:
+                    pass
             event = self._recover(t0, exc)
         except UnrecoverableFailure:
             self.broken = True
@@ -340,9 +350,37 @@ class FaultTolerance:
             try:
                 return fn()
             except Exception as exc:              # noqa: BLE001
-                if self.recovering or not is_process_failure(exc):
+                if self.recovering or self.in_transaction or not is_process_failure(exc):
                     raise
                 self.recover(exc)
+
+    def transaction(self, fn: Callable):
+        """``fn()`` (collectives over the world) with an outcome every survivor shares: a
+        uniform agreement (MPI_Comm_agree) follows it, and when a rank died on the way (on
+        any survivor, even one whose collectives completed) every survivor recovers and runs
+        ``fn()`` again. For blocks that end in a decision, such as a checkpoint's commit."""
+        MPI = _mpi()
+        while True:
+            ok, error = 1, None
+            self.in_transaction = True
+            try:
+                result = fn()
+            except Exception as exc:              # noqa: BLE001 - every survivor must vote
+                ok = 0
+                if not is_process_failure(exc):
+                    error = exc
+                self.comm.world.revoke_all()
+            finally:
+                self.in_transaction = False
+            try:
+                agreed = self.comm.world.comm.Agree(ok)
+            except MPI.Exception:
+                agreed = 0
+            if error is not None:
+                raise error
+            if agreed:
+                return result
+            self.recover(_voted=True)
 
     def final_barrier(self) -> None:
         """At exit: meet the other survivors once more, so that a survivor that finished is

@@ -192,7 +192,15 @@ class Checkpointer:
         return max(self.comm.allgather_object(step))
 
     def save(self) -> int:
-        """Collective: save every object; returns the set's step label."""
+        """Collective: save every object; returns the set's step label. With
+        ``on_failure="shrink"`` a rank lost during the save makes the survivors recover and
+        save again, numbered as the new world (the lowest survivor commits)."""
+        ft = getattr(self.comm, "_ft", None)
+        if ft is None:
+            return self._save()
+        return ft.transaction(self._save)
+
+    def _save(self) -> int:
         t0 = time.perf_counter()
         state = {"objects": {k: v.state_dict() for k, v in self.objects.items()},
                  "torch_rng": torch.get_rng_state(), "comm_stats": self.comm.stats.state_dict()}

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional
 import h5py
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "GROUPS", "TIME_COLUMNS", "MetricsWriter", "rank_file", "encode_config"]
+__all__ = ["SCHEMA_VERSION", "GROUPS", "OPTIONAL_GROUPS", "TIME_COLUMNS", "MetricsWriter", "rank_file", "encode_config"]
 
 SCHEMA_VERSION = 1
 
@@ -31,14 +31,22 @@ GROUPS: Dict[str, Dict[str, str]] = {
              "test_loss": "f8", "test_accuracy": "f8"},
     "leader": {"step": "i8", "scope": "i8", "leader_rank": "i8", "score": "f8"},
     "consensus": {"step": "i8", "distance": "f8"},
+    # one row per recovery from lost ranks (on_failure="shrink"; docs/metrics.md): the step
+    # the survivors go on from, the run's clock, the ranks lost (initial numbering, e.g.
+    # "1,3" or "8-15"; n_lost of them), the world size after it, and the seconds it took
+    "faults": {"step": "i8", "wall_time": "f8", "lost_ranks": "S256", "n_lost": "i8",
+               "world_size_after": "i8", "recovery_seconds": "f8"},
 }
+
+#: groups written only when they have rows (a file without failures has no /faults)
+OPTIONAL_GROUPS = ("faults",)
 
 
 #: Columns that hold measured times: they differ between two runs of the same seed (a
 #: resumed run is compared with an uninterrupted one on everything else).
 TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
                 "overhead_seconds", "probe_seconds", "eval_seconds", "checkpoint_seconds",
-                "metrics_seconds")
+                "metrics_seconds", "recovery_seconds")
 
 
 def rank_file(run_dir: str, rank: int) -> str:
@@ -95,7 +103,8 @@ class MetricsWriter:
             self.trackers.log_scalars(step, scalars)
 
     def row_counts(self) -> Dict[str, int]:
-        return {g: len(next(iter(cols.values()))) for g, cols in self.rows.items()}
+        counts = {g: len(next(iter(cols.values()))) for g, cols in self.rows.items()}
+        return {g: n for g, n in counts.items() if n or g not in OPTIONAL_GROUPS}
 
     def maybe_flush(self) -> bool:
         due = (self._rows_since_flush >= self.flush_every
@@ -111,6 +120,8 @@ class MetricsWriter:
             for k, v in self.attrs.items():
                 f.attrs[k] = str(v) if isinstance(v, str) else v
             for g, cols in self.rows.items():
+                if g in OPTIONAL_GROUPS and not any(len(v) for v in cols.values()):
+                    continue
                 grp = f.create_group(g)
                 for c, values in cols.items():
                     arr = np.asarray(values, dtype=self.columns[g][c])
@@ -148,6 +159,8 @@ class MetricsWriter:
         (rows written after the checkpoint are dropped; they will be produced again)."""
         with h5py.File(self.path, "r", locking=False) as f:
             for g, n in counts.items():
+                if g in OPTIONAL_GROUPS and n == 0 and g not in f:
+                    continue
                 for c in self.rows[g]:
                     if g in f and c in f[g]:
                         data = f[g][c][:n]

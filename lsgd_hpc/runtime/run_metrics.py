@@ -15,7 +15,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from lsgd_hpc.runtime.metrics import GROUPS, SCHEMA_VERSION, MetricsWriter, encode_config, rank_file
+from lsgd_hpc.runtime.metrics import (GROUPS, OPTIONAL_GROUPS, SCHEMA_VERSION, MetricsWriter,
+                                     encode_config, rank_file)
 from lsgd_hpc.runtime.rundir import git_sha, make_run_dir
 
 __all__ = ["RunMetrics", "open_metrics"]
@@ -39,6 +40,27 @@ class RunMetrics(MetricsWriter):
         self.compute_seconds = 0.0
         #: the method whose extra /train columns ``log_step`` fills in (set by open_metrics)
         self.method = None
+
+    def log(self, group: str, **row) -> None:
+        if group == "leader":
+            rank_map = getattr(self.comm, "initial_ranks", None)
+            if rank_map is not None and getattr(self.comm, "generation", 0):
+                # after lost ranks the world is renumbered: rows keep the initial numbering
+                # (the file names', and the one the readers know)
+                row["leader_rank"] = rank_map[int(row["leader_rank"])]
+        super().log(group, **row)
+
+    def log_fault(self, event) -> None:
+        """The /faults row of a recovery (open_metrics registers it with the comm), flushed
+        at once."""
+        from lsgd_hpc.comm.faults import format_ranks
+        lost = format_ranks(event.lost_ranks)
+        if len(lost) > 256:
+            lost = lost[:252] + ",..."
+        self.log("faults", step=int(event.step), wall_time=self.wall(), lost_ranks=lost,
+                 n_lost=len(event.lost_ranks), world_size_after=int(event.world_size_after),
+                 recovery_seconds=float(event.recovery_seconds))
+        self.flush()
 
     def wall(self) -> float:
         return self.elapsed0 + time.perf_counter() - self.t0
@@ -127,7 +149,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     extra = ({g: dict(c) for g, c in method.rule.extra_columns.items()}
              if method is not None else {})
     for group, cols in (extra_columns or {}).items():
-        if group not in GROUPS:
+        if group not in GROUPS or group in OPTIONAL_GROUPS:
             raise ValueError(f"extra_columns: no group {group!r} (the groups: "
                              f"{', '.join(GROUPS)})")
         taken = set(cols) & (set(GROUPS[group]) | set(extra.get(group, {})))
@@ -139,8 +161,12 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     shared = comm.allgather_object(
         {"git_sha": git_sha(), "start": _dt.datetime.now(_dt.timezone.utc).isoformat()}
         if comm.rank == 0 else None)[0]
+    # ranks as numbered at the start of the job (after lost ranks, comm.rank is the new
+    # world's; a file keeps its rank's first number)
+    rank = getattr(comm, "initial_rank", comm.rank)
     attrs = {
-        "schema_version": SCHEMA_VERSION, "rank": comm.rank, "world_size": comm.size,
+        "schema_version": SCHEMA_VERSION, "rank": rank,
+        "world_size": getattr(comm, "initial_size", comm.size),
         "local_rank": comm.local_rank, "node_index": comm.node_index, "n_nodes": comm.n_nodes,
         "hostname": socket.gethostname(),
         "algorithm": method.name if method is not None else "custom",
@@ -154,11 +180,13 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         attrs.update(method.rule.file_attrs)
     from lsgd_hpc.runtime.trackers import open_trackers
     mirror = open_trackers(trackers, run_dir, comm, json.loads(attrs["config"]))
-    writer = RunMetrics(rank_file(run_dir, comm.rank), attrs, comm, flush_every, flush_seconds,
+    writer = RunMetrics(rank_file(run_dir, rank), attrs, comm, flush_every, flush_seconds,
                         extra_columns=extra, trackers=mirror)
     if method is not None:
         method.set_metrics(writer)
         writer.method = method
+    if getattr(comm, "_ft", None) is not None:       # on_failure="shrink": /faults rows
+        comm._ft.listeners.append(writer.log_fault)
     error = None
     try:
         if os.path.exists(writer.path):
