@@ -69,8 +69,12 @@ data_y = (data_x[:, :2].sum(1) > 0).long() + 2 * (data_x[:, 2] > 0).long()
 loss_fn = nn.CrossEntropyLoss()
 
 cls = lsgd_hpc.METHODS[args.method]
-method = cls(model, opt, comm, max_steps=args.steps, checkpoint_every=args.checkpoint_every,
-             **opts)
+try:
+    method = cls(model, opt, comm, max_steps=args.steps,
+                 checkpoint_every=args.checkpoint_every, **opts)
+except ValueError as exc:
+    print(f"method refused: {exc}", flush=True)
+    sys.exit(2)
 metrics = lsgd_hpc.open_metrics(args.run_dir, comm, method=method, flush_every=4)
 events = []
 
@@ -129,6 +133,8 @@ if args.method == "gossip":
 if args.method == "lsgd":
     info["multi_level"] = rule.multi_level
     info["last_global"] = None if rule.last_global is None else rule.last_global.world_rank
+    info["pulls_done"] = {str(k): v for k, v in rule.pulls_done.items()}
+    info["have_copy"] = {str(k): v for k, v in rule.have_copy.items()}
 all_info = comm.allgather_object(info)
 metrics.close()
 method.close()
