@@ -238,6 +238,9 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     if on_failure == "shrink" and backend != "mpi":
         from lsgd_hpc.comm.faults import ulfm_problem
         raise ValueError(ulfm_problem(backend))       # before joining: no world to agree over
+    if on_failure == "shrink":
+        from lsgd_hpc.comm.faults import prepare_mpi_environment
+        prepare_mpi_environment()
     local = launcher.local_rank()
     # the device first: NCCL binds the process group to this rank's GPU
     dev = _pick_device(device, local if local is not None else launcher.env_rank())

@@ -48,7 +48,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 __all__ = ["ON_FAILURE", "ProcessFailure", "UnrecoverableFailure", "FailureEvent",
            "FaultTolerance", "ulfm_problem", "is_process_failure", "format_ranks",
            "parse_ranks", "inject_failures", "injection_point", "FailureInjector",
-           "MAX_ATTEMPTS", "EXIT_UNRECOVERABLE", "ULFM_ENV"]
+           "MAX_ATTEMPTS", "EXIT_UNRECOVERABLE", "ULFM_ENV", "FINALIZE_ENV",
+           "prepare_mpi_environment"]
 
 #: the values of ``lsgd_hpc.init(on_failure=...)`` (and of the trainer's ``--on-failure``)
 ON_FAILURE = ("abort", "shrink")
@@ -161,6 +162,23 @@ def ulfm_problem(backend: str) -> Optional[str]:
     return (f"on_failure='shrink' needs ULFM, and {first} is not known to have it active; "
             f"with Open MPI start the job with mpirun --with-ft ulfm (another MPI with ULFM "
             f"enabled: set {ULFM_ENV}=1)")
+
+
+#: Open MPI: MPI_Finalize's PMIx fence can wait forever once ranks have died (seen here about
+#: once in three runs that lost a whole node); the library's own fault-tolerant barrier at
+#: exit (FaultTolerance.final_barrier) takes its place. Read at MPI_Init.
+FINALIZE_ENV = {"OMPI_MCA_async_mpi_finalize": "1"}
+
+
+def prepare_mpi_environment() -> bool:
+    """Before MPI starts (mpi4py.MPI not imported yet): the settings a fault-tolerant run
+    needs (FINALIZE_ENV), unless set already. False when MPI was already started, too late
+    (then set them in the job's environment: ``mpirun -x OMPI_MCA_async_mpi_finalize=1``)."""
+    if "mpi4py.MPI" in sys.modules:
+        return all(os.environ.get(k) == v for k, v in FINALIZE_ENV.items())
+    for k, v in FINALIZE_ENV.items():
+        os.environ.setdefault(k, v)
+    return True
 
 
 _FAILURE_CLASSES: Optional[frozenset] = None

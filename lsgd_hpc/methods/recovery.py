@@ -42,7 +42,6 @@ a survivor's own gradient is gone by then (the in-place allreduce overwrote it).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import io
 import math
@@ -154,7 +153,9 @@ def _refresh_groups(method) -> None:
             return None
         if not wrap:
             return inner
-        w = copy.copy(template)
+        w = object.__new__(type(template))        # (a wrapper may forward __getattr__)
+        w.__dict__.update({k: (dict(v) if isinstance(v, dict) else v)
+                           for k, v in vars(template).items()})
         w.inner = inner
         return w
     groups.node = like(groups.node, base.node)
