@@ -173,7 +173,7 @@ def cli_options() -> Dict[str, Option]:
 _OPTIONS = cli_options()
 _METHOD_OPTION_NAMES = {o.name for s in SPECS.values() for o in s.options if o.cli}
 _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice": Optional[str],
-          "str": Optional[str], "int_or_auto": Any}
+          "str": Optional[str], "int_or_auto": Any, "int_or_node": Any}
 
 #: Every option of ``python -m lsgd_hpc.train``; field names are the options' with ``_``.
 #: A method's option is None unless given, and after parse_config holds the resolved value
@@ -405,6 +405,9 @@ def validate(cfg: Config, env: dict) -> None:
     if cfg.dataset == "imagefolder" and cfg.leader_score == "heldout":
         raise ConfigError("--leader-score", "heldout is not for imagefolder (its slice is held "
                                             "in memory; digits, cifar10 and synthetic only)")
+    refused = SPECS[cfg.algorithm].workers_refused
+    if cfg.worker_ranks != 1 and refused:
+        raise ConfigError("--worker-ranks", refused)
     if cfg.leader_score == "heldout" and cfg.algorithm != "lsgd":
         why = ("lsgd-async elects at every probe, where a held-out evaluation would stall "
                "the round machine" if cfg.algorithm == "lsgd-async"
@@ -507,7 +510,28 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
         raise ConfigError("--straggler", f"rank {slow[0]} is not in this job of {world_size} "
                                          "ranks")
     spec = SPECS[cfg.algorithm]
+    # workers that span ranks: the method runs between n_workers of them (when the node
+    # layout is known here; by host name it is not, and the method checks it on every rank)
+    n_workers = world_size
+    if cfg.worker_ranks != 1:
+        from lsgd_hpc.comm.workers import worker_layout, worker_layout_problem
+        rpn = cfg.ranks_per_node or (int(env["LSGD_HPC_RANKS_PER_NODE"])
+                                     if env.get("LSGD_HPC_RANKS_PER_NODE") else None)
+        node_of = [r // rpn for r in range(world_size)] if rpn else None
+        problem = worker_layout_problem(node_of or [0] * world_size,
+                                        cfg.worker_ranks if cfg.worker_ranks != "node" or
+                                        node_of else 1)
+        if problem:
+            raise ConfigError("--worker-ranks", problem)
+        if not spec.worker_grouping:
+            n_workers = world_size
+        elif node_of is not None:
+            n_workers = worker_layout(node_of, cfg.worker_ranks).n_workers
+        elif cfg.worker_ranks != "node":
+            n_workers = world_size // cfg.worker_ranks
+        else:
+            return                       # not known before the node groups are formed
     try:
-        spec.check_world(cfg.method_options, world_size)
+        spec.check_world(cfg.method_options, n_workers)
     except OptionError as exc:
         raise ConfigError(spec.option(exc.option).flag, exc.reason) from None

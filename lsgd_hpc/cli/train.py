@@ -321,7 +321,7 @@ class Trainer:
             self.model, self.opt, self.comm, max_steps=self.total_steps,
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
-            comm_dtype=cfg.comm_dtype,
+            comm_dtype=cfg.comm_dtype, worker_ranks=cfg.worker_ranks,
             broadcast_initial=False, **cfg.method_options,
             **({"score_fn": self._leader_score_fn()} if cfg.algorithm == "lsgd" else {}))
         self.flat, self.rule = self.method.flat, self.method.rule
@@ -415,6 +415,8 @@ class Trainer:
         owns = self.rule.owns_schedule
         last_step = math.inf if owns else self.total_steps
         method = self.method
+        # traffic inside a worker (--worker-ranks) is communication too, counted apart
+        wstats = method.worker_stats
         from lsgd_hpc.runtime.watchdog import MONITOR
         straggler = config.straggler_of(cfg)
         sleep_s = straggler[1] if straggler and straggler[0] == self.rank else 0.0
@@ -426,7 +428,8 @@ class Trainer:
                 yb = yb.to(self.device, non_blocking=True)
                 t0 = time.perf_counter()
                 stats = self.world.stats
-                comm0 = stats.seconds + stats.overhead_seconds + stats.probe_seconds
+                comm0 = stats.seconds + stats.overhead_seconds + stats.probe_seconds \
+                    + (wstats.seconds if wstats is not None else 0.0)
                 lr = _lr_at(cfg, min(self.step, self.total_steps), self.total_steps)
                 for group in self.opt.param_groups:
                     group["lr"] = lr
@@ -450,7 +453,8 @@ class Trainer:
                 method.step(loss_v, scaler=self.scaler)
                 self.step = method.steps
                 self.compute_seconds += (time.perf_counter() - t0) - (
-                    stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0)
+                    stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0
+                    + (wstats.seconds if wstats is not None else 0.0))
                 self.losses_since_print.append(loss_v)
                 if self.step % cfg.log_every == 0 or self.step == self.total_steps:
                     acc = float((out.argmax(1) == yb).float().mean())

@@ -24,15 +24,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import weakref
 from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams
+from lsgd_hpc.comm.workers import WorkerRanks, build_workers, worker_layout, \
+    worker_layout_problem
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
                                     GossipRule, LeaderRule, LocalSGDRule, SlowMoRule, uncounted)
+from lsgd_hpc.methods.rules.workers import WorkerRule
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
 from lsgd_hpc.runtime.watchdog import MONITOR
 
@@ -48,6 +52,20 @@ def _check_count(name: str, value, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     return value
+
+
+#: the workers built on a job's world, per (node layout, worker_ranks): every method on that
+#: world with that grouping shares them (as methods share the world and its counters)
+_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _workers_of(comm, worker_ranks):
+    """Collective over ``comm.world`` the first time (every rank builds a method alike)."""
+    per_world = _WORKERS.setdefault(comm.world, {})
+    key = (tuple(comm.groups.node_of), worker_ranks)
+    if key not in per_world:
+        per_world[key] = build_workers(comm.world, comm.groups, worker_ranks)
+    return per_world[key]
 
 
 def _model_problem(model, optimizer) -> Optional[str]:
@@ -99,6 +117,12 @@ class Method:
     - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
       pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
       ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
+    - ``worker_ranks``: 1 (every rank is a worker), K, or ``"node"``: K consecutive ranks of
+      a node, or all of a node's ranks, form one worker that trains one replica as data
+      parallel SGD (gradients averaged inside it every step, ``WorkerRule``), and the method
+      runs between workers (``lsgd_hpc.comm.workers``). K must divide the ranks of every
+      node. AllreduceSGD accepts it and is unchanged (it trains one replica over all ranks
+      already); AsyncLeaderSGD refuses it.
 
     A method is a context manager: ``with lsgd_hpc.DiLoCo(model, opt, comm) as method:``
     closes it at the end (``close()`` does the same); a closed method refuses ``step``.
@@ -120,9 +144,12 @@ class Method:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
-                 comm_dtype: str = "fp32", broadcast_initial: bool = True, **options):
+                 comm_dtype: str = "fp32", worker_ranks: WorkerRanks = 1,
+                 broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
-        opts = self.spec.resolve(options, world_size=comm.size, where=type(self).__name__)
+        layout = self._worker_layout(comm, worker_ranks)
+        opts = self.spec.resolve(options, world_size=comm.size if layout is None
+                                 else layout.n_workers, where=type(self).__name__)
         if max_steps is not None:
             _check_count("max_steps", max_steps, 1)
         _check_count("checkpoint_every", checkpoint_every, 0)
@@ -149,14 +176,26 @@ class Method:
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.options = opts
         self.world, self.groups = comm.world, comm.groups
+        self.worker_ranks = worker_ranks
+        #: this rank's worker and the world of workers (None: every rank is a worker)
+        self.workers = None if layout is None else _workers_of(comm, worker_ranks)
+        if self.workers is not None:              # the method runs between workers
+            self.groups = self.workers.groups
+            self.world = self.groups.world
         self.comm_dtype = comm_dtype
         if comm_dtype != "fp32":                  # what the method sends, in bfloat16
             from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
-            self.groups = low_precision_groups(comm.groups, WIRE_DTYPES[comm_dtype])
+            self.groups = low_precision_groups(self.groups, WIRE_DTYPES[comm_dtype])
             self.world = self.groups.world
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
+        if self.workers is not None:              # allreduce SGD inside each worker
+            allreduce = SPECS["allreduce"]
+            self.rule = WorkerRule(
+                self.rule, self.workers, self.flat,
+                bucket_bytes=int(allreduce.option("bucket_mb").default * 2**20),
+                check_every=allreduce.option("check_replicas_every").default)
         self.rule.consensus_every = consensus_every
         self.consensus_every = consensus_every
         self.max_steps, self.checkpoint_every = max_steps, checkpoint_every
@@ -179,7 +218,9 @@ class Method:
             self._agreement = None
         else:
             from lsgd_hpc.runtime.stopping import StopAgreement
-            self._agreement = StopAgreement(self.world, stop_check_every) if stop else None
+            # (with workers, a signal may reach any rank: agreed over every rank of the job)
+            over = self.world if self.workers is None else comm.world
+            self._agreement = StopAgreement(over, stop_check_every) if stop else None
         if broadcast_initial:
             self.broadcast_initial()
 
@@ -190,6 +231,29 @@ class Method:
 
     def build(self, opts: Dict[str, Any]):
         raise NotImplementedError
+
+    def _worker_layout(self, comm, worker_ranks):
+        """The workers' layout when the method runs between workers that span ranks, else
+        None; ValueError (the same on every rank, from the node layout every rank holds)
+        for a grouping that does not fit or a method that cannot run between workers."""
+        _COMMON["worker_ranks"].check(worker_ranks)
+        if worker_ranks == 1:
+            return None
+        if self.spec.workers_refused:
+            raise OptionError("worker_ranks", self.spec.workers_refused)
+        problem = worker_layout_problem(comm.groups.node_of, worker_ranks)
+        if problem:
+            raise OptionError("worker_ranks", problem)
+        if not self.spec.worker_grouping:      # one replica over all ranks already
+            return None
+        return worker_layout(comm.groups.node_of, worker_ranks)
+
+    @property
+    def worker_stats(self):
+        """Cumulative traffic inside this rank's worker (``CommStats``; None without
+        workers): the gradients' allreduce, the buffers' broadcast, the method's results
+        spread from the representative. ``comm.stats`` holds the method's own traffic."""
+        return None if self.workers is None else self.workers.stats
 
     # -- set-up ------------------------------------------------------------------------------
     def broadcast_initial(self) -> None:
@@ -236,7 +300,8 @@ class Method:
         then does not communicate the gradients again."""
         if self._synced:
             return
-        if self.averages_gradients and self.world.size > 1:   # (alone: nothing to average)
+        if (self.averages_gradients and self.world.size > 1) or \
+                (self.workers is not None and self.workers.size > 1):  # (alone: nothing to do)
             self._gradients_into_buffer()
         self.rule.before_step(self.steps + 1)
         self._synced = True

@@ -72,7 +72,10 @@ LSGD_ASYNC = MethodSpec(
                "S: steps a worker takes past a probe or leader broadcast it posted before it "
                "waits for it", section="LSGD", low=0, none="tau_global"),
     ),
-    checks=_LEADER_CHECKS, cost=_lsgd_cost)
+    checks=_LEADER_CHECKS, cost=_lsgd_cost,
+    workers_refused="is not supported by lsgd-async (its ranks take uneven numbers of steps, "
+                    "and the ranks of a worker average gradients at every step together); use "
+                    "lsgd")
 
 # -- allreduce SGD --------------------------------------------------------------------------------
 ALLREDUCE = MethodSpec(
@@ -87,7 +90,8 @@ ALLREDUCE = MethodSpec(
                low=0),
     ),
     cost=lambda cm, w, c, o, coll, overlap=0.0: cm.allreduce_sgd(
-        w, c, coll, overlap, bucket_bytes=o["bucket_mb"] * 2 ** 20))
+        w, c, coll, overlap, bucket_bytes=o["bucket_mb"] * 2 ** 20),
+    worker_grouping=False)
 
 
 # -- EASGD ----------------------------------------------------------------------------------------

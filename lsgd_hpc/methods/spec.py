@@ -27,7 +27,9 @@ SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backen
 COMM_DTYPES = ("fp32", "bf16")
 
 #: Option kinds and how a value of each is described in an error
-KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto")
+KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_node")
+#: the word each integer-or-word kind also takes
+_WORDS = {"int_or_auto": "auto", "int_or_node": "node"}
 
 
 class OptionError(ValueError):
@@ -42,8 +44,9 @@ class OptionError(ValueError):
 class Option:
     """One option of a method.
 
-    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, or int_or_auto
-    (a positive integer or the word ``auto``). ``low``/``high`` bound numbers (``low_open``,
+    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, int_or_auto
+    (a positive integer or the word ``auto``) or int_or_node (a positive integer or the
+    word ``node``). ``low``/``high`` bound numbers (``low_open``,
     ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
     (the text --help shows); otherwise None is refused. ``cli``: False for options that only
     a library user can pass (callables).
@@ -87,8 +90,8 @@ class Option:
                 return None
             raise OptionError(self.name, "must be given (None is not a value for it)")
         k = self.kind
-        if k == "int_or_auto":
-            if value == "auto":
+        if k in _WORDS:
+            if value == _WORDS[k]:
                 return value
             k = "int"
         if k == "int":
@@ -96,11 +99,12 @@ class Option:
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    auto = " or auto" if self.kind == "int_or_auto" else ""
-                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{auto}, "
+                    word = f" or {_WORDS[self.kind]}" if self.kind in _WORDS else ""
+                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{word}, "
                                                  f"got {value!r}")
-            self._check_bounds(value, f"an integer >= {self.low:g}" if self.high is None
-                               else f"an integer in {self._range()}")
+            word = f" or {_WORDS[self.kind]}" if self.kind in _WORDS else ""
+            self._check_bounds(value, (f"an integer >= {self.low:g}" if self.high is None
+                                       else f"an integer in {self._range()}") + word)
             return int(value)
         if k == "float":
             if isinstance(value, bool):
@@ -144,9 +148,9 @@ class Option:
     def parse(self, text: Any) -> Any:
         """A value from a command line or a YAML file (text, or YAML's own types) in this
         option's type, then checked."""
-        if isinstance(text, str) and self.kind in ("int", "float", "int_or_auto"):
-            if self.kind == "int_or_auto" and text == "auto":
-                return "auto"
+        if isinstance(text, str) and self.kind in ("int", "float", *_WORDS):
+            if self.kind in _WORDS and text == _WORDS[self.kind]:
+                return text
             try:
                 number = float(text) if self.kind == "float" else int(text)
             except ValueError:
@@ -197,6 +201,11 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
     Option("stop_check_every", 10, "int",
            "steps between the non-blocking agreements on a stop signal",
            section="cluster and backend", low=1),
+    Option("worker_ranks", 1, "int_or_node",
+           "ranks per worker: K consecutive ranks of a node, or node (all of a node's ranks), "
+           "train one replica as data parallel SGD (gradients averaged every step inside the "
+           "worker) and the method runs between workers (1: every rank is a worker)",
+           section="cluster and backend", low=1),
 )
 
 
@@ -221,6 +230,8 @@ class MethodSpec:
     checks: Tuple[Check, ...] = ()
     world_checks: Tuple[Check, ...] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    worker_grouping: bool = True
+    workers_refused: Optional[str] = None
 
     @property
     def defaults(self) -> Dict[str, Any]:

@@ -38,7 +38,7 @@ GROUPS: Dict[str, Dict[str, str]] = {
 #: resumed run is compared with an uninterrupted one on everything else).
 TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
                 "overhead_seconds", "probe_seconds", "eval_seconds", "checkpoint_seconds",
-                "metrics_seconds")
+                "metrics_seconds", "worker_seconds")
 
 
 def rank_file(run_dir: str, rank: int) -> str:
