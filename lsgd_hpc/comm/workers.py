@@ -103,8 +103,9 @@ def worker_layout(node_of: Sequence[int], worker_ranks: WorkerRanks) -> WorkerLa
 class _Spread:
     """A between-worker collective in flight (the interface of Pending): completing it
     completes the representative's collective, then spreads its result inside the worker.
-    ``test`` progresses the representative's part but reports completion only after
-    ``wait``, so that the ranks of a worker never decide differently on it."""
+    ``test`` completes it too (it blocks): a rank that is not a representative cannot see
+    its representative's collective progress, and the ranks of a worker must never decide
+    differently on whether it is done."""
 
     def __init__(self, view: "WorkerView", tensor: torch.Tensor, inner, spread, finish,
                  name: str):
@@ -125,9 +126,8 @@ class _Spread:
         return self._result
 
     def test(self) -> bool:
-        if not self.done and self._inner is not None:
-            self._inner.test()
-        return self.done
+        self.wait()
+        return True
 
     @property
     def result(self):
