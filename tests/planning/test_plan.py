@@ -367,3 +367,61 @@ def test_comm_dtype_bf16_halves_every_methods_bytes():
     for key, fp32 in out["fp32"].items():
         if key in out["bf16"] and fp32 > 0:
             assert abs(out["bf16"][key] / fp32 - 0.5) < 0.02, (key, fp32, out["bf16"][key])
+
+
+# -- workers that span ranks (--worker-ranks) ------------------------------------------------------
+def test_diloco_between_node_workers_by_hand():
+    """One worker per node of q ranks: the gradient's allreduce inside it every step (a ring
+    of q on the intra link, in float32), the outer allreduce between the N workers every H
+    steps on the inter link, and its result spread inside each worker (a broadcast over q)."""
+    inter, intra = cm.Link(5e-6, 8e-9), cm.Link(1e-6, 1e-10)
+    c = cluster(2, 4, intra=intra, inter=inter)
+    w = cm.Workload(250_000, 0, 0.01, element_bytes=2)         # bf16 between workers
+    H = 8
+    got = cm.method_cost("diloco", w, c, {"local_steps": H}, worker_ranks="node")
+    assert isinstance(got, cm.WorkerCost) and (got.worker_ranks, got.n_workers) == (4, 2)
+    grad = 4 * 250_000                     # float32 inside the worker
+    inside = cm.allreduce_sgd(cm.Workload(250_000, 0, 0.01), cluster(1, 4, intra, intra),
+                              bucket_bytes=2 ** 20)
+    assert got.inside_s == pytest.approx(inside.comm_s)
+    n = w.flat_bytes
+    between = min(cm.ring_allreduce(n, 2, inter), cm.doubling_allreduce(n, 2, inter)) / H
+    spread = cm.broadcast_time(n, 4, intra) / H
+    assert got.between_s == pytest.approx(between + spread)
+    assert got.comm_s == pytest.approx(inside.comm_s + between + spread)
+    assert got.bytes_per_step == pytest.approx(n / H / 4)       # first ranks only
+    assert got.worker_bytes_per_step == pytest.approx(grad + n / H / 4)
+
+
+def test_workers_cut_the_methods_bytes_by_the_worker_size():
+    c = cluster(4, 8)
+    w = cm.Workload(1_000_000, 1000, 0.05)
+    for method, opts in (("diloco", {"local_steps": 16}), ("local-sgd", {"local_steps": 4}),
+                         ("easgd", {"easgd_tau": 4}), ("slowmo", {"local_steps": 2})):
+        per_rank = cm.method_cost(method, w, c, opts)
+        for wr, q_w in (("node", 8), (2, 2)):
+            assert cm.method_cost(method, w, c, opts, worker_ranks=wr).bytes_per_step == \
+                pytest.approx(per_rank.bytes_per_step / q_w), (method, wr)
+    # allreduce SGD: one replica over all ranks already, the grouping changes nothing
+    assert cm.method_cost("allreduce", w, c, worker_ranks="node") == \
+        cm.method_cost("allreduce", w, c)
+    with pytest.raises(ValueError, match="must divide the ranks of every node"):
+        cm.method_cost("diloco", w, c, worker_ranks=3)
+    with pytest.raises(ValueError, match="not supported by lsgd-async"):
+        cm.method_cost("lsgd-async", w, c, worker_ranks=2)
+
+
+def test_cli_plans_between_workers():
+    p = plan_cli(EXAMPLE + ["--worker-ranks", "node", "--json"])
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc["inputs"]["worker_size"], doc["inputs"]["n_workers"]) == \
+        (doc["inputs"]["ranks_per_node"], doc["inputs"]["nodes"])
+    rows = {m["method"]: m for m in doc["methods"]}
+    assert "worker_bytes_per_step" in rows["diloco"] and "worker_bytes_per_step" not in \
+        rows["allreduce"]
+    text = plan_cli(EXAMPLE + ["--worker-ranks", "node"]).stdout
+    assert "workers: " in text and "inside/step/rank" in text
+    bad = plan_cli(EXAMPLE + ["--worker-ranks", "3"])
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+    assert "--worker-ranks: must divide the ranks of every node" in bad.stderr
