@@ -62,6 +62,7 @@ BENCHES = [
     Bench("hierarchical_broadcast_8", "hierarchical_broadcast", np=8, timeout=120,
           args=["--ranks-per-node", "2"], full_only=True, optional_s=60),
     Bench("election", "election", timeout=90),
+    Bench("workers_bytes", "workers_bytes", timeout=120, args=["--ranks-per-node", "2"]),
     Bench("topology_speed", "topology_speed", np=1, timeout=150),
     Bench("backends", "backends", timeout=150),
     Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
