@@ -4,6 +4,7 @@ own sources, with any method of lsgd_hpc.
     mpirun -np 4 python examples/char_lm.py --ranks-per-node 2 --method lsgd --steps 300
     mpirun -np 4 python examples/char_lm.py --method local-sgd --local-steps 8
     mpirun -np 4 python examples/char_lm.py --method diloco --local-steps 16 --outer-lr 0.7
+    mpirun -np 4 python examples/char_lm.py --ranks-per-node 2 --method diloco --worker-ranks node
 
 The corpus is on every machine: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]``, in sorted order; every 10th file is held out (the test
@@ -86,6 +87,9 @@ def main():
     p.add_argument("--topology", default="ring")
     p.add_argument("--bucket-mb", type=float, default=0.0)
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--worker-ranks", default=1, type=lambda v: v if v == "node" else int(v),
+                   help="ranks per worker (K, or node): a worker trains one replica with its "
+                        "gradients averaged every step; the method runs between workers")
     p.add_argument("--steps", type=int, default=300, help="steps per rank")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
@@ -125,7 +129,8 @@ def main():
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / a.warmup)
                                               * 0.5 * (1 + math.cos(math.pi * min(s, a.steps)
                                                                     / a.steps)))
-    method = lsgd_hpc.METHODS[a.method](model, opt, comm, max_steps=a.steps, **options)
+    method = lsgd_hpc.METHODS[a.method](model, opt, comm, max_steps=a.steps,
+                                        worker_ranks=a.worker_ranks, **options)
     metrics = lsgd_hpc.open_metrics(a.run_dir, comm, method=method, config=vars(a),
                                     extra_columns={"eval": {"val_loss": "f8"}})
     loss_fn = nn.CrossEntropyLoss()
