@@ -97,6 +97,7 @@ def test_one_check_one_message_for_the_library_and_the_cli():
     ("bool", [True, False], [1, "yes"]),
     ("choice", ["a", "b"], ["c", None]),
     ("int_or_auto", [1, "auto"], ["Auto", 0]),
+    ("int_or_node", [1, 4, "node"], ["Node", "auto", 0, True, 2.5]),
 ])
 def test_option_checks(kind, good, bad):
     o = Option("x", None if kind == "choice" else 1, kind, "help", low=0 if kind == "float"
