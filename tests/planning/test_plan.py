@@ -411,17 +411,19 @@ def test_workers_cut_the_methods_bytes_by_the_worker_size():
         cm.method_cost("lsgd-async", w, c, worker_ranks=2)
 
 
-def test_cli_plans_between_workers():
-    p = plan_cli(EXAMPLE + ["--worker-ranks", "node", "--json"])
-    assert p.returncode == 0, p.stderr
-    doc = json.loads(p.stdout)
+def test_cli_plans_between_workers(capsys):
+    from lsgd_hpc.planning.plan import main
+    assert main(EXAMPLE + ["--worker-ranks", "node", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert (doc["inputs"]["worker_size"], doc["inputs"]["n_workers"]) == \
         (doc["inputs"]["ranks_per_node"], doc["inputs"]["nodes"])
     rows = {m["method"]: m for m in doc["methods"]}
     assert "worker_bytes_per_step" in rows["diloco"] and "worker_bytes_per_step" not in \
         rows["allreduce"]
-    text = plan_cli(EXAMPLE + ["--worker-ranks", "node"]).stdout
+    assert main(EXAMPLE + ["--worker-ranks", "node"]) == 0
+    text = capsys.readouterr().out
     assert "workers: " in text and "inside/step/rank" in text
-    bad = plan_cli(EXAMPLE + ["--worker-ranks", "3"])
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1
-    assert "--worker-ranks: must divide the ranks of every node" in bad.stderr
+    assert main(EXAMPLE + ["--worker-ranks", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "lsgd_hpc.plan: error: --worker-ranks: must divide the ranks of every node" in err
