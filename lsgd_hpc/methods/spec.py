@@ -46,7 +46,8 @@ class Option:
     (a positive integer or the word ``auto``). ``low``/``high`` bound numbers (``low_open``,
     ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
     (the text --help shows); otherwise None is refused. ``cli``: False for options that only
-    a library user can pass (callables).
+    a library user can pass (callables). ``multiple``: the value is a list of such values
+    (a repeatable flag).
     """
 
     name: str
@@ -61,6 +62,7 @@ class Option:
     choices: Tuple[str, ...] = ()
     none: Optional[str] = None
     cli: bool = True
+    multiple: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,6 +88,12 @@ class Option:
             if self.none is not None:
                 return None
             raise OptionError(self.name, "must be given (None is not a value for it)")
+        if self.multiple:
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, (list, tuple)):
+                raise OptionError(self.name, f"must be a list, got {value!r}")
+            one = replace(self, multiple=False)
+            return list(dict.fromkeys(one.check(v) for v in values))    # each once, in order
         k = self.kind
         if k == "int_or_auto":
             if value == "auto":
@@ -152,6 +160,9 @@ class Option:
             except ValueError:
                 return self.check(text)          # refused, in the words of check
             return self.check(number)
+        if self.multiple and isinstance(text, (list, tuple)):
+            one = replace(self, multiple=False)
+            return self.check([one.parse(t) for t in text])
         if isinstance(text, str) and self.kind == "bool":
             low = text.lower()
             if low in ("1", "true", "yes", "on"):
