@@ -31,6 +31,8 @@ from lsgd_hpc.runtime.signals import StopSignals
 __all__ = ["main", "make_optimizer", "EXIT_USAGE", "EXIT_STOPPED"]
 
 from lsgd_hpc.cli.build import make_optimizer  # noqa: E402  (re-exported: tests, benchmarks)
+from lsgd_hpc.cli.evaluate import Evaluator  # noqa: E402
+from lsgd_hpc.cli.progress import Progress  # noqa: E402
 
 
 def _requeue(env: dict) -> bool:
@@ -41,10 +43,6 @@ def _requeue(env: dict) -> bool:
         return False
     from lsgd_hpc.runtime.preemption import scontrol_requeue
     return scontrol_requeue(job)
-
-
-def _fmt_eta(seconds: float) -> str:
-    return str(_dt.timedelta(seconds=int(max(0, seconds))))
 
 
 def _init(backend: str, cfg):
@@ -190,7 +188,7 @@ class Trainer:
         # models no worker trained get BatchNorm statistics of their own before evaluation
         self.bn_batches = (cfg.bn_recompute if cfg.bn_recompute is not None
                            else DEFAULT_BN_BATCHES if batchnorm_layers(self.model) else 0)
-        self.losses_since_print: list = []
+        self.progress = Progress(self)
 
     def connect(self, comm, stop: StopSignals) -> "Trainer":
         import lsgd_hpc
@@ -235,6 +233,9 @@ class Trainer:
         self.watchdog = (lsgd_hpc.start_watchdog(comm, self.run_dir, cfg.collective_timeout,
                                                  self.metrics)
                          if cfg.collective_timeout > 0 else None)
+        self.evaluator = Evaluator(self.model, self.flat, self.rule, self.ds, self.batches,
+                                   self.validation, self.device, cfg.eval_batch_size,
+                                   self.bn_batches)
         return self
 
     # -- main loop ---------------------------------------------------------------------------
@@ -248,8 +249,7 @@ class Trainer:
             self._start_fresh()
         metrics.flush()
         step = method.steps
-        t_print, step_print = time.perf_counter(), step
-        self._say_start(resumed)
+        self.progress.start(resumed, self.checkpointer.skipped, time.perf_counter(), step)
         loss_fn = torch.nn.CrossEntropyLoss()
         self.model.train()
         # A method that owns its schedule ends training itself (ranks take uneven steps).
@@ -290,17 +290,12 @@ class Trainer:
                 step = method.steps
                 metrics.compute_seconds += (time.perf_counter() - t0) - (
                     stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0)
-                self.losses_since_print.append(loss_v)
+                self.progress.losses.append(loss_v)
                 if step % cfg.log_every == 0 or step == self.total_steps:
                     self._log_train(step, loss_v, out, yb, lr)
                 if step % cfg.eval_every == 0 or step == self.total_steps:
                     with metrics.measuring():
-                        test_acc = self.evaluate(step)
-                        if self.rank == 0:
-                            now = time.perf_counter()
-                            self._print_line(step, test_acc,
-                                             (step - step_print) / max(now - t_print, 1e-9))
-                            t_print, step_print = now, step
+                        self.progress.evaluated(step, self.evaluate(step), time.perf_counter())
                 # what the method agreed on after this step (the same on every rank)
                 if method.checkpoint_due:
                     self.checkpointer.save()
@@ -319,32 +314,11 @@ class Trainer:
                     self.evaluate(step)
         self.checkpointer.save()                 # flushes the metrics too
         metrics.close()                          # the end of the run: end_time, trackers
-        if self.rank == 0:
-            print(f"[lsgd_hpc] done: {step} steps in {metrics.wall():.1f} s; metrics in "
-                  f"{os.path.join(self.run_dir, 'metrics')}", flush=True)
+        self.progress.done(step, metrics.wall(), os.path.join(self.run_dir, "metrics"))
         if self.watchdog is not None:
             self.watchdog.stop()
         self.comm.groups.free()
         return 0
-
-    def _say_start(self, resumed: Optional[int]) -> None:
-        cfg = self.cfg
-        if self.rank != 0:
-            return
-        print(f"[lsgd_hpc] {cfg.algorithm} on {self.size} ranks / {self.comm.n_nodes} "
-              f"node(s), {cfg.dataset} ({self.model_name}), {self.total_steps} steps "
-              f"({self.spe}/epoch), run dir {self.run_dir}"
-              + (f", resumed at step {self.method.steps}" if resumed is not None else ""),
-              flush=True)
-        if cfg.preset:
-            print(f"[lsgd_hpc] {cfg.dataset} preset for {cfg.algorithm}: "
-                  + ", ".join(f"{k}={v}" for k, v in cfg.preset.items())
-                  + " (--no-preset: the library's defaults)", flush=True)
-        skipped = getattr(self.checkpointer, "skipped", None)
-        if resumed is not None and skipped:
-            print(f"[lsgd_hpc] newer checkpoint set(s) at step(s) "
-                  f"{', '.join(map(str, skipped))} damaged or incomplete: "
-                  f"resumed from the previous complete set", flush=True)
 
     def _start_fresh(self) -> None:
         if self.rank == 0:
@@ -363,74 +337,10 @@ class Trainer:
                               **({"skipped_steps": self.method.skipped_steps}
                                  if self.scaler is not None else {}))
 
-    def _print_line(self, step: int, test_acc: float, steps_per_s: float) -> None:
-        losses, self.losses_since_print = self.losses_since_print, []
-        loss = sum(losses) / max(1, len(losses))
-        leader = getattr(self.rule, "last_global", None)
-        lead = f"leader {leader.world_rank} ({leader.score:.3f})" if leader else "leader -"
-        samples = steps_per_s * self.cfg.batch_size * self.size
-        eta = (self.total_steps - step) / max(steps_per_s, 1e-9)
-        print(f"step {step:>7d}/{self.total_steps} | epoch {step / self.spe:6.2f} | "
-              f"loss {loss:.4f} | test acc {100 * test_acc:5.2f}% | {lead} | "
-              f"{samples:,.0f} samples/s | ETA {_fmt_eta(eta)}", flush=True)
-
-    # -- evaluation --------------------------------------------------------------------------
-    def _eval_current(self, batches=None):
-        """(mean loss, accuracy) of the current model on the test set, or on ``batches``."""
-        torch = self.torch
-        self.model.eval()
-        total, correct, loss_sum = 0, 0, 0.0
-        with torch.no_grad():
-            for xb, yb in batches or self.ds.test_batches(self.cfg.eval_batch_size):
-                xb, yb = xb.to(self.device), yb.to(self.device)
-                out = self.model(xb)
-                loss_sum += float(torch.nn.functional.cross_entropy(out, yb, reduction="sum"))
-                correct += int((out.argmax(1) == yb).sum())
-                total += len(yb)
-        self.model.train()
-        return loss_sum / total, correct / total
-
     def evaluate(self, step: int) -> float:
-        row = {}
-        row["test_loss"], row["test_accuracy"] = self._eval_current()
-        if self.validation is not None:
-            row["val_loss"], row["val_accuracy"] = self._eval_current(self._val_batches())
-        extra = self.rule.eval_models()
-        if extra:
-            from lsgd_hpc.models.batchnorm import int_buffers, recompute_bn_stats
-            saved = self.flat.flat.clone()
-            saved_ints = [b.clone() for b in int_buffers(self.model)]
-            for name, vec in extra.items():
-                self.flat.flat.copy_(vec)
-                if self.bn_batches:   # no worker trained this model: its own statistics
-                    recompute_bn_stats(self.model, self._bn_inputs(step))
-                row[f"{name}_test_loss"], row[f"{name}_test_accuracy"] = self._eval_current()
-                if self.validation is not None:
-                    row[f"{name}_val_loss"], row[f"{name}_val_accuracy"] = \
-                        self._eval_current(self._val_batches())
-            # the worker's own parameters and statistics, untouched by the above
-            self.flat.flat.copy_(saved)
-            for b, v in zip(int_buffers(self.model), saved_ints):
-                b.copy_(v)
+        row = self.evaluator(step)
         self.metrics.log_eval(step, epoch=step / self.spe, **row)
         return row["test_accuracy"]
-
-    def _val_batches(self):
-        x, y = self.validation
-        b = self.cfg.eval_batch_size
-        return [(x[i:i + b], y[i:i + b]) for i in range(0, len(y), b)]
-
-    def _bn_inputs(self, step: int):
-        """The first ``bn_batches`` training inputs of this rank from the current epoch on
-        (read from the sampler, whose order and state the training does not share)."""
-        epoch, n = step // self.spe, 0
-        while n < self.bn_batches:
-            for xb, _ in self.batches.batches(epoch, 0):
-                if n == self.bn_batches:
-                    return
-                n += 1
-                yield xb.to(self.device)
-            epoch += 1
 
     # -- preemption ------------------------------------------------------------------------
     def _preempted(self, step: int) -> int:

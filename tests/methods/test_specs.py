@@ -131,3 +131,10 @@ def test_a_real_run_records_and_prints_its_preset(tmp_path):
         assert cfg["preset"] == want_preset
         assert cfg["method_options"]["local_steps"] == (8 if want_preset else 500)
         assert ("digits preset for diloco: local_steps=8" in out.stdout) == bool(want_preset)
+
+
+def test_every_preset_names_real_methods_and_their_options():
+    for ds in DATASETS.values():
+        for method, options in ds.presets.items():
+            assert method in SPECS, (ds.name, method)
+            SPECS[method].resolve(options)          # known options, valid values
