@@ -157,6 +157,8 @@ class Method:
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
+        if metrics is not None:
+            self.rule.track = getattr(metrics, "track", self.rule.track)
         self.rule.consensus_every = consensus_every
         self.consensus_every = consensus_every
         self.max_steps, self.checkpoint_every = max_steps, checkpoint_every
@@ -202,8 +204,11 @@ class Method:
             v.copy_(self.flat.flat)
 
     def set_metrics(self, metrics) -> None:
-        """Send the method's rows (elections, consensus) to ``metrics.log``."""
+        """Send the method's rows (elections, consensus) to ``metrics.log``, and values
+        outside the schema (the elected leader's score) to ``metrics.track`` when it has one
+        (the experiment trackers)."""
         self.log = self.rule.log = metrics.log
+        self.rule.track = getattr(metrics, "track", self.rule.track)
 
     # -- the step ----------------------------------------------------------------------------
     def zero_grad(self) -> None:

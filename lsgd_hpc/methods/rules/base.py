@@ -41,6 +41,8 @@ class Rule:
         self.world = groups.world
         self.flat = flat
         self.log = log or (lambda group, **row: None)
+        #: track(step, **scalars): values for the experiment trackers only (not the HDF5)
+        self.track = lambda step, **scalars: None
         # the flat buffers' shapes are agreed on once here, not before every collective
         self.world.agree_buffers(flat.flat, flat.params, flat.grad, flat.flat[flat.n_params:])
 

@@ -102,6 +102,7 @@ class LeaderRule(Rule):
             el = self.groups.world.elect(score)
             self.last_global = el
             self._log(step, GLOBAL, el, score)
+            self.track(step, **{"leader/score": el.score})
             self._pull(GLOBAL, el.world_rank, self.pull_global,
                        lambda t: self.groups.broadcast_from_(t, el.world_rank))
         if self.pull_every_step:
