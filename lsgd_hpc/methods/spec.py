@@ -46,9 +46,9 @@ class Option:
     (a positive integer or the word ``auto``), or int_or_modules (an integer, or in the
     library a non-empty list of ``torch.nn.Module``, told by duck type since this module
     imports no torch; the command line and YAML give the integer). ``low``/``high`` bound
-    numbers (``low_open``, ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
-    (the text --help shows); otherwise None is refused. ``cli``: False for options that only
-    a library user can pass (callables).
+    numbers (``low_open``, ``high_open``: the bound itself is excluded). ``none``: None is
+    allowed and means this (the text --help shows); otherwise None is refused. ``cli``: False
+    for options that only a library user can pass (callables).
     """
 
     name: str
@@ -98,9 +98,9 @@ class Option:
                 bad = [type(m).__name__ for m in value
                        if not callable(getattr(m, "parameters", None))]
                 if not value or bad:
+                    got = f"holding {bad[0]}" if bad else "that is empty"
                     raise OptionError(self.name, "must be an integer or a non-empty list of "
-                                                 "torch.nn.Module, got a list "
-                                                 + (f"holding {bad[0]}" if bad else "that is empty"))
+                                                 f"torch.nn.Module, got a list {got}")
                 return list(value)
             k = "int"
         if k == "int":
