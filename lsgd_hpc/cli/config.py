@@ -179,7 +179,8 @@ def cli_options() -> Dict[str, Option]:
 _OPTIONS = cli_options()
 _METHOD_OPTION_NAMES = {o.name for s in SPECS.values() for o in s.options if o.cli}
 _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice": Optional[str],
-          "str": Optional[str], "int_or_auto": Any, "list": Optional[List[str]]}
+          "str": Optional[str], "int_or_auto": Any, "int_or_modules": Any,
+          "list": Optional[List[str]]}
 
 #: Every option of ``python -m lsgd_hpc.train``; field names are the options' with ``_``.
 #: A method's option is None unless given, and after parse_config holds the resolved value

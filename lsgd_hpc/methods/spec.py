@@ -27,7 +27,7 @@ SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backen
 COMM_DTYPES = ("fp32", "bf16")
 
 #: Option kinds and how a value of each is described in an error
-KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto")
+KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_modules")
 
 
 class OptionError(ValueError):
@@ -42,12 +42,14 @@ class OptionError(ValueError):
 class Option:
     """One option of a method.
 
-    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, or int_or_auto
-    (a positive integer or the word ``auto``). ``low``/``high`` bound numbers (``low_open``,
-    ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
-    (the text --help shows); otherwise None is refused. ``cli``: False for options that only
-    a library user can pass (callables). ``multiple``: the value is a list of such values
-    (a repeatable flag).
+    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, int_or_auto
+    (a positive integer or the word ``auto``), or int_or_modules (an integer, or in the
+    library a non-empty list of ``torch.nn.Module``, told by duck type since this module
+    imports no torch; the command line and YAML give the integer). ``low``/``high`` bound
+    numbers (``low_open``, ``high_open``: the bound itself is excluded). ``none``: None is
+    allowed and means this (the text --help shows); otherwise None is refused. ``cli``: False
+    for options that only a library user can pass (callables). ``multiple``: the value is a
+    list of such values (a repeatable flag).
     """
 
     name: str
@@ -99,13 +101,24 @@ class Option:
             if value == "auto":
                 return value
             k = "int"
+        if k == "int_or_modules":
+            if isinstance(value, (list, tuple)):
+                bad = [type(m).__name__ for m in value
+                       if not callable(getattr(m, "parameters", None))]
+                if not value or bad:
+                    got = f"holding {bad[0]}" if bad else "that is empty"
+                    raise OptionError(self.name, "must be an integer or a non-empty list of "
+                                                 f"torch.nn.Module, got a list {got}")
+                return list(value)
+            k = "int"
         if k == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    auto = " or auto" if self.kind == "int_or_auto" else ""
-                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{auto}, "
+                    alt = {"int_or_auto": " or auto",
+                           "int_or_modules": " or a list of modules"}.get(self.kind, "")
+                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{alt}, "
                                                  f"got {value!r}")
             self._check_bounds(value, f"an integer >= {self.low:g}" if self.high is None
                                else f"an integer in {self._range()}")
@@ -152,7 +165,8 @@ class Option:
     def parse(self, text: Any) -> Any:
         """A value from a command line or a YAML file (text, or YAML's own types) in this
         option's type, then checked."""
-        if isinstance(text, str) and self.kind in ("int", "float", "int_or_auto"):
+        if isinstance(text, str) and self.kind in ("int", "float", "int_or_auto",
+                                                   "int_or_modules"):
             if self.kind == "int_or_auto" and text == "auto":
                 return "auto"
             try:

@@ -61,6 +61,11 @@ BAD = [
     (["--algorithm", "easgd", "--leader-score", "heldout"], "--leader-score"),
     (["--leader-score", "heldout", "--heldout-size", "0"], "--heldout-size"),
     (["--leader-score", "heldout", "--heldout-size", "5000"], "--heldout-size"),
+    (["--algorithm", "diloco", "--fragments", "3"], "--fragments"),
+    (["--algorithm", "diloco", "--fragments", "2", "--fragment-sync-delay", "4"],
+     "--fragment-sync-delay"),
+    (["--algorithm", "diloco", "--fragment-update-alpha", "2"], "--fragment-update-alpha"),
+    (["--pull-delay", "4"], "--pull-delay"),
 ]
 
 
