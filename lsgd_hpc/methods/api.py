@@ -32,7 +32,8 @@ from torch import nn
 from lsgd_hpc.comm import FlatParams
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
-                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule, uncounted)
+                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule,
+                                    uncounted)
 from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
 from lsgd_hpc.comm.monitor import MONITOR
@@ -158,6 +159,12 @@ class Method:
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
+        # a rule with collectives in flight across steps moves them on during backward
+        self._progress_hooks = []
+        if self.rule.overlaps and self.world.size > 1:
+            progress = self.rule.progress
+            self._progress_hooks = [p.register_post_accumulate_grad_hook(
+                lambda _p: progress()) for p in model.parameters() if p.requires_grad]
         if metrics is not None:
             self.rule.track = getattr(metrics, "track", self.rule.track)
         self.rule.consensus_every = consensus_every
@@ -371,10 +378,16 @@ class Method:
         if self.closed:
             return
         self.drain()
+        self._remove_hooks()
+        self.closed = True
+
+    def _remove_hooks(self) -> None:
         buckets = getattr(self.rule, "buckets", None)
         if buckets is not None:
             buckets.remove()
-        self.closed = True
+        for h in self._progress_hooks:
+            h.remove()
+        self._progress_hooks = []
 
     def __enter__(self) -> "Method":
         return self
@@ -383,9 +396,7 @@ class Method:
         if exc_type is None:
             self.close()
         else:            # leave in-flight collectives alone: other ranks may never post theirs
-            buckets = getattr(self.rule, "buckets", None)
-            if buckets is not None:
-                buckets.remove()
+            self._remove_hooks()
             self.closed = True
         return False
 

@@ -245,6 +245,14 @@ class DiLoCoRule(Rule):
         self.last_grad_norm = float(buf[:n].double().norm())
 
     # -- Streaming DiLoCo ------------------------------------------------------------------
+    @property
+    def overlaps(self) -> bool:
+        return self.streaming and self.stream_comm is not None
+
+    def progress(self) -> None:
+        if self._inflight is not None and self._inflight[2] is not None:
+            self._inflight[2].test()
+
     def fragment_at(self, sync_step: int) -> int:
         """The fragment that syncs at ``sync_step`` (a multiple of H / P)."""
         return (sync_step // self.period - 1) % self.P

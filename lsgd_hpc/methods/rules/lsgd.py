@@ -161,6 +161,15 @@ class LeaderRule(Rule):
             self.flat.flat[self.n_params:].copy_(xl[self.n_params:])
 
     # -- pull_delay > 0 ------------------------------------------------------------------
+    @property
+    def overlaps(self) -> bool:
+        return bool(self.pull_delay)
+
+    def progress(self) -> None:
+        for pending in (self.delayed.values() if self.pull_delay else ()):
+            if pending is not None and pending[1] is not None:
+                pending[1].test()
+
     def _after_step_delayed(self, step: int, loss: float) -> None:
         self.losses.append(float(loss))
         landed = set()
