@@ -22,6 +22,7 @@ from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
     comm_dtype_problem
+from lsgd_hpc.runtime.trackers import TRACKERS, check_trackers
 
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
            "option_group", "ALGORITHMS", "GROUPS", "TRAINER_OPTIONS", "straggler_of",
@@ -153,6 +154,11 @@ TRAINER_OPTIONS = (
     Option("checkpoint_every", 0, "int",
            "steps between checkpoints (0: on preemption and at the end)",
            section="output and checkpoints", low=0),
+    Option("tracker", None, "choice",
+           "mirror rank 0's metrics to an experiment tracker, offline, under --run-dir "
+           "(repeat the flag for several; each is an optional extra: pip install "
+           "lsgd_hpc[NAME])", section="output and checkpoints", choices=TRACKERS,
+           none="none", multiple=True),
 )
 
 
@@ -173,7 +179,8 @@ def cli_options() -> Dict[str, Option]:
 _OPTIONS = cli_options()
 _METHOD_OPTION_NAMES = {o.name for s in SPECS.values() for o in s.options if o.cli}
 _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice": Optional[str],
-          "str": Optional[str], "int_or_auto": Any, "int_or_node": Any}
+          "str": Optional[str], "int_or_auto": Any, "int_or_modules": Any,
+          "int_or_node": Any, "list": Optional[List[str]]}
 
 #: Every option of ``python -m lsgd_hpc.train``; field names are the options' with ``_``.
 #: A method's option is None unless given, and after parse_config holds the resolved value
@@ -181,7 +188,8 @@ _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice"
 #: the chosen method's options, resolved; ``preset`` the values that came from the data
 #: set's preset.
 Config = make_dataclass("Config", [
-    *[(name, _TYPES[o.kind], field(default=None if name in _METHOD_OPTION_NAMES else o.default))
+    *[(name, _TYPES["list" if o.multiple else o.kind],
+       field(default=None if name in _METHOD_OPTION_NAMES else o.default))
       for name, o in _OPTIONS.items()],
     ("method_options", Dict[str, Any], field(default_factory=dict)),
     ("preset", Dict[str, Any], field(default_factory=dict)),
@@ -257,7 +265,7 @@ def _help_text(o: Option) -> str:
 #: closed sets argparse shows as {a,b,...}; other choices are listed in the help and checked
 #: with the option's own message (YAML files go through the same check)
 _ARGPARSE_CHOICES = ("algorithm", "backend", "lr_schedule", "optimizer", "precision",
-                     "comm_dtype", "device", "lsgd_bn", "leader_score")
+                     "comm_dtype", "device", "lsgd_bn", "leader_score", "tracker")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -281,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
             section.add_argument(o.flag, action=argparse.BooleanOptionalAction, help=helptext)
         elif o.kind == "bool":
             section.add_argument(o.flag, action="store_true", help=helptext)
+        elif o.multiple:
+            section.add_argument(o.flag, action="append", choices=o.choices or None,
+                                 metavar=None if o.choices else o.name.upper(), help=helptext)
         else:
             # Strings here; types are checked in one place (Option.parse) for YAML and CLI.
             choices = o.choices if o.name in _ARGPARSE_CHOICES else None
@@ -395,6 +406,9 @@ def validate(cfg: Config, env: dict) -> None:
     problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend)
     if problem:
         raise ConfigError("--comm-dtype", problem)
+    problem = check_trackers(cfg.tracker)
+    if problem:
+        raise ConfigError("--tracker", problem)
     if cfg.nesterov and cfg.momentum <= 0:
         raise ConfigError("--nesterov", "needs --momentum > 0 (Nesterov momentum without "
                                         "momentum is plain SGD)")

@@ -103,9 +103,10 @@ def worker_layout(node_of: Sequence[int], worker_ranks: WorkerRanks) -> WorkerLa
 class _Spread:
     """A between-worker collective in flight (the interface of Pending): completing it
     completes the representative's collective, then spreads its result inside the worker.
-    ``test`` completes it too (it blocks): a rank that is not a representative cannot see
-    its representative's collective progress, and the ranks of a worker must never decide
-    differently on whether it is done."""
+    ``test`` progresses the representative's collective but reports completion only once
+    ``wait`` has run: a rank that is not a representative cannot see its representative's
+    collective progress, and the ranks of a worker must never decide differently on whether
+    it is done (the methods wait at an agreed step and only progress in between)."""
 
     def __init__(self, view: "WorkerView", tensor: torch.Tensor, inner, spread, finish,
                  name: str):
@@ -126,8 +127,9 @@ class _Spread:
         return self._result
 
     def test(self) -> bool:
-        self.wait()
-        return True
+        if not self.done and self._inner is not None:
+            self._inner.test()
+        return self.done
 
     @property
     def result(self):

@@ -35,10 +35,12 @@ from lsgd_hpc.comm.workers import WorkerRanks, build_workers, worker_layout, \
     worker_layout_problem
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
-                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule, uncounted)
+                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule,
+                                    uncounted)
+from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.rules.workers import WorkerRule
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
-from lsgd_hpc.runtime.watchdog import MONITOR
+from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
            "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
@@ -190,6 +192,14 @@ class Method:
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
+        # a rule with collectives in flight across steps moves them on during backward
+        self._progress_hooks = []
+        if self.rule.overlaps and self.world.size > 1:
+            progress = self.rule.progress
+            self._progress_hooks = [p.register_post_accumulate_grad_hook(
+                lambda _p: progress()) for p in model.parameters() if p.requires_grad]
+        if metrics is not None:
+            self.rule.track = getattr(metrics, "track", self.rule.track)
         if self.workers is not None:              # allreduce SGD inside each worker
             allreduce = SPECS["allreduce"]
             self.rule = WorkerRule(
@@ -266,8 +276,11 @@ class Method:
             v.copy_(self.flat.flat)
 
     def set_metrics(self, metrics) -> None:
-        """Send the method's rows (elections, consensus) to ``metrics.log``."""
+        """Send the method's rows (elections, consensus) to ``metrics.log``, and values
+        outside the schema (the elected leader's score) to ``metrics.track`` when it has one
+        (the experiment trackers)."""
         self.log = self.rule.log = metrics.log
+        self.rule.track = getattr(metrics, "track", self.rule.track)
 
     # -- the step ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -430,10 +443,16 @@ class Method:
         if self.closed:
             return
         self.drain()
+        self._remove_hooks()
+        self.closed = True
+
+    def _remove_hooks(self) -> None:
         buckets = getattr(self.rule, "buckets", None)
         if buckets is not None:
             buckets.remove()
-        self.closed = True
+        for h in self._progress_hooks:
+            h.remove()
+        self._progress_hooks = []
 
     def __enter__(self) -> "Method":
         return self
@@ -442,9 +461,7 @@ class Method:
         if exc_type is None:
             self.close()
         else:            # leave in-flight collectives alone: other ranks may never post theirs
-            buckets = getattr(self.rule, "buckets", None)
-            if buckets is not None:
-                buckets.remove()
+            self._remove_hooks()
             self.closed = True
         return False
 
@@ -462,7 +479,13 @@ class LeaderSGD(Method):
     ``score_fn``, the lowest ``score_fn()`` evaluated at each election (for instance the loss
     on a held-out slice of the training data: a leader that generalises; time it inside
     ``uncounted(comm.world, probe=True)`` to keep it out of the training time). The reported
-    model is the last elected global leader's."""
+    model is the last elected global leader's.
+
+    ``pull_delay`` d (default 0) hides the leader's broadcast behind d steps of compute: the
+    election at step s stays blocking (16 bytes), the broadcast of the leader's step-s
+    parameters runs while the workers train on, and the pull toward them lands at step
+    s + d, on the workers' parameters of that step (d < ``tau_local``). A broadcast in flight
+    is completed by ``state_dict`` (and ``close``) and its pull still lands at s + d."""
 
     spec = SPECS["lsgd"]
 
@@ -470,7 +493,12 @@ class LeaderSGD(Method):
         return LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
                           o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
-                          score_fn=o["score_fn"])
+                          score_fn=o["score_fn"], pull_delay=o["pull_delay"])
+
+    def drain(self) -> None:
+        """Also complete a delayed leader broadcast in flight (its pull lands at its step)."""
+        super().drain()
+        self.rule.drain()
 
     def reported_state(self) -> torch.Tensor:
         """The last elected global leader's parameters (elected now if none was yet):
@@ -581,15 +609,39 @@ class DiLoCo(Method):
     ``delta = mean_i (x_prev - x_i)`` (one allreduce) is the gradient of an outer SGD with
     ``outer_lr``, ``outer_momentum`` and Nesterov (``outer_nesterov``) from x_prev. With
     outer lr 1 and momentum 0 it is local SGD with T = H. The inner optimizer's state stays
-    local; the outer state is in ``state_dict``."""
+    local; the outer state is in ``state_dict``.
+
+    Streaming DiLoCo (Douillard et al. 2025; torchft's option names): ``fragments`` P splits
+    the parameters into P fragments, whole tensors in model order and near-equal in size, or
+    is a list of submodules, one per fragment (as torchft's ``model_fragments``; every
+    parameter in exactly one); one fragment syncs every H / P steps, round-robin, with an
+    outer optimizer of its own. Its pseudo-gradient allreduce starts
+    ``fragment_sync_delay`` (tau < H / P) steps before its sync and runs behind compute;
+    at the sync the fragment becomes ``lerp(outer result, local, fragment_update_alpha)``.
+    P = 1, tau = 0, alpha = 0 is DiLoCo. An allreduce in flight is completed by
+    ``state_dict`` (and ``close``); its result is applied at its sync step."""
 
     spec = SPECS["diloco"]
+
+    def check_usage(self, opts, model, optimizer) -> None:
+        if opts["fragments"] != 1 and isinstance(model, nn.Module):
+            try:
+                fragment_tensors(model, opts["fragments"])
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def build(self, o):
         return DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
                           outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
                           outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
-                          log=self.log)
+                          log=self.log, fragments=o["fragments"],
+                          fragment_sync_delay=o["fragment_sync_delay"],
+                          fragment_update_alpha=o["fragment_update_alpha"])
+
+    def drain(self) -> None:
+        """Also complete a fragment's allreduce in flight (applied at its sync step)."""
+        super().drain()
+        self.rule.drain()
 
 
 class SlowMo(Method):

@@ -27,7 +27,8 @@ SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backen
 COMM_DTYPES = ("fp32", "bf16")
 
 #: Option kinds and how a value of each is described in an error
-KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_node")
+KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_modules",
+         "int_or_node")
 #: the word each integer-or-word kind also takes
 _WORDS = {"int_or_auto": "auto", "int_or_node": "node"}
 
@@ -45,11 +46,14 @@ class Option:
     """One option of a method.
 
     ``kind``: int, float, bool, choice (one of ``choices``), str, callable, int_or_auto
-    (a positive integer or the word ``auto``) or int_or_node (a positive integer or the
-    word ``node``). ``low``/``high`` bound numbers (``low_open``,
-    ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
-    (the text --help shows); otherwise None is refused. ``cli``: False for options that only
-    a library user can pass (callables).
+    (a positive integer or the word ``auto``), int_or_node (a positive integer or the word
+    ``node``), or int_or_modules (an integer, or in the
+    library a non-empty list of ``torch.nn.Module``, told by duck type since this module
+    imports no torch; the command line and YAML give the integer). ``low``/``high`` bound
+    numbers (``low_open``, ``high_open``: the bound itself is excluded). ``none``: None is
+    allowed and means this (the text --help shows); otherwise None is refused. ``cli``: False
+    for options that only a library user can pass (callables). ``multiple``: the value is a
+    list of such values (a repeatable flag).
     """
 
     name: str
@@ -64,6 +68,7 @@ class Option:
     choices: Tuple[str, ...] = ()
     none: Optional[str] = None
     cli: bool = True
+    multiple: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -89,18 +94,35 @@ class Option:
             if self.none is not None:
                 return None
             raise OptionError(self.name, "must be given (None is not a value for it)")
+        if self.multiple:
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, (list, tuple)):
+                raise OptionError(self.name, f"must be a list, got {value!r}")
+            one = replace(self, multiple=False)
+            return list(dict.fromkeys(one.check(v) for v in values))    # each once, in order
         k = self.kind
         if k in _WORDS:
             if value == _WORDS[k]:
                 return value
+            k = "int"
+        if k == "int_or_modules":
+            if isinstance(value, (list, tuple)):
+                bad = [type(m).__name__ for m in value
+                       if not callable(getattr(m, "parameters", None))]
+                if not value or bad:
+                    got = f"holding {bad[0]}" if bad else "that is empty"
+                    raise OptionError(self.name, "must be an integer or a non-empty list of "
+                                                 f"torch.nn.Module, got a list {got}")
+                return list(value)
             k = "int"
         if k == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    word = f" or {_WORDS[self.kind]}" if self.kind in _WORDS else ""
-                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{word}, "
+                    alt = {**{k: f" or {w}" for k, w in _WORDS.items()},
+                           "int_or_modules": " or a list of modules"}.get(self.kind, "")
+                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{alt}, "
                                                  f"got {value!r}")
             word = f" or {_WORDS[self.kind]}" if self.kind in _WORDS else ""
             self._check_bounds(value, (f"an integer >= {self.low:g}" if self.high is None
@@ -148,7 +170,7 @@ class Option:
     def parse(self, text: Any) -> Any:
         """A value from a command line or a YAML file (text, or YAML's own types) in this
         option's type, then checked."""
-        if isinstance(text, str) and self.kind in ("int", "float", *_WORDS):
+        if isinstance(text, str) and self.kind in ("int", "float", "int_or_modules", *_WORDS):
             if self.kind in _WORDS and text == _WORDS[self.kind]:
                 return text
             try:
@@ -156,6 +178,9 @@ class Option:
             except ValueError:
                 return self.check(text)          # refused, in the words of check
             return self.check(number)
+        if self.multiple and isinstance(text, (list, tuple)):
+            one = replace(self, multiple=False)
+            return self.check([one.parse(t) for t in text])
         if isinstance(text, str) and self.kind == "bool":
             low = text.lower()
             if low in ("1", "true", "yes", "on"):
@@ -219,7 +244,10 @@ class MethodSpec:
     options; ``world_checks``: checks that need the world size; ``cost``: its entry in the
     cost model, ``cost(cm, workload, cluster, options, collectives)`` with ``cm`` the module
     :mod:`lsgd_hpc.planning.costmodel` (passed in, so that this module needs none of it),
-    returning a ``MethodCost``.
+    returning a ``MethodCost``. With ``worker_ranks`` (workers that span ranks):
+    ``worker_grouping`` False says the method trains one replica over every rank already
+    (allreduce SGD), so a grouping changes nothing and is accepted as such;
+    ``workers_refused`` says why the method cannot run between workers (refused).
     """
 
     name: str

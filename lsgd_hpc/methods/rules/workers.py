@@ -12,7 +12,7 @@ from lsgd_hpc.comm.workers import Workers
 __all__ = ["WorkerRule"]
 
 #: attributes a user of the rule sets on it that belong to the rule between workers
-_FORWARDED = ("log", "consensus_every")
+_FORWARDED = ("log", "track", "consensus_every")
 
 
 class WorkerRule:
