@@ -20,7 +20,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 rows = []
 sink = type("Sink", (), {"log": staticmethod(lambda g, **row: rows.append((g, row)))})
 method = lsgd_hpc.LeaderSGD(model, opt, comm, tau_local=2, tau_global=4, worker_ranks=2,
-                            consensus_every=2, metrics=sink)
+                            consensus_every=2, metrics=sink, pull_delay=PULL_DELAY)
 assert method.rule.multi_level and method.world.size == 3 and method.groups.n_nodes == 2
 g = torch.Generator().manual_seed(comm.rank)
 for step in range(8):
@@ -29,6 +29,7 @@ for step in range(8):
     loss = nn.functional.cross_entropy(model(x), y)
     loss.backward()
     method.step(loss)
+method.drain()
 h = hashlib.md5(b"".join(t.detach().numpy().tobytes() for t in model.state_dict().values()
                          if t.is_floating_point())).hexdigest()
 seen = comm.allgather_object((h, [(r["step"], r["scope"], r["leader_rank"])
@@ -50,9 +51,13 @@ if comm.rank == 0:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("backend", ["mpi", "torch"])
-def test_multi_leader_lsgd_between_the_workers_of_a_node_and_across_nodes(tmp_path, backend):
+@pytest.mark.parametrize("backend,pull_delay", [("mpi", 0), ("torch", 1)])
+def test_multi_leader_lsgd_between_the_workers_of_a_node_and_across_nodes(tmp_path, backend,
+                                                                          pull_delay):
+    """(with the torch backend, the leader's broadcasts land one step late: --pull-delay 1,
+    posted stage by stage through the workers' node hierarchy)"""
     script = tmp_path / "multi.py"
-    script.write_text(SCRIPT.replace("BACKEND", repr(backend)))
+    script.write_text(SCRIPT.replace("BACKEND", repr(backend))
+                      .replace("PULL_DELAY", str(pull_delay)))
     proc = run_mpi(6, [sys.executable, str(script)], timeout=300)
     assert "MULTI_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]

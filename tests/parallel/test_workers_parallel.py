@@ -15,14 +15,16 @@ from torch import nn
 import lsgd_hpc
 from lsgd_hpc.comm.workers import worker_layout, worker_layout_problem
 
-METHOD_OPTIONS = {
-    "lsgd": dict(tau_local=2, tau_global=4),
-    "easgd": dict(easgd_tau=2),
-    "local-sgd": dict(local_steps=3),
-    "diloco": dict(local_steps=3),
-    "slowmo": dict(local_steps=2, slowmo_every=4),
-    "gossip": dict(topology="ring"),
-    "allreduce": dict(),
+CASES = {
+    "lsgd": ("lsgd", dict(tau_local=2, tau_global=4)),
+    "lsgd-pull-delay": ("lsgd", dict(tau_local=2, tau_global=4, pull_delay=1)),
+    "easgd": ("easgd", dict(easgd_tau=2)),
+    "local-sgd": ("local-sgd", dict(local_steps=3)),
+    "diloco": ("diloco", dict(local_steps=3)),
+    "streaming-diloco": ("diloco", dict(local_steps=4, fragments=2, fragment_sync_delay=1)),
+    "slowmo": ("slowmo", dict(local_steps=2, slowmo_every=4)),
+    "gossip": ("gossip", dict(topology="ring")),
+    "allreduce": ("allreduce", dict()),
 }
 
 
@@ -73,18 +75,20 @@ def by_worker(comm, layout, value):
 
 
 @pytest.mark.parametrize("worker_ranks", ["node", 2])
-@pytest.mark.parametrize("name", list(METHOD_OPTIONS))
-def test_every_method_trains_between_workers_and_a_worker_stays_one_replica(comm, name,
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_method_trains_between_workers_and_a_worker_stays_one_replica(comm, case,
                                                                            worker_ranks):
     layout = layout_or_skip(comm, worker_ranks)
+    name, options = CASES[case]
     model = net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     method = lsgd_hpc.METHODS[name](model, opt, comm, worker_ranks=worker_ranks,
-                                    consensus_every=3, **METHOD_OPTIONS[name])
+                                    consensus_every=3, **options)
     train(method, model, opt, batches(comm.rank, 8))
     assert method.steps == 8
+    method.drain()
     for worker, digests in by_worker(comm, layout, digest(model)).items():
-        assert len(set(digests)) == 1, (name, worker, digests)
+        assert len(set(digests)) == 1, (case, worker, digests)
     if name == "allreduce":             # one replica over every rank: a no-op grouping
         assert method.workers is None and method.worker_stats is None
     else:
