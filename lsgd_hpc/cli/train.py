@@ -321,7 +321,7 @@ class Trainer:
             self.model, self.opt, self.comm, max_steps=self.total_steps,
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
-            comm_dtype=cfg.comm_dtype,
+            comm_dtype=cfg.comm_dtype, error_feedback=cfg.error_feedback,
             broadcast_initial=False, **cfg.method_options,
             **({"score_fn": self._leader_score_fn()} if cfg.algorithm == "lsgd" else {}))
         self.flat, self.rule = self.method.flat, self.method.rule

@@ -59,6 +59,9 @@ _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 ELECT_BYTES = 16
 #: Set to 0 to skip the agreement check that precedes every collective (as for MPI).
 VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
+#: an allgather into one flat tensor (gloo and NCCL have it; all_gather_single is its newer
+#: name, all_gather_into_tensor the older one that torch 2.14 deprecates)
+_ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _buffer_key(t: torch.Tensor) -> tuple:
@@ -441,6 +444,26 @@ class TorchCommunicator(Communicator):
         child._agreed = self._agreed
         self._children.append(child)
         return child
+
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("alltoall", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("alltoall", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("alltoall"):
+            dist.all_to_all_single(out, send, group=self.group)
+        return out
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("allgather", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("allgather", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("allgather"):
+            _ALLGATHER(out, send, group=self.group)
+        return out
 
     def allgather_object(self, obj) -> list:
         if self._size == 1:
