@@ -22,6 +22,8 @@ both backends give the same results and the same traffic figures:
   same counter, so every split first agrees on it (the largest among the parent's members,
   in the same object all-gather that collects the colours and keys), then creates the groups
   in colour order.
+* ``alltoall``/``allgather`` (the two phases of the int8/fp8 allreduce, on byte buffers):
+  ``all_to_all_single`` and ``all_gather_single``, which gloo (torch 2.14) and NCCL both have.
 * ``neighbor_allgather``: point-to-point (``batch_isend_irecv``), never a collective over
   the group; neighbours compare buffer signatures first, so gossip stays neighbour-only.
 * ``abort``: ends this process at once (``os._exit``); the launcher (torchrun, mpirun,
