@@ -199,7 +199,8 @@ class _Booked:
     byte buffers it moved are replaced by (sent, received); the seconds are the whole
     operation's, quantization included; one call."""
 
-    def __init__(self, stats, sent: int = 0, recv: int = 0, unit: Optional[Tuple[int, int]] = None):
+    def __init__(self, stats, sent: int = 0, recv: int = 0,
+                 unit: Optional[Tuple[int, int]] = None):
         self.stats, self.sent, self.recv, self.unit = stats, sent, recv, unit
 
     def __enter__(self):
@@ -286,7 +287,8 @@ class Quantized:
         k = SCALE_BYTES * lay.b
         return rows[:, k:].unflatten(-1, (lay.b, lay.be)), rows[:, :k].view(torch.float32)
 
-    def _pack(self, x: torch.Tensor, buf: torch.Tensor, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _pack(self, x: torch.Tensor, buf: torch.Tensor,
+              lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``x`` (rows * c float32) into the records ``buf``; returns their views."""
         q, s = quantize(x.view(-1, lay.b, lay.be), self.kind)
         qv, sv = self._split(buf, lay)

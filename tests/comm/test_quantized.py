@@ -115,7 +115,7 @@ def test_options_and_their_refusals():
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--comm-dtype", "bf16", "--error-feedback"], "--error-feedback"),
-])
+], ids=["allreduce", "gossip", "hvd-backend", "ef-alone", "ef-bf16"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
