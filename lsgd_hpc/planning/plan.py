@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
+from lsgd_hpc.methods.spec import COMM_DTYPES, comm_dtype_problem
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
@@ -41,6 +42,9 @@ DATASET_SHAPES = {d.name: (d.num_classes, d.input_shape) for d in DATASETS.value
                   if d.input_shape is not None}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
+#: bytes per element on the wire of each comm_dtype (int8 and fp8: one fp32 scale per block of
+#: 4096 elements, lsgd_hpc.comm.quantized)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 4096, "fp8": 1 + 4 / 4096}
 #: SlowMo's slow period in the plan: its default (fairscale's slowmo_frequency)
 SLOWMO_EVERY = SPECS["slowmo"].option("slowmo_every").default
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
@@ -112,7 +116,7 @@ class PlanInputs:
     mem_Bps: float
     max_comm_share: float
     allreduce: str = "auto"
-    comm_dtype: str = "fp32"   # what the methods send: fp32, or bf16 (2 bytes per element)
+    comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -146,12 +150,19 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     """Predicted cost of every method, with the recommended periods and topology."""
     c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
     w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
-                    element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
+                    element_bytes=WIRE_BYTES[inp.comm_dtype])
+    # what a method that cannot send that dtype sends (int8 and fp8 are refused for allreduce
+    # SGD and gossip: they run in fp32)
+    w_full = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+
+    def load(method: str) -> cm.Workload:
+        return w_full if comm_dtype_problem(inp.comm_dtype, "mpi", method) else w
+
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
     # allreduce SGD at its defaults (buckets of bucket_mb), no overlap counted (a CPU MPI
     # progresses non-blocking collectives only inside MPI calls)
-    rows: List[cm.MethodCost] = [cm.method_cost("allreduce", w, c, coll=coll)]
+    rows: List[cm.MethodCost] = [cm.method_cost("allreduce", load("allreduce"), c, coll=coll)]
     multi = 1 < c.nodes < c.ranks
 
     # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
@@ -181,7 +192,7 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
         if name == "hypercube" and c.ranks & (c.ranks - 1):
             continue
         try:
-            cost = cm.gossip(w, c, name)
+            cost = cm.gossip(load("gossip"), c, name)
         except ValueError:
             continue
         gossip_rows.append({"topology": name, "step_s": cost.step_s, "comm_share": cost.comm_share,
@@ -361,8 +372,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="under mpirun/srun: measure links and step time first")
     p.add_argument("--measure-ranks-per-node", type=int,
                    help="with --measure: K consecutive ranks form a node (default: by host name)")
-    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="what the methods send (the trainer's --comm-dtype): bf16 halves bytes")
+    p.add_argument("--comm-dtype", choices=COMM_DTYPES, default="fp32",
+                   help="what the methods send (the trainer's --comm-dtype): bf16 halves the "
+                        "bytes, int8 and fp8 quarter them (plus a scale per 4096 elements); "
+                        "allreduce SGD and gossip stay fp32 with int8/fp8, as the trainer "
+                        "refuses them")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
