@@ -65,7 +65,8 @@ def _model_problem(model, optimizer) -> Optional[str]:
     params = list(model.parameters())
     if not params:
         return "model has no parameters"
-    tensors = params + [b for b in model.buffers() if b.is_floating_point()]
+    from lsgd_hpc.comm.flat import state_buffers
+    tensors = params + [b for _, b in state_buffers(model)]
     devices = sorted({str(t.device) for t in tensors})
     if len(devices) > 1:
         return (f"model has parameters or buffers on {len(devices)} devices "
