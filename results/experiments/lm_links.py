@@ -60,7 +60,7 @@ from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure
 
 NAME = "lm_links"
 TITLE = "Slow links: the language model at 100 Mbit/s and 1 Gbit/s, low-bandwidth methods"
-CLUSTER_NAME, CLUSTER_SUBNET = "lsgdlk", "10.79.10"
+CLUSTER_NAME, CLUSTER_SUBNET = "lsgdlk", "10.79.11"
 WORLD = 4
 _DILOCO = ["--method", "diloco", "--local-steps", "8", "--outer-lr", "0.7"]
 _LSGD = ["--method", "lsgd", "--tau-local", "4", "--tau-global", "16"]
@@ -229,7 +229,8 @@ def findings(summary: List[Dict]) -> List[str]:
 
 
 def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, seeds=None,
-        methods=None, raw=None, timeout_per_run: float = 300.0) -> Dict:
+        methods=None, raw=None, timeout_per_run: float = 300.0,
+        cluster=(CLUSTER_NAME, CLUSTER_SUBNET), eval_every: Optional[int] = None) -> Dict:
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,9 +261,10 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, s
                     shutil.rmtree(d, ignore_errors=True)
                     dirs[(label, lr, seed)] = d
                     argvs.append([*opts, *lm.WORKLOAD, "--lr", f"{lr:g}", "--steps", str(n),
-                                  "--eval-every", str(min(EVAL_EVERY, n)), "--seed", str(seed),
+                                  "--eval-every", str(eval_every or min(EVAL_EVERY, n)),
+                                  "--seed", str(seed),
                                   "--run-dir", str(d)])
-        res = _train(rate, argvs, n, raw, timeout_per_run, log)
+        res = _train(rate, argvs, n, raw, timeout_per_run, log, cluster)
         if res.get("layout"):
             return {**base, "status": f"failed: {res['error']}",
                     "findings": [f"not plotted: {res['error']}"],
@@ -304,7 +306,7 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, s
 
 
 def _train(rate: str, argvs: List[List[str]], steps: int, raw: Path, timeout_per_run: float,
-           log) -> Dict:
+           log, cluster) -> Dict:
     from lsgd_hpc.testing import mpi_env, mpirun_path, run_group
     env = mpi_env({})
     env.pop("LSGD_HPC_RANKS_PER_NODE", None)
@@ -319,8 +321,7 @@ def _train(rate: str, argvs: List[List[str]], steps: int, raw: Path, timeout_per
                                 "probe_out": str(probe_out), "rate": rate,
                                 "what": f"links {WORLD} ranks at {rate}"}))
     try:
-        with lm.emulated_cluster(rate, WORLD // lm.NODES, log, CLUSTER_NAME,
-                                 CLUSTER_SUBNET) as margs:
+        with lm.emulated_cluster(rate, WORLD // lm.NODES, log, *cluster) as margs:
             cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
                    "-x", "PATH", "-x", "PYTHONUNBUFFERED", "-np", str(WORLD),
                    sys.executable, str(Path(__file__)), "--job", str(spec)]
@@ -354,12 +355,19 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(f"'{m}'" for m, _ in METHODS))
     p.add_argument("--raw", metavar="DIR", help=f"raw runs (default runs/results/{NAME}/)")
+    p.add_argument("--cluster", nargs=2, metavar=("NAME", "SUBNET"),
+                   default=[CLUSTER_NAME, CLUSTER_SUBNET],
+                   help=f"emulated cluster's name and subnet (default {CLUSTER_NAME} "
+                        f"{CLUSTER_SUBNET})")
+    p.add_argument("--eval-every", type=int, help=f"steps between evaluations (default "
+                                                  f"{EVAL_EVERY})")
     p.add_argument("--job", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.job:
         return job(args.job)
     res = run(args.out, args.quick, rates=args.rates, steps=args.steps, lrs=args.lrs,
-              seeds=args.seeds, methods=args.methods, raw=args.raw)
+              seeds=args.seeds, methods=args.methods, raw=args.raw,
+              cluster=tuple(args.cluster), eval_every=args.eval_every)
     for f in res["findings"]:
         print("-", f)
     print(f"{res['seconds']:.0f} s; tables {res['tables']}; figures {res['figures']}")
