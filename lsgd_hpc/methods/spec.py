@@ -223,11 +223,11 @@ def comm_dtype_problem(comm_dtype: str, backend: Optional[str],
     if comm_dtype == "bf16" and backend == "horovod":
         return "bf16 needs the mpi or torch backend (Horovod has no bfloat16 sum here)"
     if comm_dtype in QUANTIZED_COMM_DTYPES:
+        if method in _NOT_QUANTIZED:
+            return f"{comm_dtype} is not for {method}: {_NOT_QUANTIZED[method]}"
         if backend == "horovod":
             return (f"{comm_dtype} needs the mpi or torch backend (its alltoall and allgather "
                     "are not Horovod collectives here)")
-        if method in _NOT_QUANTIZED:
-            return f"{comm_dtype} is not for {method}: {_NOT_QUANTIZED[method]}"
     return None
 
 
