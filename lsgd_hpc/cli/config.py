@@ -21,7 +21,7 @@ import yaml
 from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_spec
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
-    comm_dtype_problem
+    comm_dtype_problem, error_feedback_problem
 from lsgd_hpc.runtime.trackers import TRACKERS, check_trackers
 
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
@@ -403,9 +403,12 @@ def validate(cfg: Config, env: dict) -> None:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
-    problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend)
+    problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend, cfg.algorithm)
     if problem:
         raise ConfigError("--comm-dtype", problem)
+    problem = error_feedback_problem(cfg.error_feedback, cfg.comm_dtype)
+    if problem:
+        raise ConfigError("--error-feedback", problem)
     problem = check_trackers(cfg.tracker)
     if problem:
         raise ConfigError("--tracker", problem)

@@ -39,7 +39,8 @@ from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, 
                                     uncounted)
 from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.rules.workers import WorkerRule
-from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
+from lsgd_hpc.methods.spec import (COMMON_OPTIONS, QUANTIZED_COMM_DTYPES, MethodSpec, OptionError,
+                                   comm_dtype_problem, error_feedback_problem)
 from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
@@ -82,7 +83,8 @@ def _model_problem(model, optimizer) -> Optional[str]:
     params = list(model.parameters())
     if not params:
         return "model has no parameters"
-    tensors = params + [b for b in model.buffers() if b.is_floating_point()]
+    from lsgd_hpc.comm.flat import state_buffers
+    tensors = params + [b for _, b in state_buffers(model)]
     devices = sorted({str(t.device) for t in tensors})
     if len(devices) > 1:
         return (f"model has parameters or buffers on {len(devices)} devices "
@@ -118,7 +120,11 @@ class Method:
       receives the method's elections and consensus rows.
     - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
       pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
-      ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
+      ``lsgd_hpc.comm.lowprec`` for what that rounding changes); or ``"int8"``/``"fp8"``:
+      one byte per element plus per-block scales (``lsgd_hpc.comm.quantized``; LSGD,
+      EASGD, local SGD, DiLoCo, SlowMo).
+    - ``error_feedback``: with int8/fp8, each rank's allreduce input carries what rounding
+      dropped from its previous ones; the residuals are in ``state_dict``.
     - ``worker_ranks``: 1 (every rank is a worker), K, or ``"node"``: K consecutive ranks of
       a node, or all of a node's ranks, form one worker that trains one replica as data
       parallel SGD (gradients averaged inside it every step, ``WorkerRule``), and the method
@@ -146,7 +152,8 @@ class Method:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
-                 comm_dtype: str = "fp32", worker_ranks: WorkerRanks = 1,
+                 comm_dtype: str = "fp32", error_feedback: bool = False,
+                 worker_ranks: WorkerRanks = 1,
                  broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
         layout = self._worker_layout(comm, worker_ranks)
@@ -158,9 +165,19 @@ class Method:
         _check_count("consensus_every", consensus_every, 0)
         _COMMON["stop_check_every"].check(stop_check_every)
         _COMMON["comm_dtype"].check(comm_dtype)
-        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None))
+        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), self.spec.name)
         if problem:
             raise OptionError("comm_dtype", problem)
+        _COMMON["error_feedback"].check(error_feedback)
+        problem = error_feedback_problem(error_feedback, comm_dtype)
+        if problem:
+            raise OptionError("error_feedback", problem)
+        if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
+            from lsgd_hpc.comm.quantized import kind_problem
+            first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+            problem = kind_problem(comm_dtype, None if first is None else first.device)
+            if problem:
+                raise OptionError("comm_dtype", problem)
         self.check_usage(opts, model, optimizer)
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
@@ -184,8 +201,14 @@ class Method:
         if self.workers is not None:              # the method runs between workers
             self.groups = self.workers.groups
             self.world = self.groups.world
-        self.comm_dtype = comm_dtype
-        if comm_dtype != "fp32":                  # what the method sends, in bfloat16
+        self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
+        #: the quantized groups (int8/fp8), whose residuals are part of state_dict
+        self.wire = None
+        if comm_dtype in QUANTIZED_COMM_DTYPES:   # what the method sends, in one byte
+            from lsgd_hpc.comm.quantized import quantized_groups
+            self.groups = self.wire = quantized_groups(self.groups, comm_dtype, error_feedback)
+            self.world = self.groups.world
+        elif comm_dtype != "fp32":                # what the method sends, in bfloat16
             from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
             self.groups = low_precision_groups(self.groups, WIRE_DTYPES[comm_dtype])
             self.world = self.groups.world
@@ -425,8 +448,11 @@ class Method:
         """The method's own state (its step counter and rule state; not the model's or the
         optimizer's, which the user saves as usual)."""
         self.drain()
-        return {"method": self.name, "steps": self.steps, "skipped_steps": self.skipped_steps,
-                "rule": self.rule.state_dict()}
+        state = {"method": self.name, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                 "rule": self.rule.state_dict()}
+        if self.wire is not None and self.error_feedback:
+            state["error_feedback"] = self.wire.state_dict()      # the residuals
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("method") != self.name:
@@ -434,6 +460,8 @@ class Method:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.rule.load_state_dict(state["rule"])
+        if self.wire is not None and self.error_feedback:   # (none saved: they start at zero)
+            self.wire.load_state_dict(state.get("error_feedback", {}))
         self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
                          and self.steps >= self.max_steps)
 

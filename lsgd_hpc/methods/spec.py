@@ -17,14 +17,25 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 __all__ = ["Option", "OptionError", "Check", "MethodSpec", "COMMON_OPTIONS", "COMM_DTYPES",
-           "SECTIONS", "comm_dtype_problem"]
+           "QUANTIZED_COMM_DTYPES", "SECTIONS", "comm_dtype_problem", "error_feedback_problem"]
 
 #: Command-line help sections, in the order ``--help`` prints them.
 SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
             "output and checkpoints")
 
 #: What a method may send its model-sized traffic in (``comm_dtype``).
-COMM_DTYPES = ("fp32", "bf16")
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")
+#: the one-byte ones: per-block scales, a two-phase allreduce (lsgd_hpc.comm.quantized)
+QUANTIZED_COMM_DTYPES = ("int8", "fp8")
+#: methods that cannot send in int8/fp8, and why
+_NOT_QUANTIZED = {
+    "allreduce": "allreduce SGD averages gradients in non-blocking buckets every step; "
+                 "int8/fp8 is for the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+    "gossip": "gossip exchanges parameters with neighbours, not a sum; int8/fp8 is for the "
+              "periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+    "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8 is for the periodic "
+                  "methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+}
 
 #: Option kinds and how a value of each is described in an error
 KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_modules",
@@ -210,10 +221,25 @@ class Check:
     test: Callable[..., Optional[str]]
 
 
-def comm_dtype_problem(comm_dtype: str, backend: Optional[str]) -> Optional[str]:
-    """Why ``comm_dtype`` cannot run on ``backend``, or None."""
+def comm_dtype_problem(comm_dtype: str, backend: Optional[str],
+                       method: Optional[str] = None) -> Optional[str]:
+    """Why ``comm_dtype`` cannot run on ``backend`` with ``method`` (a spec name), or None."""
     if comm_dtype == "bf16" and backend == "horovod":
         return "bf16 needs the mpi or torch backend (Horovod has no bfloat16 sum here)"
+    if comm_dtype in QUANTIZED_COMM_DTYPES:
+        if method in _NOT_QUANTIZED:
+            return f"{comm_dtype} is not for {method}: {_NOT_QUANTIZED[method]}"
+        if backend == "horovod":
+            return (f"{comm_dtype} needs the mpi or torch backend (its alltoall and allgather "
+                    "are not Horovod collectives here)")
+    return None
+
+
+def error_feedback_problem(error_feedback: bool, comm_dtype: str) -> Optional[str]:
+    """Why ``error_feedback`` cannot go with ``comm_dtype``, or None."""
+    if error_feedback and comm_dtype not in QUANTIZED_COMM_DTYPES:
+        return (f"needs --comm-dtype int8 or fp8 (it feeds back their rounding; "
+                f"comm_dtype is {comm_dtype})")
     return None
 
 
@@ -221,8 +247,13 @@ def comm_dtype_problem(comm_dtype: str, backend: Optional[str]) -> Optional[str]
 COMMON_OPTIONS: Tuple[Option, ...] = (
     Option("comm_dtype", "fp32", "choice",
            "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
-           "half the bytes, rounded (see docs/algorithms.md)",
+           "half the bytes, rounded; or int8 or fp8, a quarter of the bytes plus per-block "
+           "scales, for lsgd, easgd, local-sgd, diloco and slowmo (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
+    Option("error_feedback", False, "bool",
+           "with comm_dtype int8 or fp8: each rank adds what rounding dropped from its "
+           "allreduce input to the next one (residuals kept in the checkpoint)",
+           section="cluster and backend"),
     Option("stop_check_every", 10, "int",
            "steps between the non-blocking agreements on a stop signal",
            section="cluster and backend", low=1),

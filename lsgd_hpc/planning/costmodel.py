@@ -145,19 +145,19 @@ class Workload:
     n_params: int
     n_buffers: int
     compute_s: float
-    element_bytes: int = FLOAT_BYTES
+    element_bytes: float = FLOAT_BYTES
 
     @property
-    def grad_bytes(self) -> int:
+    def grad_bytes(self) -> float:
         return self.n_params * self.element_bytes
 
     @property
-    def flat_bytes(self) -> int:
+    def flat_bytes(self) -> float:
         """The fused vector every averaging method moves: parameters and buffers."""
         return (self.n_params + self.n_buffers) * self.element_bytes
 
     @property
-    def buffer_bytes(self) -> int:
+    def buffer_bytes(self) -> float:
         return self.n_buffers * self.element_bytes
 
 

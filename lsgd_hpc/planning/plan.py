@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
+from lsgd_hpc.methods.spec import COMM_DTYPES, comm_dtype_problem
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
@@ -47,6 +48,9 @@ DATASET_SHAPES = {d.name: (d.num_classes, d.input_shape) for d in DATASETS.value
                   if d.input_shape is not None}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
+#: bytes per element on the wire of each comm_dtype (int8 and fp8: one fp32 scale per block of
+#: 4096 elements, lsgd_hpc.comm.quantized)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 4096, "fp8": 1 + 4 / 4096}
 #: SlowMo's slow period in the plan: its default (fairscale's slowmo_frequency)
 SLOWMO_EVERY = SPECS["slowmo"].option("slowmo_every").default
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
@@ -118,7 +122,7 @@ class PlanInputs:
     mem_Bps: float
     max_comm_share: float
     allreduce: str = "auto"
-    comm_dtype: str = "fp32"   # what the methods send: fp32, or bf16 (2 bytes per element)
+    comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
     worker_ranks: object = 1   # ranks per worker (the trainer's --worker-ranks): K or "node"
 
 
@@ -153,12 +157,20 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     """Predicted cost of every method, with the recommended periods and topology."""
     c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
     w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
-                    element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
+                    element_bytes=WIRE_BYTES[inp.comm_dtype])
+    # what a method that cannot send that dtype sends (int8 and fp8 are refused for allreduce
+    # SGD and gossip: they run in fp32)
+    w_full = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+
+    def load(method: str) -> cm.Workload:
+        return w_full if comm_dtype_problem(inp.comm_dtype, "mpi", method) else w
+
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
 
     def cost(method: str, **options) -> cm.MethodCost:
-        return cm.method_cost(method, w, c, options, coll=coll, worker_ranks=inp.worker_ranks)
+        return cm.method_cost(method, load(method), c, options, coll=coll,
+                              worker_ranks=inp.worker_ranks)
 
     # the cluster the methods run on: the ranks, or the workers' first ranks (--worker-ranks)
     cw = c if inp.worker_ranks == 1 else cm.workers_cluster(c, cm.worker_size(c, inp.worker_ranks))
@@ -401,8 +413,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="under mpirun/srun: measure links and step time first")
     p.add_argument("--measure-ranks-per-node", type=int,
                    help="with --measure: K consecutive ranks form a node (default: by host name)")
-    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="what the methods send (the trainer's --comm-dtype): bf16 halves bytes")
+    p.add_argument("--comm-dtype", choices=COMM_DTYPES, default="fp32",
+                   help="what the methods send (the trainer's --comm-dtype): bf16 halves the "
+                        "bytes, int8 and fp8 quarter them (plus a scale per 4096 elements); "
+                        "allreduce SGD and gossip stay fp32 with int8/fp8, as the trainer "
+                        "refuses them")
     p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
                         "node, train one replica with an allreduce of the gradient inside; the "

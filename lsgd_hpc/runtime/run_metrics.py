@@ -114,10 +114,11 @@ def _options_of(method) -> dict:
 
 
 def _library_of(comm) -> str:
+    """The MPI library the ranks run on; empty under the torch backend (no MPI there)."""
     if comm.backend == "mpi" or comm.backend == "horovod":
         from lsgd_hpc.comm.mpi import mpi_library
         return mpi_library()
-    return f"torch.distributed {torch.__version__}"
+    return ""
 
 
 def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,

@@ -427,3 +427,19 @@ def test_cli_plans_between_workers(capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "lsgd_hpc.plan: error: --worker-ranks: must divide the ranks of every node" in err
+
+
+def test_comm_dtype_int8_quarters_the_quantized_methods_bytes():
+    """int8 (and fp8): 1 byte per element plus one 4-byte scale per 4096, for the methods
+    that take it; allreduce SGD and gossip, which the trainer refuses it for, stay fp32."""
+    from lsgd_hpc.planning import plan as pl
+    facts = pl.model_facts("resnet20", None)
+    inp = lambda dtype: pl.PlanInputs(  # noqa: E731
+        "resnet20", facts.dataset, 4, 4, cm.Link.from_gbps(100, 2), cm.Link.from_gbps(10, 5),
+        0.05, "given", "given", 128, 1e12, 0.1, "auto", dtype)
+    fp32, int8 = ({m["method"]: m["bytes_per_step"] for m in pl.plan(inp(d), facts)["methods"]}
+                  for d in ("fp32", "int8"))
+    for method in ("lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
+        assert int8[method] / fp32[method] == pytest.approx((1 + 4 / 4096) / 4, rel=0.02), method
+    for method in ("allreduce", "gossip"):
+        assert int8[method] == fp32[method], method
