@@ -62,6 +62,7 @@ BENCHES = [
     Bench("hierarchical_broadcast_8", "hierarchical_broadcast", np=8, timeout=120,
           args=["--ranks-per-node", "2"], full_only=True, optional_s=60),
     Bench("election", "election", timeout=90),
+    Bench("workers_bytes", "workers_bytes", timeout=120, args=["--ranks-per-node", "2"]),
     Bench("topology_speed", "topology_speed", np=1, timeout=150),
     Bench("backends", "backends", timeout=150),
     Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
@@ -77,6 +78,9 @@ BENCHES = [
           kwargs={"network": "1gbit", "key": "torch_vs_ddp", "rounds": 2,
                   "torch_backend": True}),
     Bench("nonblocking_allreduce", "nonblocking_allreduce", timeout=240, driver=True),
+    # communication behind compute at 100 Mbit/s: bucketed allreduce, Streaming DiLoCo,
+    # LSGD's pull delay, each against itself without the overlap
+    Bench("overlap", "overlap", timeout=600, driver=True),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
     # its own mpirun jobs at 4 ranks, unslowed then slowed (8 ranks: benchmarks/stragglers.py

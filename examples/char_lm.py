@@ -4,6 +4,12 @@ own sources, with any method of lsgd_hpc.
     mpirun -np 4 python examples/char_lm.py --ranks-per-node 2 --method lsgd --steps 300
     mpirun -np 4 python examples/char_lm.py --method local-sgd --local-steps 8
     mpirun -np 4 python examples/char_lm.py --method diloco --local-steps 16 --outer-lr 0.7
+    mpirun -np 4 python examples/char_lm.py --ranks-per-node 2 --method diloco --worker-ranks node
+    mpirun -np 4 python examples/char_lm.py --method diloco --local-steps 16 --fragments 4 \
+        --fragment-sync-delay 1 --fragment-update-alpha 0.5 --comm-dtype int8 --error-feedback
+
+Every option of every method is a flag of the same name (read from the methods' specs, so it
+is the library's option with the library's default when left out).
 
 The corpus is on every machine: the top-level ``*.py`` files of
 ``sysconfig.get_paths()["stdlib"]``, in sorted order; every 10th file is held out (the test
@@ -28,6 +34,7 @@ import torch
 from torch import nn
 
 import lsgd_hpc
+from lsgd_hpc.methods.spec import COMMON_OPTIONS
 
 
 def corpus(max_bytes):
@@ -77,14 +84,17 @@ class ByteLM(nn.Module):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--method", default="lsgd", choices=list(lsgd_hpc.METHODS))
-    p.add_argument("--tau-local", type=int, default=4)
-    p.add_argument("--tau-global", type=int, default=16)
-    p.add_argument("--local-steps", default="8", help="local SGD's T, or 'auto'")
-    p.add_argument("--easgd-tau", type=int, default=4)
-    p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo's outer learning rate")
-    p.add_argument("--slowmo-every", type=int, default=48, help="SlowMo: steps between slow steps")
-    p.add_argument("--topology", default="ring")
-    p.add_argument("--bucket-mb", type=float, default=0.0)
+    # every method's options, as flags named after them (--tau-local, --fragments,
+    # --comm-dtype, ...), read from the methods' specs: an option left out keeps the library's
+    # default (lsgd_hpc.METHODS[NAME].defaults), a bad value is the library's ValueError
+    specs = {o.name: o for cls in lsgd_hpc.METHODS.values() for o in cls.spec.options
+             if o.cli}
+    specs.update({o.name: o for o in COMMON_OPTIONS})
+    for o in specs.values():
+        if o.kind == "bool":
+            p.add_argument(o.flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(o.flag, default=None, metavar=o.name.upper())
     p.add_argument("--ranks-per-node", type=int, default=None)
     p.add_argument("--steps", type=int, default=300, help="steps per rank")
     p.add_argument("--batch-size", type=int, default=16)
@@ -100,17 +110,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs/char_lm")
     a = p.parse_args()
-    options = {
-        "lsgd": dict(tau_local=a.tau_local, tau_global=a.tau_global),
-        "lsgd-async": dict(tau_local=a.tau_local, tau_global=a.tau_global),
-        "allreduce": dict(bucket_mb=a.bucket_mb),
-        "easgd": dict(easgd_tau=a.easgd_tau),
-        "local-sgd": dict(local_steps=a.local_steps if a.local_steps == "auto"
-                          else int(a.local_steps)),
-        "diloco": dict(local_steps=int(a.local_steps), outer_lr=a.outer_lr),
-        "slowmo": dict(local_steps=int(a.local_steps), slowmo_every=a.slowmo_every),
-        "gossip": dict(topology=a.topology),
-    }[a.method]
+    cls = lsgd_hpc.METHODS[a.method]
+    mine = {o.name for o in cls.spec.options} | {o.name for o in COMMON_OPTIONS}
+    options = {k: specs[k].parse(v) for k, v in vars(a).items() if k in mine and v is not None}
 
     comm = lsgd_hpc.init(backend="mpi", ranks_per_node=a.ranks_per_node)
     train_text, val_text, held_text = corpus(a.max_bytes)

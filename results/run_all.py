@@ -33,6 +33,7 @@ EXPERIMENTS = [
     ("network", 3),
     ("stragglers", 1),
     ("lm", 20),
+    ("lm_links", 40),
 ]
 
 INTRO = """\

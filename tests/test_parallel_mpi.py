@@ -16,7 +16,8 @@ BACKENDS = ["mpi", pytest.param("horovod", marks=pytest.mark.skipif(
     "torch"]
 FILES = [str(REPO / "tests" / "parallel" / f) for f in
          ("test_comm_parallel.py", "test_algorithms_parallel.py", "test_netprobe_parallel.py",
-          "test_overlap_parallel.py", "test_library_parallel.py")]
+          "test_overlap_parallel.py", "test_library_parallel.py", "test_streaming_parallel.py",
+          "test_workers_parallel.py", "test_quantized_parallel.py")]
 
 
 @pytest.mark.mpi

@@ -38,10 +38,13 @@ of its kept files (config.yaml, written once by the first start, only when they 
 warning says where config.yaml differs). A RUN_DIR without ``metrics/`` whose
 sub-directories are runs (a sweep's parent directory) stands for those runs.
 
-Per-evaluation figures (one evaluation = one ``/eval`` step):
+Per-evaluation figures (one evaluation = one ``/eval`` step), over workers: a worker is a rank,
+or, for a run with workers that span ranks (``--worker-ranks``; its files carry
+``worker_index``), the ranks of one worker, which hold one replica (its figure is its lowest
+readable rank's):
 
-* ``mean``: mean test accuracy over the ranks that evaluated at that step;
-* ``best``: the maximum over those ranks;
+* ``mean``: mean test accuracy over the workers that evaluated at that step;
+* ``best``: the maximum over those workers;
 * ``leader``: the model the method reports --
   - LSGD (any run with global elections, ``/leader`` scope 0): the test accuracy of the
     rank that won the last global election at or before the evaluation step (for the
@@ -58,6 +61,10 @@ maxima over ranks of the last ``/train`` wall and training times, ``total_bytes_
 ``total_bytes_recv`` the sums over ranks of the last ``comm_bytes_sent`` and
 ``comm_bytes_recv`` (a broadcast counts its payload once as sent, at the root, but once per
 receiver as received), ``steps`` the last logged training step (maximum over ranks).
+Bytes are the method's own traffic (between workers); a run with workers that span ranks
+adds ``n_workers`` and ``total_worker_bytes_sent`` (the sum over ranks of the last
+``worker_bytes_sent``: the traffic inside the workers) to summary.csv (both columns, empty
+for runs without workers, whenever one of the runs has them).
 
 ``final_consensus_distance`` is the consensus distance at the run's last probe and
 ``mean_consensus_distance`` the mean over its probes (empty without probes).
@@ -202,7 +209,9 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
     if unknown:
         raise AggregateError(f"cannot plot against {', '.join(unknown)}: measured figures are "
                              f"{', '.join(figures)}")
-    result = {"runs": runs, "summary": summary, "summary_columns": summary_columns(targets),
+    with_workers = any(r.has_workers for r in runs)
+    result = {"runs": runs, "summary": summary,
+              "summary_columns": summary_columns(targets, with_workers),
               "groups": groups, "group_rows": group_rows, "group_columns": columns,
               "predictors": predictors, "correlations": correlations, "plots": [],
               "curve_rows": 0, "faults": fault_rows(runs)}
@@ -213,7 +222,7 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
         raise AggregateError(f"--out {out} exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_table_csv(summary, summary_columns(targets), out / "summary.csv")
+        write_table_csv(summary, summary_columns(targets, with_workers), out / "summary.csv")
         write_table_csv(group_rows, columns, out / "groups.csv")
         result["curve_rows"] = write_curves_csv(runs, out / "curves.csv")
         if result["faults"]:                 # runs that lost ranks (on_failure="shrink")

@@ -212,18 +212,18 @@ def run_ended(run: Run) -> Optional[str]:
     live = {r: d for r, d in run.ranks.items() if r not in lost}
     if lost:
         n = len(live)
+    # the steps say more than the closed files, so they are looked at first
+    total = _total_steps(run)
+    if total is not None:
+        steps = [int(_last(col(d, "train", "step", int), -1)) for d in live.values()]
+        if min(steps) >= 0 and sum(steps) >= n * total:
+            if all(s == total for s in steps):
+                return f"every rank reached step {total} of {total}"
+            return f"the {n} ranks together took {sum(steps)} of {n} x {total} steps"
     if all("end_time" in d["attrs"] for d in live.values()):
         return f"every rank's metrics file is closed ({n} ranks" + (
             f"; {len(lost)} lost)" if lost else ")")
-    total = _total_steps(run)
-    if total is None:
-        return None
-    steps = [int(_last(col(d, "train", "step", int), -1)) for d in live.values()]
-    if min(steps) < 0 or sum(steps) < n * total:
-        return None
-    if all(s == total for s in steps):
-        return f"every rank reached step {total} of {total}"
-    return f"the {n} ranks together took {sum(steps)} of {n} x {total} steps"
+    return None
 
 
 def _print(line: str) -> None:

@@ -178,6 +178,22 @@ class Run:
         return sorted(r for r in self.ranks if r not in lost or step < lost[r])
 
     @property
+    def has_workers(self) -> bool:
+        """Whether the run's method ran between workers that span ranks (--worker-ranks):
+        its files carry ``worker_index``, ``worker_size`` and ``n_workers``."""
+        return any("worker_index" in d["attrs"] for d in self.ranks.values())
+
+    @property
+    def worker_of(self) -> dict[int, int]:
+        """The worker of every readable rank (the rank itself without workers)."""
+        return {r: int(d["attrs"].get("worker_index", r)) for r, d in self.ranks.items()}
+
+    @property
+    def n_workers(self) -> int:
+        n = self._attr("n_workers")
+        return int(n) if n is not None else self.world_size
+
+    @property
     def seed(self):
         return self.config.get("seed")
 

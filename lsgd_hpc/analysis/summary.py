@@ -3,8 +3,10 @@ the progress of a running one (lsgd_hpc/analysis/follow.py).
 
 Prints where the metrics files are, one line per rank (node, final training loss, final
 test accuracy, times elected global leader, bytes sent), then the final global leader
-and its test accuracy and the mean test accuracy over ranks. The leader rule is the one of
-``lsgd_hpc.aggregate`` (EASGD: the centre; methods without elections: rank 0).
+and its test accuracy and the mean test accuracy over workers. The leader rule is the one of
+``lsgd_hpc.aggregate`` (EASGD: the centre; methods without elections: rank 0). A run with
+workers that span ranks (--worker-ranks) shows each rank's worker and the bytes it sent
+inside it; its workers are the unit of the mean and the best (one replica per worker).
 """
 from __future__ import annotations
 
@@ -41,8 +43,9 @@ def format_summary(run: Run) -> str:
     files = sorted({d["path"] for d in run.ranks.values()} | {p for p, _ in run.skipped})
     skipped = f", {len(run.skipped)} skipped" if run.skipped else ""
     lines.append(f"metrics: {run.path / 'metrics'}/rank*.h5 ({len(files)} files{skipped})")
+    workers = run.has_workers
     lines.append(f"run {run.name}: algorithm {run.algorithm}, {run.world_size} ranks on "
-                 f"{run.n_nodes} node(s)")
+                 f"{run.n_nodes} node(s)" + (f", {run.n_workers} workers" if workers else ""))
     counts = leader_counts(run)
     tab = eval_table(run)
     faults, lost = run.faults(), run.lost_ranks
@@ -51,8 +54,10 @@ def format_summary(run: Run) -> str:
         lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost; "
                      f"{ev['world_size_after']} rank(s) went on from step {ev['step']} "
                      f"(wall {ev['wall_time']:.1f} s, recovery {ev['recovery_seconds']:.2f} s)")
-    lines.append(f"{'rank':>5} {'node':>5} {'train_loss':>11} {'test_acc':>9} "
-                 f"{'times_leader':>14} {'bytes_sent':>12}" + ("  status" if lost else ""))
+    lines.append(f"{'rank':>5} {'node':>5}" + (f" {'worker':>6}" if workers else "")
+                 + f" {'train_loss':>11} {'test_acc':>9} {'times_leader':>14} "
+                 f"{'bytes_sent':>12}" + (f" {'worker_bytes':>12}" if workers else "")
+                 + ("  status" if lost else ""))
     for r in sorted(run.ranks):
         d = run.ranks[r]
         loss = col(d, "train", "loss")
@@ -64,9 +69,13 @@ def format_summary(run: Run) -> str:
             steps = col(d, "train", "step", np.int64)
             status = (f"  lost (recovery at step {lost[r]}; rows to step "
                       f"{int(steps[-1]) if len(steps) else 0})" if r in lost else "  ok")
-        lines.append(f"{r:>5} {node!s:>5} {_num(loss[-1] if len(loss) else math.nan):>11} "
+        inside = col(d, "train", "worker_bytes_sent")
+        lines.append(f"{r:>5} {node!s:>5}"
+                     + (f" {d['attrs'].get('worker_index', '?')!s:>6}" if workers else "")
+                     + f" {_num(loss[-1] if len(loss) else math.nan):>11} "
                      f"{_acc(acc[-1] if len(acc) else math.nan):>9} "
                      f"{counts.get(r, 0):>14} {_bytes(sent[-1] if len(sent) else 0):>12}"
+                     + (f" {_bytes(inside[-1] if len(inside) else 0):>12}" if workers else "")
                      + status)
     use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
     rule = leader_rule(run)
@@ -88,9 +97,10 @@ def format_summary(run: Run) -> str:
         r0 = int(tab["leader_rank"][use][-1])
         lines.append(f"final global leader: none ({run.algorithm} has no elections; rank {r0} "
                      f"reports), rank {r0} test accuracy {_acc(lacc)} at step {step}")
-    lines.append(f"mean test accuracy: {_acc(float(tab['acc_mean'][use][-1]))} over "
-                 f"{int(tab['n_ranks'][use][-1])} ranks, best worker "
-                 f"{_acc(float(tab['acc_best'][use][-1]))}")
+    over = (f"{int(tab['n_workers'][use][-1])} workers ({int(tab['n_ranks'][use][-1])} ranks)"
+            if workers else f"{int(tab['n_ranks'][use][-1])} ranks")
+    lines.append(f"mean test accuracy: {_acc(float(tab['acc_mean'][use][-1]))} over {over}, "
+                 f"best worker {_acc(float(tab['acc_best'][use][-1]))}")
     return "\n".join(lines)
 
 

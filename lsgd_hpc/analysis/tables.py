@@ -21,7 +21,7 @@ __all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "FAULT_COLUMNS", "fault_rows", "w
            "TARGET_LOSS_COLUMNS", "Targets", "global_elections", "leader_rule", "eval_table",
            "train_table", "time_to_accuracy", "time_to_loss", "consensus_figures",
            "summarize_run", "leader_counts", "summary_columns", "write_table_csv",
-           "write_summary_csv", "curve_rows", "write_curves_csv"]
+           "write_summary_csv", "curve_rows", "write_curves_csv", "WORKER_COLUMNS"]
 
 SUMMARY_COLUMNS = (
     "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time", "training_time",
@@ -33,6 +33,10 @@ SUMMARY_COLUMNS = (
 #: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
 FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
                  "recovery_seconds")
+#: summary.csv's columns for runs with workers that span ranks (--worker-ranks), after
+#: SUMMARY_COLUMNS: the workers, and the traffic inside them (total_bytes_sent stays the
+#: method's own, between workers)
+WORKER_COLUMNS = ("n_workers", "total_worker_bytes_sent")
 CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
 
@@ -78,10 +82,14 @@ def _value_at(steps: np.ndarray, values: np.ndarray, step: int, default=np.nan):
 
 def eval_table(run: Run) -> dict[str, np.ndarray]:
     """One row per evaluation step (union over ranks, ascending). Columns: step,
-    n_ranks, complete (every readable rank evaluated), wall_time and training_time (max over
-    ranks; NaN where the files have no training time),
+    n_ranks, n_workers (workers among them), complete (every readable rank evaluated),
+    wall_time and training_time (max over ranks; NaN where the files have no training time),
     bytes_sent (total over readable ranks of the cumulative counter at that step),
-    acc_mean, acc_best, acc_leader, leader_rank (-1 for the centre), loss_mean."""
+    acc_mean, acc_best, acc_leader, leader_rank (-1 for the centre), loss_mean.
+
+    The unit is the worker: with workers that span ranks (--worker-ranks) the ranks of a
+    worker hold one replica, so acc_mean, acc_best and loss_mean are over workers (each
+    worker's figure is its lowest readable rank's); without, every rank is a worker."""
     per_rank: dict[int, dict[int, tuple[float, float, float, float]]] = {}
     centre: dict[int, float] = {}
     for r in sorted(run.ranks):
@@ -102,17 +110,22 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
             if np.isfinite(a):
                 centre.setdefault(int(s), float(a))
     all_steps = sorted({s for m in per_rank.values() for s in m})
+    worker_of = run.worker_of
     rule = leader_rule(run)
     el_steps, el_leader = global_elections(run)
     bytes_cols = {r: (col(d, "train", "step", np.int64), col(d, "train", "comm_bytes_sent"))
                   for r, d in run.ranks.items()}
     rows: dict[str, list] = {k: [] for k in (
-        "step", "n_ranks", "complete", "wall_time", "training_time", "bytes_sent", "acc_mean",
+        "step", "n_ranks", "n_workers", "complete", "wall_time", "training_time",
+        "bytes_sent", "acc_mean",
         "acc_best",
         "acc_leader", "leader_rank", "loss_mean")}
     for s in all_steps:
         have = {r: m[s] for r, m in per_rank.items() if s in m}
-        accs = np.array([v[0] for v in have.values()])
+        workers: dict[int, tuple] = {}        # worker -> its lowest readable rank's figures
+        for r in sorted(have):
+            workers.setdefault(worker_of[r], have[r])
+        accs = np.array([v[0] for v in workers.values()])
         alive = run.alive(s)
         if rule == "centre":
             lr = -1
@@ -128,6 +141,7 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
             total_bytes += float(_value_at(st[:n], b[:n], s, default=0.0))
         rows["step"].append(s)
         rows["n_ranks"].append(len(have))
+        rows["n_workers"].append(len(workers))
         rows["complete"].append(set(alive) <= set(have))   # every rank still training
         rows["wall_time"].append(_nanmax(np.array([v[2] for v in have.values()])))
         rows["training_time"].append(_nanmax(np.array([v[3] for v in have.values()])))
@@ -136,8 +150,9 @@ def eval_table(run: Run) -> dict[str, np.ndarray]:
         rows["acc_best"].append(float(np.max(accs)))
         rows["acc_leader"].append(float(lacc))
         rows["leader_rank"].append(lr)
-        rows["loss_mean"].append(float(np.mean([v[1] for v in have.values()])))
-    dtypes = {"step": np.int64, "n_ranks": np.int64, "complete": bool, "leader_rank": np.int64}
+        rows["loss_mean"].append(float(np.mean([v[1] for v in workers.values()])))
+    dtypes = {"step": np.int64, "n_ranks": np.int64, "n_workers": np.int64, "complete": bool,
+              "leader_rank": np.int64}
     return {k: np.asarray(v, dtype=dtypes.get(k, float)) for k, v in rows.items()}
 
 
@@ -325,6 +340,11 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
     steps = [_last(col(d, "train", "step", np.int64)) for d in run.ranks.values()]
     steps = [int(s) for s in steps if s is not None]
     row["steps"] = max(steps) if steps else None
+    if run.has_workers:
+        row["n_workers"] = run.n_workers
+        inside = [_last(col(d, "train", "worker_bytes_sent", np.int64))
+                  for d in run.ranks.values()]
+        row["total_worker_bytes_sent"] = int(sum(int(b) for b in inside if b is not None))
     row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
     row["failures"] = len(run.faults())
     from lsgd_hpc.comm.faults import format_ranks
@@ -362,9 +382,11 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def summary_columns(targets: Targets | None = None) -> tuple[str, ...]:
-    """summary.csv's columns: SUMMARY_COLUMNS, then the target columns of the targets given."""
-    return SUMMARY_COLUMNS + (targets.columns() if targets else ())
+def summary_columns(targets: Targets | None = None, workers: bool = False) -> tuple[str, ...]:
+    """summary.csv's columns: SUMMARY_COLUMNS, then (``workers``: some run has workers that
+    span ranks) WORKER_COLUMNS, then the target columns of the targets given."""
+    return (SUMMARY_COLUMNS + (WORKER_COLUMNS if workers else ())
+            + (targets.columns() if targets else ()))
 
 
 def write_table_csv(rows: list[dict], columns: Iterable[str], path: str | os.PathLike) -> None:
@@ -380,7 +402,7 @@ def write_table_csv(rows: list[dict], columns: Iterable[str], path: str | os.Pat
 def write_summary_csv(runs: list[Run], path: str | os.PathLike,
                       targets: Targets | None = None) -> list[dict]:
     rows = [summarize_run(r, targets) for r in runs]
-    write_table_csv(rows, summary_columns(targets), path)
+    write_table_csv(rows, summary_columns(targets, any(r.has_workers for r in runs)), path)
     return rows
 
 
@@ -395,7 +417,10 @@ def curve_rows(run: Run) -> Iterator[tuple]:
         for metric, name, dtype in (("train_loss", "loss", float),
                                     ("train_accuracy", "accuracy", float),
                                     ("comm_bytes_sent", "comm_bytes_sent", np.int64),
+                                    ("worker_bytes_sent", "worker_bytes_sent", np.int64),
                                     ("training_time", "training_time", float)):
+            if name == "worker_bytes_sent" and name not in d.get("train", {}):
+                continue
             vals = col(d, "train", name, dtype)
             for s, wt, v in zip(tstep, twall, vals):
                 yield (run.name, r, s, wt, metric, v)

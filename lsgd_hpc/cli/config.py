@@ -21,7 +21,8 @@ import yaml
 from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_spec
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
-    comm_dtype_problem
+    comm_dtype_problem, error_feedback_problem
+from lsgd_hpc.runtime.trackers import TRACKERS, check_trackers
 
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
            "option_group", "ALGORITHMS", "GROUPS", "TRAINER_OPTIONS", "straggler_of",
@@ -153,6 +154,11 @@ TRAINER_OPTIONS = (
     Option("checkpoint_every", 0, "int",
            "steps between checkpoints (0: on preemption and at the end)",
            section="output and checkpoints", low=0),
+    Option("tracker", None, "choice",
+           "mirror rank 0's metrics to an experiment tracker, offline, under --run-dir "
+           "(repeat the flag for several; each is an optional extra: pip install "
+           "lsgd_hpc[NAME])", section="output and checkpoints", choices=TRACKERS,
+           none="none", multiple=True),
 )
 
 
@@ -173,7 +179,8 @@ def cli_options() -> Dict[str, Option]:
 _OPTIONS = cli_options()
 _METHOD_OPTION_NAMES = {o.name for s in SPECS.values() for o in s.options if o.cli}
 _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice": Optional[str],
-          "str": Optional[str], "int_or_auto": Any}
+          "str": Optional[str], "int_or_auto": Any, "int_or_modules": Any,
+          "int_or_node": Any, "list": Optional[List[str]]}
 
 #: Every option of ``python -m lsgd_hpc.train``; field names are the options' with ``_``.
 #: A method's option is None unless given, and after parse_config holds the resolved value
@@ -181,7 +188,8 @@ _TYPES = {"int": Optional[int], "float": Optional[float], "bool": bool, "choice"
 #: the chosen method's options, resolved; ``preset`` the values that came from the data
 #: set's preset.
 Config = make_dataclass("Config", [
-    *[(name, _TYPES[o.kind], field(default=None if name in _METHOD_OPTION_NAMES else o.default))
+    *[(name, _TYPES["list" if o.multiple else o.kind],
+       field(default=None if name in _METHOD_OPTION_NAMES else o.default))
       for name, o in _OPTIONS.items()],
     ("method_options", Dict[str, Any], field(default_factory=dict)),
     ("preset", Dict[str, Any], field(default_factory=dict)),
@@ -257,7 +265,7 @@ def _help_text(o: Option) -> str:
 #: closed sets argparse shows as {a,b,...}; other choices are listed in the help and checked
 #: with the option's own message (YAML files go through the same check)
 _ARGPARSE_CHOICES = ("algorithm", "backend", "lr_schedule", "optimizer", "precision",
-                     "comm_dtype", "device", "lsgd_bn", "leader_score")
+                     "comm_dtype", "device", "lsgd_bn", "leader_score", "tracker")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -281,6 +289,9 @@ def _parser() -> argparse.ArgumentParser:
             section.add_argument(o.flag, action=argparse.BooleanOptionalAction, help=helptext)
         elif o.kind == "bool":
             section.add_argument(o.flag, action="store_true", help=helptext)
+        elif o.multiple:
+            section.add_argument(o.flag, action="append", choices=o.choices or None,
+                                 metavar=None if o.choices else o.name.upper(), help=helptext)
         else:
             # Strings here; types are checked in one place (Option.parse) for YAML and CLI.
             choices = o.choices if o.name in _ARGPARSE_CHOICES else None
@@ -392,9 +403,15 @@ def validate(cfg: Config, env: dict) -> None:
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
-    problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend)
+    problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend, cfg.algorithm)
     if problem:
         raise ConfigError("--comm-dtype", problem)
+    problem = error_feedback_problem(cfg.error_feedback, cfg.comm_dtype)
+    if problem:
+        raise ConfigError("--error-feedback", problem)
+    problem = check_trackers(cfg.tracker)
+    if problem:
+        raise ConfigError("--tracker", problem)
     if cfg.nesterov and cfg.momentum <= 0:
         raise ConfigError("--nesterov", "needs --momentum > 0 (Nesterov momentum without "
                                         "momentum is plain SGD)")
@@ -405,6 +422,9 @@ def validate(cfg: Config, env: dict) -> None:
     if cfg.dataset == "imagefolder" and cfg.leader_score == "heldout":
         raise ConfigError("--leader-score", "heldout is not for imagefolder (its slice is held "
                                             "in memory; digits, cifar10 and synthetic only)")
+    refused = SPECS[cfg.algorithm].workers_refused
+    if cfg.worker_ranks != 1 and refused:
+        raise ConfigError("--worker-ranks", refused)
     if cfg.leader_score == "heldout" and cfg.algorithm != "lsgd":
         why = ("lsgd-async elects at every probe, where a held-out evaluation would stall "
                "the round machine" if cfg.algorithm == "lsgd-async"
@@ -507,7 +527,28 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
         raise ConfigError("--straggler", f"rank {slow[0]} is not in this job of {world_size} "
                                          "ranks")
     spec = SPECS[cfg.algorithm]
+    # workers that span ranks: the method runs between n_workers of them (when the node
+    # layout is known here; by host name it is not, and the method checks it on every rank)
+    n_workers = world_size
+    if cfg.worker_ranks != 1:
+        from lsgd_hpc.comm.workers import worker_layout, worker_layout_problem
+        rpn = cfg.ranks_per_node or (int(env["LSGD_HPC_RANKS_PER_NODE"])
+                                     if env.get("LSGD_HPC_RANKS_PER_NODE") else None)
+        node_of = [r // rpn for r in range(world_size)] if rpn else None
+        problem = worker_layout_problem(node_of or [0] * world_size,
+                                        cfg.worker_ranks if cfg.worker_ranks != "node" or
+                                        node_of else 1)
+        if problem:
+            raise ConfigError("--worker-ranks", problem)
+        if not spec.worker_grouping:
+            n_workers = world_size
+        elif node_of is not None:
+            n_workers = worker_layout(node_of, cfg.worker_ranks).n_workers
+        elif cfg.worker_ranks != "node":
+            n_workers = world_size // cfg.worker_ranks
+        else:
+            return                       # not known before the node groups are formed
     try:
-        spec.check_world(cfg.method_options, world_size)
+        spec.check_world(cfg.method_options, n_workers)
     except OptionError as exc:
         raise ConfigError(spec.option(exc.option).flag, exc.reason) from None

@@ -358,7 +358,7 @@ def format_table(rows: List[Check], width: int = 100) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2; printed once, by rank 0 only
-        from lsgd_hpc.cli.train import _env_rank
+        from lsgd_hpc.comm.launcher import env_rank as _env_rank
         if _env_rank() == 0:
             print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_USAGE)

@@ -18,13 +18,18 @@ def uncounted(comm: "Communicator", probe: bool = False) -> Iterator[None]:
     """Measurement and control traffic (consensus probes, stop flags) is not the method's
     communication: restore the counters afterwards so comm_* report only the algorithm, and
     book the time as control overhead (``overhead_seconds``, still training time) or, with
-    ``probe``, as measurement (``probe_seconds``, left out of the training time)."""
-    saved = comm.stats.snapshot()
+    ``probe``, as measurement (``probe_seconds``, left out of the training time).
+    A communicator whose collectives also count elsewhere (the world of workers of
+    lsgd_hpc.comm.workers: inside each worker too) names all its counters in ``counters``;
+    every one of them is restored."""
+    counters = tuple(getattr(comm, "counters", None) or (comm.stats,))
+    saved = [s.snapshot() for s in counters]
     t0 = time.perf_counter()
     try:
         yield
     finally:
-        comm.stats.load_state_dict(saved.state_dict())
+        for s, old in zip(counters, saved):
+            s.load_state_dict(old.state_dict())
         if probe:
             comm.stats.probe_seconds += time.perf_counter() - t0
         else:

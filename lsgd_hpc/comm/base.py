@@ -34,6 +34,9 @@ class CommStats:
     Conventions (logical payload, independent of the MPI library's algorithm):
     allreduce of n bytes: sent n, received n.  broadcast: the root sends n, every other rank
     receives n.  neighbour exchange: n per out-neighbour sent, n per in-neighbour received.
+    alltoall of n bytes (n/p per member): the (p - 1) n/p that leave sent, as many received.
+    allgather of n bytes from each member: n per other member, sent and received.
+    A quantized allreduce (lsgd_hpc.comm.quantized) counts as an allreduce of its payload.
     Sub-communicators share their parent's stats, so the totals are per rank.
     """
 
@@ -280,6 +283,31 @@ class Communicator(abc.ABC):
 
         The result shares this communicator's stats.
         """
+
+    # -- personalised exchange and gather (the two phases of a quantized allreduce) -----------
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Chunk j of ``send`` (``send.numel() // size`` elements) goes to rank j; chunk i of
+        ``out`` (same numel and dtype as ``send``) comes from rank i. Returns ``out``."""
+        raise NotImplementedError(f"{type(self).__name__} has no alltoall")
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Chunk i of ``out`` (``size * send.numel()`` elements of send's dtype) <- rank i's
+        ``send``. Returns ``out``."""
+        raise NotImplementedError(f"{type(self).__name__} has no allgather")
+
+    def _exchange_args(self, what: str, send: torch.Tensor, out: torch.Tensor) -> int:
+        """Check the buffers of an alltoall or allgather; the elements per member's chunk."""
+        check_tensor(send, "send")
+        check_tensor(out, "out")
+        per = send.numel() // self.size if what == "alltoall" else send.numel()
+        want = send.numel() if what == "alltoall" else send.numel() * self.size
+        if what == "alltoall" and send.numel() % self.size:
+            raise CommError(f"alltoall: send has {send.numel()} elements, not a multiple of "
+                            f"the group size {self.size}")
+        if out.numel() != want or out.dtype != send.dtype or out.device != send.device:
+            raise CommError(f"{what}: out must hold {want} elements of {send.dtype} on "
+                            f"{send.device}, got {out.numel()} of {out.dtype} on {out.device}")
+        return per
 
     @abc.abstractmethod
     def allgather_object(self, obj) -> list:

@@ -13,14 +13,29 @@ from torch import nn
 
 from lsgd_hpc.comm.memory import host_zeros
 
-__all__ = ["FlatParams"]
+__all__ = ["FlatParams", "state_buffers"]
+
+
+def state_buffers(model: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """The model's floating-point buffers that are part of its state (``named_buffers`` order):
+    BatchNorm's running statistics, but not a buffer registered with ``persistent=False`` (a
+    constant the model builds itself, such as a causal attention mask of -inf: nothing to
+    average, pull or checkpoint, and no finite number to quantize)."""
+    persistent = set()
+    for prefix, mod in model.named_modules():
+        for name, b in mod._buffers.items():
+            if b is not None and name not in mod._non_persistent_buffers_set:
+                persistent.add(f"{prefix}.{name}" if prefix else name)
+    return [(n, b) for n, b in model.named_buffers()
+            if n in persistent and b.is_floating_point()]
 
 
 class FlatParams:
     """Re-seat ``model``'s parameters and floating-point buffers into one flat tensor.
 
     ``flat`` holds the parameters first (``flat[:n_params]``), then the floating-point buffers
-    (BatchNorm running statistics), so that the model's whole state moves in one call.
+    of the model's state (BatchNorm running statistics; see state_buffers), so that the
+    model's whole state moves in one call.
     ``grad`` holds the parameters' gradients in the same order; the parameters' ``.grad``
     are views into it, and autograd accumulates into them in place. Call ``zero_grad()``
     (not ``optimizer.zero_grad()``, whose default sets .grad to None and breaks the views).
@@ -29,7 +44,7 @@ class FlatParams:
     def __init__(self, model: nn.Module):
         self.model = model
         params = [p for p in model.parameters()]
-        buffers = [b for b in model.buffers() if b.is_floating_point()]
+        buffers = [b for _, b in state_buffers(model)]
         if not params:
             raise ValueError("model has no parameters")
         dtypes = {p.dtype for p in params} | {b.dtype for b in buffers}
@@ -53,9 +68,7 @@ class FlatParams:
                 p.grad = self.grad[offset:offset + n].view_as(p)
             self.slices.append((name, offset, n))
             offset += n
-        for name, b in model.named_buffers():
-            if not b.is_floating_point():
-                continue
+        for name, b in state_buffers(model):
             n = b.numel()
             view = self.flat[offset:offset + n].view_as(b)
             view.copy_(b)

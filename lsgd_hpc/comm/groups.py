@@ -34,13 +34,16 @@ def node_layout(hostnames: Sequence[str], ranks_per_node: Optional[int] = None) 
 class NodeGroups:
     """The three communicators of the two-level (node, cluster) hierarchy, seen from one rank.
 
-    ``roots`` exists only on node roots (local rank 0) and is None elsewhere.
+    ``roots`` exists only on node roots (local rank 0) and is None elsewhere. ``node_of`` is
+    indexed by rank in ``world``; a "world rank" here is what ``world.world_ranks`` names its
+    members (the job's ranks for the job's world; the representatives' ranks for the world of
+    workers of lsgd_hpc.comm.workers, where member i is worker i).
     """
 
     world: Communicator
     node: Communicator
     roots: Optional[Communicator]
-    node_of: List[int]          # node index of every world rank
+    node_of: List[int]          # node index of every member of world, by its rank in world
     hostname: str
 
     @classmethod
@@ -78,13 +81,13 @@ class NodeGroups:
 
     def root_of_node(self, node_index: int) -> int:
         """World rank of a node's root (its lowest world rank)."""
-        return self.node_of.index(node_index)
+        return self.world.world_ranks[self.node_of.index(node_index)]
 
     def broadcast_from_(self, tensor, world_root: int):
         """Broadcast ``tensor`` from world rank ``world_root`` to every rank, crossing node
         boundaries once per node: root's node -> the node roots -> inside every other node.
         """
-        src_node = self.node_of[world_root]
+        src_node = self.node_of[self.world.world_ranks.index(world_root)]
         in_src_node = self.node_index == src_node
         leader_is_root = self.root_of_node(src_node) == world_root
         if in_src_node and not leader_is_root:

@@ -327,3 +327,16 @@ def torch_store(info: LaunchInfo, env: dict, timeout_s: float = 300.0):
     raise CommError("--backend torch: no rendezvous address; set MASTER_ADDR and MASTER_PORT "
                     f"(launched by {info.launcher or 'nothing'}: torchrun and srun set or "
                     "imply them, mpirun uses rank 0's host)")
+
+
+def launch_attrs(backend: str, env: dict) -> dict:
+    """``launcher`` (torchrun, mpirun, srun, '' alone) and, for --backend torch, the
+    ``rendezvous`` host:port every rank joined (MASTER_ADDR/PORT, srun's derived ones, or
+    rank 0's under mpirun)."""
+    out = {"launcher": detect(env).launcher or "", "rendezvous": ""}
+    if backend == "torch":
+        from lsgd_hpc.comm.torchdist import RENDEZVOUS
+        out["launcher"] = RENDEZVOUS.get("launcher", out["launcher"])
+        if RENDEZVOUS.get("host"):
+            out["rendezvous"] = f"{RENDEZVOUS['host']}:{RENDEZVOUS['port']}"
+    return out

@@ -393,6 +393,26 @@ class MPICommunicator(Communicator):
         self._children.append(child)
         return child
 
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("alltoall", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("alltoall", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("alltoall"):
+            self.comm.Alltoall(_buffer(send, per), _buffer(out, per))
+        return out
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("allgather", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("allgather", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("allgather"):
+            self.comm.Allgather(_buffer(send), _buffer(out, per))
+        return out
+
     def allgather_object(self, obj) -> list:
         with self._watch("allgather_object"):
             return self.comm.allgather(obj)

@@ -22,6 +22,8 @@ both backends give the same results and the same traffic figures:
   same counter, so every split first agrees on it (the largest among the parent's members,
   in the same object all-gather that collects the colours and keys), then creates the groups
   in colour order.
+* ``alltoall``/``allgather`` (the two phases of the int8/fp8 allreduce, on byte buffers):
+  ``all_to_all_single`` and ``all_gather_single``, which gloo (torch 2.14) and NCCL both have.
 * ``neighbor_allgather``: point-to-point (``batch_isend_irecv``), never a collective over
   the group; neighbours compare buffer signatures first, so gossip stays neighbour-only.
 * ``abort``: ends this process at once (``os._exit``); the launcher (torchrun, mpirun,
@@ -59,6 +61,9 @@ _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 ELECT_BYTES = 16
 #: Set to 0 to skip the agreement check that precedes every collective (as for MPI).
 VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
+#: an allgather into one flat tensor (gloo and NCCL have it; all_gather_single is its newer
+#: name, all_gather_into_tensor the older one that torch 2.14 deprecates)
+_ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _buffer_key(t: torch.Tensor) -> tuple:
@@ -441,6 +446,26 @@ class TorchCommunicator(Communicator):
         child._agreed = self._agreed
         self._children.append(child)
         return child
+
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("alltoall", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("alltoall", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("alltoall"):
+            dist.all_to_all_single(out, send, group=self.group)
+        return out
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        per = self._exchange_args("allgather", send, out)
+        if self._size == 1:
+            return out.copy_(send)
+        self._agree("allgather", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes), self._watch("allgather"):
+            _ALLGATHER(out, send, group=self.group)
+        return out
 
     def allgather_object(self, obj) -> list:
         if self._size == 1:

@@ -1,10 +1,14 @@
-"""This rank's batches of every epoch: deterministic per-rank sharding of an in-memory data
-set, with its augmentation (ShardedBatches)."""
+"""This rank's batches of every epoch, one sharding scheme for all: ShardedSampler (index
+batches, for a torch DataLoader's ``batch_sampler`` in a user's loop, and what a checkpoint
+records) and ShardedBatches (the trainer's in-memory batches with augmentation, drawn from a
+ShardedSampler), so a run the trainer started can be resumed by a library loop and the
+reverse."""
 
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -15,7 +19,7 @@ from lsgd_hpc.data.seeds import AUG_TAG, PERM_TAG, generator
 if TYPE_CHECKING:
     from lsgd_hpc.data.loaders import Dataset
 
-__all__ = ["ShardedBatches"]
+__all__ = ["ShardedSampler", "ShardedBatches"]
 
 
 def _int(v) -> Optional[int]:
@@ -28,15 +32,109 @@ def _int(v) -> Optional[int]:
         return None
 
 
-class ShardedBatches:
-    """This rank's share of every epoch, as in torch's DistributedSampler, plus augmentation.
+class ShardedSampler(torch.utils.data.Sampler):
+    """This rank's batches of every epoch, deterministic and resumable; use it as a torch
+    ``DataLoader``'s ``batch_sampler``.
 
-    Epoch e: one permutation of the training indices from a generator seeded by (seed, e), the
-    same on every rank, padded by wrapping to a multiple of world_size; rank r takes
-    perm[r::world_size].  Batches of batch_size in that order (drop_last drops the short tail).
-    Training batches of an augmenting data set (cifar10) are augmented with a generator seeded
-    by (seed, rank, epoch, batch index).  Same (seed, rank, world_size, epoch, start) ->
-    bit-identical batches, so ``batches(epoch, start=k)`` resumes exactly mid-epoch.
+    Epoch e: one permutation of the ``num_samples`` indices from a generator seeded by
+    (seed, e), the same on every rank, padded by wrapping to a multiple of the world size;
+    rank r takes ``perm[r::size]``, cut into ``batch_size`` batches (the short tail dropped,
+    so every rank takes ``steps_per_epoch`` steps per epoch). The position is the global
+    step: ``set_step(k)`` makes the next iteration start at batch k (the Checkpointer does it
+    on resume), and an iteration runs to the end of that epoch, then moves to the next.
+    ``comm``: anything with ``rank`` and ``size`` (``lsgd_hpc.init``'s handle)."""
+
+    def __init__(self, num_samples: int, comm, batch_size: int, seed: int = 0,
+                 shuffle: bool = True):
+        for name, v, low in (("num_samples", num_samples, 1), ("batch_size", batch_size, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        self.n = num_samples
+        self.batch_size, self.seed, self.shuffle = batch_size, int(seed), bool(shuffle)
+        self._shard(comm.rank, comm.size)
+        self.step = 0
+        # where the current sharding began (a reshard after lost ranks): step and epoch
+        self.base_step, self.base_epoch = 0, 0
+        self._pending: Optional[Tuple[int, int]] = None
+
+    def _shard(self, rank: int, size: int) -> None:
+        per_rank = -(-self.n // size)
+        if per_rank // self.batch_size == 0:
+            raise ValueError(f"batch_size {self.batch_size} is larger than the {per_rank} "
+                             f"samples each of the {size} ranks gets")
+        self.rank, self.size = rank, size
+        self.per_rank = per_rank
+        self.steps_per_epoch = per_rank // self.batch_size
+
+    def reshard(self, comm) -> None:
+        """After lost ranks (``on_failure="shrink"``): shard over ``comm``'s current ranks
+        from the next epoch boundary on (the epoch under way keeps its shards, the dead ranks'
+        left out until it ends; ``steps_per_epoch`` then grows). Call it on every survivor,
+        e.g. from ``comm.on_failure``."""
+        self._pending = (comm.rank, comm.size)
+
+    def _locate(self, step: int) -> Tuple[int, int]:
+        """(epoch, batch within it) of a global step."""
+        epoch, start = divmod(max(0, step - self.base_step), self.steps_per_epoch)
+        return self.base_epoch + epoch, start
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch - self._locate(self.step)[1]
+
+    def set_step(self, step: int) -> None:
+        self.step = int(step)
+
+    @property
+    def epoch(self) -> int:
+        return self._locate(self.step)[0]
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's indices of ``epoch`` (``per_rank`` of them)."""
+        if self.shuffle:
+            perm = torch.randperm(self.n, generator=generator(PERM_TAG, self.seed, epoch))
+        else:
+            perm = torch.arange(self.n)
+        total = self.per_rank * self.size
+        if total > self.n:
+            perm = torch.cat([perm, perm.repeat(-(-total // self.n))[:total - self.n]])
+        return perm[self.rank:total:self.size]
+
+    def __iter__(self) -> Iterator[List[int]]:
+        epoch, start = self._locate(self.step)
+        if self._pending is not None and start == 0:      # an epoch boundary: reshard now
+            self._shard(*self._pending)
+            self._pending = None
+            self.base_step, self.base_epoch = self.step, epoch
+        idx = self.indices(epoch)
+        b, per_epoch, base = self.batch_size, self.steps_per_epoch, self.base_step
+        for i in range(start, per_epoch):
+            yield idx[i * b:(i + 1) * b].tolist()
+        self.step = base + (epoch - self.base_epoch + 1) * per_epoch
+
+    def state_dict(self) -> Dict[str, int]:
+        state = {"n": self.n, "size": self.size, "batch_size": self.batch_size,
+                 "seed": self.seed, "shuffle": int(self.shuffle)}
+        if self.base_step or self.base_epoch:       # resharded after lost ranks
+            state.update(base_step=self.base_step, base_epoch=self.base_epoch)
+        return state
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        self.base_step = int(state.get("base_step", 0))
+        self.base_epoch = int(state.get("base_epoch", 0))
+        mine = self.state_dict()
+        if state != mine:
+            diff = ", ".join(f"{k} {state.get(k)} -> {mine[k]}" for k in mine
+                             if state.get(k) != mine[k])
+            raise ValueError(f"ShardedSampler: the checkpoint's sharding differs ({diff})")
+
+
+class ShardedBatches:
+    """This rank's share of every epoch, as in torch's DistributedSampler, plus augmentation:
+    the index batches of ``self.sampler`` (a ShardedSampler; with ``drop_last=False`` the short
+    tail of each epoch too), read from an in-memory data set. Training batches of an
+    augmenting data set (cifar10) are augmented with a generator seeded by (seed, rank, epoch,
+    batch index). Same (seed, rank, world_size, epoch, start) -> bit-identical batches, so
+    ``batches(epoch, start=k)`` resumes exactly mid-epoch.
 
     A data set that streams from disk names its own subclass (``ds.sharded_batches``, an
     image folder's ImageFolderBatches): ``ShardedBatches(ds, ...)`` builds that one.
@@ -72,6 +170,9 @@ class ShardedBatches:
         self.augment = ds.augment if augment is None else bool(augment)
         self.samples_per_rank = -(-n // world_size)
         self.total_size = self.samples_per_rank * world_size
+        # the index scheme (its batch size matters only to its own iteration)
+        self.sampler = ShardedSampler(n, SimpleNamespace(rank=rank, size=world_size),
+                                      min(batch_size, self.samples_per_rank), self.seed)
         if self.drop_last:
             self.steps_per_epoch = self.samples_per_rank // batch_size
         else:
@@ -87,13 +188,7 @@ class ShardedBatches:
 
     def indices(self, epoch: int) -> torch.Tensor:
         """This rank's training indices for ``epoch`` (samples_per_rank of them)."""
-        n = self.ds.n_train
-        perm = torch.randperm(n, generator=generator(PERM_TAG, self.seed, epoch))
-        pad = self.total_size - n
-        if pad:
-            reps = -(-pad // n)
-            perm = torch.cat([perm, perm.repeat(reps)[:pad]])
-        return perm[self.rank:self.total_size:self.world_size]
+        return self.sampler.indices(epoch)
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """Yield (x, y) for batch indices start..steps_per_epoch-1 of ``epoch``.

@@ -54,9 +54,8 @@ class DatasetSpec:
             raise TypeError(f"data set {self.name}: a budget in epochs or in steps, not both")
 
     def preset(self, method: str) -> Dict[str, Any]:
-        """The method options this data set's preset sets for ``method`` (maybe none)."""
-        from lsgd_hpc.methods.registry import spec_of
-        spec_of(method)                                   # an unknown method: ValueError
+        """The method options this data set's preset sets for ``method`` (``--algorithm``
+        name; none for a method it does not name)."""
         return dict(self.presets.get(method, {}))
 
     def load_function(self) -> Callable:

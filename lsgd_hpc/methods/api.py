@@ -24,17 +24,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import weakref
 from typing import Any, Dict, Iterator, Optional
 
 import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams
+from lsgd_hpc.comm.workers import WorkerRanks, build_workers, worker_layout, \
+    worker_layout_problem
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
-                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule, uncounted)
-from lsgd_hpc.methods.spec import COMMON_OPTIONS, MethodSpec, OptionError, comm_dtype_problem
-from lsgd_hpc.runtime.watchdog import MONITOR
+                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule,
+                                    uncounted)
+from lsgd_hpc.methods.rules.diloco import fragment_tensors
+from lsgd_hpc.methods.rules.workers import WorkerRule
+from lsgd_hpc.methods.spec import (COMMON_OPTIONS, QUANTIZED_COMM_DTYPES, MethodSpec, OptionError,
+                                   comm_dtype_problem, error_feedback_problem)
+from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
            "DiLoCo", "SlowMo", "GossipSGD", "METHODS", "method_class"]
@@ -50,6 +57,20 @@ def _check_count(name: str, value, low: int) -> int:
     return value
 
 
+#: the workers built on a job's world, per (node layout, worker_ranks): every method on that
+#: world with that grouping shares them (as methods share the world and its counters)
+_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _workers_of(comm, worker_ranks):
+    """Collective over ``comm.world`` the first time (every rank builds a method alike)."""
+    per_world = _WORKERS.setdefault(comm.world, {})
+    key = (tuple(comm.groups.node_of), worker_ranks)
+    if key not in per_world:
+        per_world[key] = build_workers(comm.world, comm.groups, worker_ranks)
+    return per_world[key]
+
+
 def _model_problem(model, optimizer) -> Optional[str]:
     """Why this rank cannot run a method on (model, optimizer), or None."""
     if not isinstance(model, nn.Module):
@@ -62,7 +83,8 @@ def _model_problem(model, optimizer) -> Optional[str]:
     params = list(model.parameters())
     if not params:
         return "model has no parameters"
-    tensors = params + [b for b in model.buffers() if b.is_floating_point()]
+    from lsgd_hpc.comm.flat import state_buffers
+    tensors = params + [b for _, b in state_buffers(model)]
     devices = sorted({str(t.device) for t in tensors})
     if len(devices) > 1:
         return (f"model has parameters or buffers on {len(devices)} devices "
@@ -98,7 +120,17 @@ class Method:
       receives the method's elections and consensus rows.
     - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
       pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
-      ``lsgd_hpc.comm.lowprec`` for what that rounding changes).
+      ``lsgd_hpc.comm.lowprec`` for what that rounding changes); or ``"int8"``/``"fp8"``:
+      one byte per element plus per-block scales (``lsgd_hpc.comm.quantized``; LSGD,
+      EASGD, local SGD, DiLoCo, SlowMo).
+    - ``error_feedback``: with int8/fp8, each rank's allreduce input carries what rounding
+      dropped from its previous ones; the residuals are in ``state_dict``.
+    - ``worker_ranks``: 1 (every rank is a worker), K, or ``"node"``: K consecutive ranks of
+      a node, or all of a node's ranks, form one worker that trains one replica as data
+      parallel SGD (gradients averaged inside it every step, ``WorkerRule``), and the method
+      runs between workers (``lsgd_hpc.comm.workers``). K must divide the ranks of every
+      node. AllreduceSGD accepts it and is unchanged (it trains one replica over all ranks
+      already); AsyncLeaderSGD refuses it.
 
     A method is a context manager: ``with lsgd_hpc.DiLoCo(model, opt, comm) as method:``
     closes it at the end (``close()`` does the same); a closed method refuses ``step``.
@@ -120,22 +152,38 @@ class Method:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
-                 comm_dtype: str = "fp32", broadcast_initial: bool = True, **options):
+                 comm_dtype: str = "fp32", error_feedback: bool = False,
+                 worker_ranks: WorkerRanks = 1,
+                 broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
-        opts = self.spec.resolve(options, world_size=comm.size, where=type(self).__name__)
+        layout = self._worker_layout(comm, worker_ranks)
+        opts = self.spec.resolve(options, world_size=comm.size if layout is None
+                                 else layout.n_workers, where=type(self).__name__)
         if max_steps is not None:
             _check_count("max_steps", max_steps, 1)
         _check_count("checkpoint_every", checkpoint_every, 0)
         _check_count("consensus_every", consensus_every, 0)
         _COMMON["stop_check_every"].check(stop_check_every)
         _COMMON["comm_dtype"].check(comm_dtype)
-        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None))
+        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), self.spec.name)
         if problem:
             raise OptionError("comm_dtype", problem)
+        _COMMON["error_feedback"].check(error_feedback)
+        problem = error_feedback_problem(error_feedback, comm_dtype)
+        if problem:
+            raise OptionError("error_feedback", problem)
+        if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
+            from lsgd_hpc.comm.quantized import kind_problem
+            first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+            problem = kind_problem(comm_dtype, None if first is None else first.device)
+            if problem:
+                raise OptionError("comm_dtype", problem)
         self.check_usage(opts, model, optimizer)
         from lsgd_hpc.methods import recovery
-        if getattr(comm, "_ft", None) is not None and self.name in recovery.REFUSED:
-            raise ValueError(recovery.REFUSED[self.name])      # on_failure="shrink"
+        if getattr(comm, "_ft", None) is not None:              # on_failure="shrink"
+            problem = recovery.refusal(self.name, opts, worker_ranks, comm_dtype)
+            if problem:
+                raise ValueError(problem)
         # Every rank checks its own model; all agree before anything else, so a model one
         # rank cannot handle stops every rank with the same message.
         problem = _model_problem(model, optimizer)
@@ -152,14 +200,40 @@ class Method:
         self.model, self.optimizer, self.comm = model, optimizer, comm
         self.options = opts
         self.world, self.groups = comm.world, comm.groups
-        self.comm_dtype = comm_dtype
-        if comm_dtype != "fp32":                  # what the method sends, in bfloat16
+        self.worker_ranks = worker_ranks
+        #: this rank's worker and the world of workers (None: every rank is a worker)
+        self.workers = None if layout is None else _workers_of(comm, worker_ranks)
+        if self.workers is not None:              # the method runs between workers
+            self.groups = self.workers.groups
+            self.world = self.groups.world
+        self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
+        #: the quantized groups (int8/fp8), whose residuals are part of state_dict
+        self.wire = None
+        if comm_dtype in QUANTIZED_COMM_DTYPES:   # what the method sends, in one byte
+            from lsgd_hpc.comm.quantized import quantized_groups
+            self.groups = self.wire = quantized_groups(self.groups, comm_dtype, error_feedback)
+            self.world = self.groups.world
+        elif comm_dtype != "fp32":                # what the method sends, in bfloat16
             from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
-            self.groups = low_precision_groups(comm.groups, WIRE_DTYPES[comm_dtype])
+            self.groups = low_precision_groups(self.groups, WIRE_DTYPES[comm_dtype])
             self.world = self.groups.world
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
         self.rule = self.build(opts)
+        # a rule with collectives in flight across steps moves them on during backward
+        self._progress_hooks = []
+        if self.rule.overlaps and self.world.size > 1:
+            progress = self.rule.progress
+            self._progress_hooks = [p.register_post_accumulate_grad_hook(
+                lambda _p: progress()) for p in model.parameters() if p.requires_grad]
+        if metrics is not None:
+            self.rule.track = getattr(metrics, "track", self.rule.track)
+        if self.workers is not None:              # allreduce SGD inside each worker
+            allreduce = SPECS["allreduce"]
+            self.rule = WorkerRule(
+                self.rule, self.workers, self.flat,
+                bucket_bytes=int(allreduce.option("bucket_mb").default * 2**20),
+                check_every=allreduce.option("check_replicas_every").default)
         self.rule.consensus_every = consensus_every
         self.consensus_every = consensus_every
         self.max_steps, self.checkpoint_every = max_steps, checkpoint_every
@@ -186,7 +260,9 @@ class Method:
             self._agreement = None
         else:
             from lsgd_hpc.runtime.stopping import StopAgreement
-            self._agreement = StopAgreement(self.world, stop_check_every) if stop else None
+            # (with workers, a signal may reach any rank: agreed over every rank of the job)
+            over = self.world if self.workers is None else comm.world
+            self._agreement = StopAgreement(over, stop_check_every) if stop else None
         if broadcast_initial:
             self.broadcast_initial()
         recovery.attach(self)          # on_failure="shrink": restored after every recovery
@@ -199,6 +275,29 @@ class Method:
     def build(self, opts: Dict[str, Any]):
         raise NotImplementedError
 
+    def _worker_layout(self, comm, worker_ranks):
+        """The workers' layout when the method runs between workers that span ranks, else
+        None; ValueError (the same on every rank, from the node layout every rank holds)
+        for a grouping that does not fit or a method that cannot run between workers."""
+        _COMMON["worker_ranks"].check(worker_ranks)
+        if worker_ranks == 1:
+            return None
+        if self.spec.workers_refused:
+            raise OptionError("worker_ranks", self.spec.workers_refused)
+        problem = worker_layout_problem(comm.groups.node_of, worker_ranks)
+        if problem:
+            raise OptionError("worker_ranks", problem)
+        if not self.spec.worker_grouping:      # one replica over all ranks already
+            return None
+        return worker_layout(comm.groups.node_of, worker_ranks)
+
+    @property
+    def worker_stats(self):
+        """Cumulative traffic inside this rank's worker (``CommStats``; None without
+        workers): the gradients' allreduce, the buffers' broadcast, the method's results
+        spread from the representative. ``comm.stats`` holds the method's own traffic."""
+        return None if self.workers is None else self.workers.stats
+
     # -- set-up ------------------------------------------------------------------------------
     def broadcast_initial(self) -> None:
         """Collective: every worker takes rank 0's parameters and buffers (the common x_0);
@@ -210,8 +309,11 @@ class Method:
             v.copy_(self.flat.flat)
 
     def set_metrics(self, metrics) -> None:
-        """Send the method's rows (elections, consensus) to ``metrics.log``."""
+        """Send the method's rows (elections, consensus) to ``metrics.log``, and values
+        outside the schema (the elected leader's score) to ``metrics.track`` when it has one
+        (the experiment trackers)."""
         self.log = self.rule.log = metrics.log
+        self.rule.track = getattr(metrics, "track", self.rule.track)
 
     # -- the step ----------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -253,7 +355,8 @@ class Method:
     def _synchronize(self) -> None:
         if self._synced:
             return
-        if self.averages_gradients and self.world.size > 1:   # (alone: nothing to average)
+        if (self.averages_gradients and self.world.size > 1) or \
+                (self.workers is not None and self.workers.size > 1):  # (alone: nothing to do)
             self._gradients_into_buffer()
         self.rule.before_step(self.steps + 1)
         self._synced = True
@@ -378,8 +481,11 @@ class Method:
         """The method's own state (its step counter and rule state; not the model's or the
         optimizer's, which the user saves as usual)."""
         self.drain()
-        return {"method": self.name, "steps": self.steps, "skipped_steps": self.skipped_steps,
-                "rule": self.rule.state_dict()}
+        state = {"method": self.name, "steps": self.steps, "skipped_steps": self.skipped_steps,
+                 "rule": self.rule.state_dict()}
+        if self.wire is not None and self.error_feedback:
+            state["error_feedback"] = self.wire.state_dict()      # the residuals
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("method") != self.name:
@@ -387,6 +493,8 @@ class Method:
         self.steps = int(state["steps"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.rule.load_state_dict(state["rule"])
+        if self.wire is not None and self.error_feedback:   # (none saved: they start at zero)
+            self.wire.load_state_dict(state.get("error_feedback", {}))
         self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
                          and self.steps >= self.max_steps)
 
@@ -407,10 +515,16 @@ class Method:
         if getattr(self.comm, "_ft", None) is not None:
             self.comm._ft.unregister(self)
         self.drain()
+        self._remove_hooks()
+        self.closed = True
+
+    def _remove_hooks(self) -> None:
         buckets = getattr(self.rule, "buckets", None)
         if buckets is not None:
             buckets.remove()
-        self.closed = True
+        for h in self._progress_hooks:
+            h.remove()
+        self._progress_hooks = []
 
     def __enter__(self) -> "Method":
         return self
@@ -421,9 +535,7 @@ class Method:
         else:            # leave in-flight collectives alone: other ranks may never post theirs
             if getattr(self.comm, "_ft", None) is not None:
                 self.comm._ft.unregister(self)
-            buckets = getattr(self.rule, "buckets", None)
-            if buckets is not None:
-                buckets.remove()
+            self._remove_hooks()
             self.closed = True
         return False
 
@@ -441,7 +553,13 @@ class LeaderSGD(Method):
     ``score_fn``, the lowest ``score_fn()`` evaluated at each election (for instance the loss
     on a held-out slice of the training data: a leader that generalises; time it inside
     ``uncounted(comm.world, probe=True)`` to keep it out of the training time). The reported
-    model is the last elected global leader's."""
+    model is the last elected global leader's.
+
+    ``pull_delay`` d (default 0) hides the leader's broadcast behind d steps of compute: the
+    election at step s stays blocking (16 bytes), the broadcast of the leader's step-s
+    parameters runs while the workers train on, and the pull toward them lands at step
+    s + d, on the workers' parameters of that step (d < ``tau_local``). A broadcast in flight
+    is completed by ``state_dict`` (and ``close``) and its pull still lands at s + d."""
 
     spec = SPECS["lsgd"]
 
@@ -449,7 +567,12 @@ class LeaderSGD(Method):
         return LeaderRule(self.groups, self.flat, o["tau_local"], o["tau_global"],
                           o["pull_local"], o["pull_global"], o["leader_window"], log=self.log,
                           pull_every_step=bool(o["lsgd_pull_every_step"]), bn=o["lsgd_bn"],
-                          score_fn=o["score_fn"])
+                          score_fn=o["score_fn"], pull_delay=o["pull_delay"])
+
+    def drain(self) -> None:
+        """Also complete a delayed leader broadcast in flight (its pull lands at its step)."""
+        super().drain()
+        self.rule.drain()
 
     def reported_state(self) -> torch.Tensor:
         """The last elected global leader's parameters (elected now if none was yet):
@@ -560,15 +683,39 @@ class DiLoCo(Method):
     ``delta = mean_i (x_prev - x_i)`` (one allreduce) is the gradient of an outer SGD with
     ``outer_lr``, ``outer_momentum`` and Nesterov (``outer_nesterov``) from x_prev. With
     outer lr 1 and momentum 0 it is local SGD with T = H. The inner optimizer's state stays
-    local; the outer state is in ``state_dict``."""
+    local; the outer state is in ``state_dict``.
+
+    Streaming DiLoCo (Douillard et al. 2025; torchft's option names): ``fragments`` P splits
+    the parameters into P fragments, whole tensors in model order and near-equal in size, or
+    is a list of submodules, one per fragment (as torchft's ``model_fragments``; every
+    parameter in exactly one); one fragment syncs every H / P steps, round-robin, with an
+    outer optimizer of its own. Its pseudo-gradient allreduce starts
+    ``fragment_sync_delay`` (tau < H / P) steps before its sync and runs behind compute;
+    at the sync the fragment becomes ``lerp(outer result, local, fragment_update_alpha)``.
+    P = 1, tau = 0, alpha = 0 is DiLoCo. An allreduce in flight is completed by
+    ``state_dict`` (and ``close``); its result is applied at its sync step."""
 
     spec = SPECS["diloco"]
+
+    def check_usage(self, opts, model, optimizer) -> None:
+        if opts["fragments"] != 1 and isinstance(model, nn.Module):
+            try:
+                fragment_tensors(model, opts["fragments"])
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__}: {exc}") from None
 
     def build(self, o):
         return DiLoCoRule(self.groups, self.flat, local_steps=o["local_steps"],
                           outer_lr=o["outer_lr"], outer_momentum=o["outer_momentum"],
                           outer_nesterov=bool(o["outer_nesterov"]), optimizer=self.optimizer,
-                          log=self.log)
+                          log=self.log, fragments=o["fragments"],
+                          fragment_sync_delay=o["fragment_sync_delay"],
+                          fragment_update_alpha=o["fragment_update_alpha"])
+
+    def drain(self) -> None:
+        """Also complete a fragment's allreduce in flight (applied at its sync step)."""
+        super().drain()
+        self.rule.drain()
 
 
 class SlowMo(Method):

@@ -52,7 +52,7 @@ import torch
 
 from lsgd_hpc.comm.faults import injection_point, is_process_failure  # noqa: F401
 
-__all__ = ["attach", "prepare", "restore", "guarded", "REFUSED"]
+__all__ = ["attach", "prepare", "restore", "guarded", "refusal", "REFUSED"]
 
 #: methods that refuse on_failure="shrink", and why (one line each)
 REFUSED = {
@@ -62,6 +62,28 @@ REFUSED = {
                    "flight on every level; use LeaderSGD, or on_failure='abort' and resume "
                    "from a checkpoint"),
 }
+
+
+def refusal(name: str, options: dict, worker_ranks=1, comm_dtype: str = "fp32"):
+    """Why a method built with these options cannot recover from lost ranks, or None: the
+    state that is not restored yet after a shrink is refused up front, on every rank."""
+    if name in REFUSED:
+        return REFUSED[name]
+    why = None
+    if worker_ranks != 1:
+        why = ("worker_ranks != 1 (a worker that lost one of its ranks would have to be "
+               "rebuilt from the survivors of its node)")
+    elif options.get("pull_delay", 0):
+        why = "pull_delay > 0 (a delayed leader broadcast in flight is not restored)"
+    elif options.get("fragments", 1) != 1:
+        why = "fragments > 1 (Streaming DiLoCo's fragment allreduces in flight are not restored)"
+    elif comm_dtype in ("int8", "fp8"):
+        why = (f"comm_dtype {comm_dtype} (its chunks and error-feedback residuals are cut by "
+               "the world size)")
+    if why is None:
+        return None
+    return (f"on_failure='shrink' does not support {why} yet; leave it out, or use "
+            "on_failure='abort' and resume from a checkpoint")
 
 
 def attach(method) -> None:

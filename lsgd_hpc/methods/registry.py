@@ -43,6 +43,13 @@ _LEADER_OPTIONS = (
 _LEADER_CHECKS = (_multiple("tau_local", "tau_global"),)
 
 
+def _pull_delay_below_period(o):
+    if o["pull_delay"] >= o["tau_local"]:
+        return (f"must be < tau_local (one pull per level in flight), got {o['pull_delay']} "
+                f"vs {o['tau_local']}")
+    return None
+
+
 def _lsgd_cost(cm, w, c, o, coll, overlap=0.0):
     return cm.lsgd(w, c, o["tau_local"], o["tau_global"], o.get("lsgd_bn", "keep"))
 
@@ -61,8 +68,11 @@ LSGD = MethodSpec(
                "a worker's score at each election is score_fn() (e.g. a held-out loss) "
                "instead of its window mean", section="LSGD",
                none="the mean of the last leader_window minibatch losses", cli=False),
+        Option("pull_delay", 0, "int",
+               "d: the leader's broadcast runs behind d steps of compute; the pull toward the "
+               "leader of step s lands at step s + d (< tau_local)", section="LSGD", low=0),
     ),
-    checks=_LEADER_CHECKS, cost=_lsgd_cost)
+    checks=_LEADER_CHECKS + (Check("pull_delay", _pull_delay_below_period),), cost=_lsgd_cost)
 
 LSGD_ASYNC = MethodSpec(
     name="lsgd-async", class_name="AsyncLeaderSGD",
@@ -72,7 +82,10 @@ LSGD_ASYNC = MethodSpec(
                "S: steps a worker takes past a probe or leader broadcast it posted before it "
                "waits for it", section="LSGD", low=0, none="tau_global"),
     ),
-    checks=_LEADER_CHECKS, cost=_lsgd_cost)
+    checks=_LEADER_CHECKS, cost=_lsgd_cost,
+    workers_refused="is not supported by lsgd-async (its ranks take uneven numbers of steps, "
+                    "and the ranks of a worker average gradients at every step together); use "
+                    "lsgd")
 
 # -- allreduce SGD --------------------------------------------------------------------------------
 ALLREDUCE = MethodSpec(
@@ -87,7 +100,8 @@ ALLREDUCE = MethodSpec(
                low=0),
     ),
     cost=lambda cm, w, c, o, coll, overlap=0.0: cm.allreduce_sgd(
-        w, c, coll, overlap, bucket_bytes=o["bucket_mb"] * 2 ** 20))
+        w, c, coll, overlap, bucket_bytes=o["bucket_mb"] * 2 ** 20),
+    worker_grouping=False)
 
 
 # -- EASGD ----------------------------------------------------------------------------------------
@@ -132,6 +146,26 @@ LOCAL_SGD = MethodSpec(
     ),
     cost=_local_sgd_cost)
 
+def _fragment_count(o) -> int:
+    f = o["fragments"]
+    return f if isinstance(f, int) else len(f)
+
+
+def _fragments_divide_h(o):
+    p = _fragment_count(o)
+    if o["local_steps"] % p:
+        return f"must divide local_steps ({p} fragments, local_steps {o['local_steps']})"
+    return None
+
+
+def _delay_below_fragment_period(o):
+    period = o["local_steps"] // _fragment_count(o)
+    if o["local_steps"] % _fragment_count(o) == 0 and o["fragment_sync_delay"] >= period:
+        return (f"must be < local_steps / fragments = {period} (a fragment's allreduce completes "
+                f"before the next one starts), got {o['fragment_sync_delay']}")
+    return None
+
+
 DILOCO = MethodSpec(
     name="diloco", class_name="DiLoCo",
     summary="H inner steps, then an outer Nesterov step on the averaged pseudo-gradient",
@@ -141,7 +175,19 @@ DILOCO = MethodSpec(
         Option("outer_momentum", 0.9, "float", "outer SGD momentum", low=0, high=1,
                high_open=True),
         Option("outer_nesterov", True, "bool", "Nesterov outer momentum (off: heavy ball)"),
+        Option("fragments", 1, "int_or_modules",
+               "P (Streaming DiLoCo): the parameters in model order split into P fragments of "
+               "whole tensors, one synced every local_steps / P steps, round-robin (library: "
+               "or a list of submodules, one per fragment)", low=1),
+        Option("fragment_sync_delay", 0, "int",
+               "tau (Streaming DiLoCo): steps a fragment's pseudo-gradient allreduce runs "
+               "behind compute before its outer step (< local_steps / fragments)", low=0),
+        Option("fragment_update_alpha", 0.0, "float",
+               "alpha (Streaming DiLoCo): a synced fragment becomes "
+               "lerp(outer result, local, alpha) (0: the outer result)", low=0, high=1),
     ),
+    checks=(Check("fragments", _fragments_divide_h),
+            Check("fragment_sync_delay", _delay_below_fragment_period)),
     cost=lambda cm, w, c, o, coll, overlap=0.0: cm.diloco(w, c, o["local_steps"], coll))
 
 SLOWMO = MethodSpec(

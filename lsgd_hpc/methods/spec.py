@@ -17,17 +17,31 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 __all__ = ["Option", "OptionError", "Check", "MethodSpec", "COMMON_OPTIONS", "COMM_DTYPES",
-           "SECTIONS", "comm_dtype_problem"]
+           "QUANTIZED_COMM_DTYPES", "SECTIONS", "comm_dtype_problem", "error_feedback_problem"]
 
 #: Command-line help sections, in the order ``--help`` prints them.
 SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
             "output and checkpoints")
 
 #: What a method may send its model-sized traffic in (``comm_dtype``).
-COMM_DTYPES = ("fp32", "bf16")
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")
+#: the one-byte ones: per-block scales, a two-phase allreduce (lsgd_hpc.comm.quantized)
+QUANTIZED_COMM_DTYPES = ("int8", "fp8")
+#: methods that cannot send in int8/fp8, and why
+_NOT_QUANTIZED = {
+    "allreduce": "allreduce SGD averages gradients in non-blocking buckets every step; "
+                 "int8/fp8 is for the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+    "gossip": "gossip exchanges parameters with neighbours, not a sum; int8/fp8 is for the "
+              "periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+    "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8 is for the periodic "
+                  "methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+}
 
 #: Option kinds and how a value of each is described in an error
-KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto")
+KINDS = ("int", "float", "bool", "choice", "str", "callable", "int_or_auto", "int_or_modules",
+         "int_or_node")
+#: the word each integer-or-word kind also takes
+_WORDS = {"int_or_auto": "auto", "int_or_node": "node"}
 
 
 class OptionError(ValueError):
@@ -42,11 +56,15 @@ class OptionError(ValueError):
 class Option:
     """One option of a method.
 
-    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, or int_or_auto
-    (a positive integer or the word ``auto``). ``low``/``high`` bound numbers (``low_open``,
-    ``high_open``: the bound itself is excluded). ``none``: None is allowed and means this
-    (the text --help shows); otherwise None is refused. ``cli``: False for options that only
-    a library user can pass (callables).
+    ``kind``: int, float, bool, choice (one of ``choices``), str, callable, int_or_auto
+    (a positive integer or the word ``auto``), int_or_node (a positive integer or the word
+    ``node``), or int_or_modules (an integer, or in the
+    library a non-empty list of ``torch.nn.Module``, told by duck type since this module
+    imports no torch; the command line and YAML give the integer). ``low``/``high`` bound
+    numbers (``low_open``, ``high_open``: the bound itself is excluded). ``none``: None is
+    allowed and means this (the text --help shows); otherwise None is refused. ``cli``: False
+    for options that only a library user can pass (callables). ``multiple``: the value is a
+    list of such values (a repeatable flag).
     """
 
     name: str
@@ -61,6 +79,7 @@ class Option:
     choices: Tuple[str, ...] = ()
     none: Optional[str] = None
     cli: bool = True
+    multiple: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -86,21 +105,39 @@ class Option:
             if self.none is not None:
                 return None
             raise OptionError(self.name, "must be given (None is not a value for it)")
+        if self.multiple:
+            values = [value] if isinstance(value, str) else value
+            if not isinstance(values, (list, tuple)):
+                raise OptionError(self.name, f"must be a list, got {value!r}")
+            one = replace(self, multiple=False)
+            return list(dict.fromkeys(one.check(v) for v in values))    # each once, in order
         k = self.kind
-        if k == "int_or_auto":
-            if value == "auto":
+        if k in _WORDS:
+            if value == _WORDS[k]:
                 return value
+            k = "int"
+        if k == "int_or_modules":
+            if isinstance(value, (list, tuple)):
+                bad = [type(m).__name__ for m in value
+                       if not callable(getattr(m, "parameters", None))]
+                if not value or bad:
+                    got = f"holding {bad[0]}" if bad else "that is empty"
+                    raise OptionError(self.name, "must be an integer or a non-empty list of "
+                                                 f"torch.nn.Module, got a list {got}")
+                return list(value)
             k = "int"
         if k == "int":
             if isinstance(value, bool) or not isinstance(value, int):
                 if isinstance(value, float) and value.is_integer():
                     value = int(value)
                 else:
-                    auto = " or auto" if self.kind == "int_or_auto" else ""
-                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{auto}, "
+                    alt = {**{k: f" or {w}" for k, w in _WORDS.items()},
+                           "int_or_modules": " or a list of modules"}.get(self.kind, "")
+                    raise OptionError(self.name, f"must be an integer >= {self.low:g}{alt}, "
                                                  f"got {value!r}")
-            self._check_bounds(value, f"an integer >= {self.low:g}" if self.high is None
-                               else f"an integer in {self._range()}")
+            word = f" or {_WORDS[self.kind]}" if self.kind in _WORDS else ""
+            self._check_bounds(value, (f"an integer >= {self.low:g}" if self.high is None
+                                       else f"an integer in {self._range()}") + word)
             return int(value)
         if k == "float":
             if isinstance(value, bool):
@@ -144,14 +181,17 @@ class Option:
     def parse(self, text: Any) -> Any:
         """A value from a command line or a YAML file (text, or YAML's own types) in this
         option's type, then checked."""
-        if isinstance(text, str) and self.kind in ("int", "float", "int_or_auto"):
-            if self.kind == "int_or_auto" and text == "auto":
-                return "auto"
+        if isinstance(text, str) and self.kind in ("int", "float", "int_or_modules", *_WORDS):
+            if self.kind in _WORDS and text == _WORDS[self.kind]:
+                return text
             try:
                 number = float(text) if self.kind == "float" else int(text)
             except ValueError:
                 return self.check(text)          # refused, in the words of check
             return self.check(number)
+        if self.multiple and isinstance(text, (list, tuple)):
+            one = replace(self, multiple=False)
+            return self.check([one.parse(t) for t in text])
         if isinstance(text, str) and self.kind == "bool":
             low = text.lower()
             if low in ("1", "true", "yes", "on"):
@@ -181,10 +221,25 @@ class Check:
     test: Callable[..., Optional[str]]
 
 
-def comm_dtype_problem(comm_dtype: str, backend: Optional[str]) -> Optional[str]:
-    """Why ``comm_dtype`` cannot run on ``backend``, or None."""
+def comm_dtype_problem(comm_dtype: str, backend: Optional[str],
+                       method: Optional[str] = None) -> Optional[str]:
+    """Why ``comm_dtype`` cannot run on ``backend`` with ``method`` (a spec name), or None."""
     if comm_dtype == "bf16" and backend == "horovod":
         return "bf16 needs the mpi or torch backend (Horovod has no bfloat16 sum here)"
+    if comm_dtype in QUANTIZED_COMM_DTYPES:
+        if method in _NOT_QUANTIZED:
+            return f"{comm_dtype} is not for {method}: {_NOT_QUANTIZED[method]}"
+        if backend == "horovod":
+            return (f"{comm_dtype} needs the mpi or torch backend (its alltoall and allgather "
+                    "are not Horovod collectives here)")
+    return None
+
+
+def error_feedback_problem(error_feedback: bool, comm_dtype: str) -> Optional[str]:
+    """Why ``error_feedback`` cannot go with ``comm_dtype``, or None."""
+    if error_feedback and comm_dtype not in QUANTIZED_COMM_DTYPES:
+        return (f"needs --comm-dtype int8 or fp8 (it feeds back their rounding; "
+                f"comm_dtype is {comm_dtype})")
     return None
 
 
@@ -192,10 +247,20 @@ def comm_dtype_problem(comm_dtype: str, backend: Optional[str]) -> Optional[str]
 COMMON_OPTIONS: Tuple[Option, ...] = (
     Option("comm_dtype", "fp32", "choice",
            "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
-           "half the bytes, rounded (see docs/algorithms.md)",
+           "half the bytes, rounded; or int8 or fp8, a quarter of the bytes plus per-block "
+           "scales, for lsgd, easgd, local-sgd, diloco and slowmo (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
+    Option("error_feedback", False, "bool",
+           "with comm_dtype int8 or fp8: each rank adds what rounding dropped from its "
+           "allreduce input to the next one (residuals kept in the checkpoint)",
+           section="cluster and backend"),
     Option("stop_check_every", 10, "int",
            "steps between the non-blocking agreements on a stop signal",
+           section="cluster and backend", low=1),
+    Option("worker_ranks", 1, "int_or_node",
+           "ranks per worker: K consecutive ranks of a node, or node (all of a node's ranks), "
+           "train one replica as data parallel SGD (gradients averaged every step inside the "
+           "worker) and the method runs between workers (1: every rank is a worker)",
            section="cluster and backend", low=1),
 )
 
@@ -210,7 +275,10 @@ class MethodSpec:
     options; ``world_checks``: checks that need the world size; ``cost``: its entry in the
     cost model, ``cost(cm, workload, cluster, options, collectives)`` with ``cm`` the module
     :mod:`lsgd_hpc.planning.costmodel` (passed in, so that this module needs none of it),
-    returning a ``MethodCost``.
+    returning a ``MethodCost``. With ``worker_ranks`` (workers that span ranks):
+    ``worker_grouping`` False says the method trains one replica over every rank already
+    (allreduce SGD), so a grouping changes nothing and is accepted as such;
+    ``workers_refused`` says why the method cannot run between workers (refused).
     """
 
     name: str
@@ -221,6 +289,8 @@ class MethodSpec:
     checks: Tuple[Check, ...] = ()
     world_checks: Tuple[Check, ...] = ()
     notes: Mapping[str, str] = field(default_factory=dict)
+    worker_grouping: bool = True
+    workers_refused: Optional[str] = None
 
     @property
     def defaults(self) -> Dict[str, Any]:

@@ -45,6 +45,20 @@ collective call (``call_overhead_s``: the Python path, and lsgd_hpc's agreement 
 Bytes per step are lsgd_hpc's logical payload per rank, as /train/comm_bytes_sent counts them
 (allreduce of n: n sent; broadcast: n sent by its root only; neighbour exchange: n per
 out-neighbour), averaged over ranks.
+
+Workers that span ranks (``worker_ranks`` = K or ``node``; :func:`with_workers`): q_w ranks of
+a node form one worker. Inside it, every step, the gradient's allreduce over q_w ranks on the
+intra-node link (allreduce SGD on a one-node cluster of q_w ranks, in float32); between
+workers, the method's own cost on the cluster of the workers' first ranks, N nodes of
+q / q_w of them (N workers with ``node``: every round on the inter-node link), with
+N_workers in place of ranks; after each of its rounds the result is spread from the first
+rank to the others of its worker (one broadcast of the round's payload over q_w ranks on the
+intra link):
+
+    t_comm = A_intra(g, q_w) + t_method(cluster of workers) + rounds/step * B_intra(m, q_w)
+
+Bytes per step (comm_bytes_sent) are the method's between workers, sent by first ranks only
+(mean over all ranks: / q_w); the traffic inside a worker (worker_bytes_sent) is apart.
 """
 
 from __future__ import annotations
@@ -60,7 +74,8 @@ __all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUC
            "cluster_broadcast_time", "hierarchical_broadcast_time", "election_time",
            "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost",
            "allreduce_sgd", "lsgd", "easgd", "local_sgd", "diloco", "slowmo",
-           "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES"]
+           "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES",
+           "WorkerCost", "worker_size", "workers_cluster", "with_workers"]
 
 #: MPI.DOUBLE_INT (score, rank), padded: the payload of one MINLOC election
 ELECTION_BYTES = 16
@@ -130,19 +145,19 @@ class Workload:
     n_params: int
     n_buffers: int
     compute_s: float
-    element_bytes: int = FLOAT_BYTES
+    element_bytes: float = FLOAT_BYTES
 
     @property
-    def grad_bytes(self) -> int:
+    def grad_bytes(self) -> float:
         return self.n_params * self.element_bytes
 
     @property
-    def flat_bytes(self) -> int:
+    def flat_bytes(self) -> float:
         """The fused vector every averaging method moves: parameters and buffers."""
         return (self.n_params + self.n_buffers) * self.element_bytes
 
     @property
-    def buffer_bytes(self) -> int:
+    def buffer_bytes(self) -> float:
         return self.n_buffers * self.element_bytes
 
 
@@ -472,15 +487,96 @@ def gossip(w: Workload, c: Cluster, topology: str,
 
 
 def method_cost(method: str, w: Workload, c: Cluster, options: Optional[Dict] = None, *,
-                coll: Collectives = Collectives(), overlap: float = 0.0) -> MethodCost:
+                coll: Collectives = Collectives(), overlap: float = 0.0,
+                worker_ranks=1) -> MethodCost:
     """The cost of lsgd_hpc's method ``method`` (``--algorithm``) with ``options`` (its own
     options by their names; the rest at the library's defaults), from the method's spec:
     each spec names its entry here (lsgd_hpc.methods.registry). ``overlap`` applies to
-    allreduce SGD (see allreduce_sgd)."""
+    allreduce SGD (see allreduce_sgd). ``worker_ranks`` K or ``node``: the method between
+    workers of that many ranks (with_workers)."""
     from lsgd_hpc.methods.registry import spec_of
     spec = spec_of(method)
-    return spec.cost(sys.modules[__name__], w, c, spec.resolve(dict(options or {})), coll,
-                     overlap)
+    options = spec.resolve(dict(options or {}))
+    if worker_ranks != 1 and spec.worker_grouping:
+        return with_workers(method, w, c, options, worker_ranks, coll=coll, overlap=overlap)
+    return spec.cost(sys.modules[__name__], w, c, options, coll, overlap)
+
+
+# -- workers that span ranks -------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerCost(MethodCost):
+    """A method between workers that span ranks: ``comm_s`` = ``inside_s`` (the gradient's
+    allreduce inside the worker, every step) + ``between_s`` (the method's rounds between
+    workers and the spreading of their results inside each worker), per step;
+    ``bytes_per_step`` the method's bytes between workers (mean over all ranks),
+    ``worker_bytes_per_step`` those inside a worker (mean over ranks)."""
+
+    inside_s: float = 0.0
+    between_s: float = 0.0
+    worker_bytes_per_step: float = 0.0
+    worker_ranks: int = 1
+    n_workers: int = 1
+
+
+def worker_size(c: Cluster, worker_ranks) -> int:
+    """Ranks per worker: the node's (``node``) or K, which must divide the node's ranks."""
+    if worker_ranks == "node":
+        return c.ranks_per_node
+    k = int(worker_ranks)
+    if k < 1 or c.ranks_per_node % k:
+        raise ValueError(f"worker_ranks must divide the ranks of every node "
+                         f"(worker_ranks={worker_ranks}; {c.ranks_per_node} per node)")
+    return k
+
+
+def workers_cluster(c: Cluster, q_w: int) -> Cluster:
+    """The cluster of the workers' first ranks: N nodes of q / q_w each."""
+    return replace(c, ranks_per_node=c.ranks_per_node // q_w)
+
+
+def _rounds(method: str, o: Dict, cw: Cluster) -> Tuple[float, float]:
+    """(rounds per step, elements each round spreads inside a worker, in units of the flat
+    vector) of the method between the workers of ``cw``."""
+    if method in ("lsgd", "lsgd-async"):
+        share = 1.0 if o.get("lsgd_bn", "keep") != "keep" else math.nan   # nan: params only
+        multi = 1 < cw.nodes < cw.ranks
+        return 1 / o["tau_global"] + (1 / o["tau_local"] if multi else 0.0), share
+    if method == "easgd":
+        return 1 / o["easgd_tau"], 1.0
+    if method == "gossip":
+        degrees = topology_degrees(o["topology"], cw)
+        return 1.0, sum(a + b for a, b in degrees) / max(1, len(degrees))
+    return 1 / o["local_steps"], 1.0           # local SGD, DiLoCo, SlowMo: every T (H) steps
+
+
+def with_workers(method: str, w: Workload, c: Cluster, options: Dict, worker_ranks,
+                 coll: Collectives = Collectives(), overlap: float = 0.0) -> WorkerCost:
+    """``method`` (with its resolved ``options``) between workers of ``worker_ranks`` ranks
+    (the module docstring's formula). The gradient inside a worker moves in float32 (whatever
+    ``w.element_bytes``, which is what the method sends), in buckets of allreduce SGD's
+    default size."""
+    from lsgd_hpc.methods.registry import SPECS, spec_of
+    spec = spec_of(method)
+    if spec.workers_refused:
+        raise ValueError(f"worker_ranks {spec.workers_refused}")
+    q_w = worker_size(c, worker_ranks)
+    cw = workers_cluster(c, q_w)
+    between = spec.cost(sys.modules[__name__], w, cw, options, coll, overlap)
+    one_worker = Cluster(1, q_w, c.intra, c.intra, c.mem_Bps, c.call_overhead_s, c.checks)
+    bucket = SPECS["allreduce"].option("bucket_mb").default * 2 ** 20
+    inside = allreduce_sgd(replace(w, element_bytes=FLOAT_BYTES), one_worker, coll, overlap,
+                           bucket_bytes=bucket)
+    rounds, share = _rounds(method, options, cw)
+    payload = w.grad_bytes if math.isnan(share) else share * w.flat_bytes
+    if cw.ranks == 1:
+        rounds = 0.0                  # one worker: nothing between workers, nothing to spread
+    spread_s = rounds * (broadcast_time(payload, q_w, c.intra) + _call_cost(one_worker))
+    spread_bytes = rounds * payload / q_w if q_w > 1 else 0.0     # sent by the first rank
+    return WorkerCost(method, between.setting, w.compute_s, inside.comm_s + between.comm_s + spread_s,
+                      between.bytes_per_step / q_w, inside_s=inside.comm_s,
+                      between_s=between.comm_s + spread_s,
+                      worker_bytes_per_step=inside.bytes_per_step + spread_bytes,
+                      worker_ranks=q_w, n_workers=cw.ranks)
 
 
 def smallest_period(cost_at, max_share: float, periods: Sequence[int] = tuple(2 ** k for k in

@@ -13,6 +13,12 @@ one process per rank) the job first measures latency and bandwidth inside and be
 nodes (lsgd_hpc.planning.netprobe) and the step time of the model on its own devices, then plans with
 those figures for --nodes x --ranks-per-node (default: the job's own layout).
 
+With --worker-ranks K (or node), K ranks of a node form one worker (the trainer's
+--worker-ranks): every method but allreduce is costed between the workers (N_workers in place
+of ranks, on the network) plus an allreduce of the gradient inside each worker every step and
+the spreading of each round's result inside it (on the node's link); bytes/step/rank is then
+the method's traffic between workers, and the traffic inside a worker is printed apart.
+
 Recommendations: the smallest period (powers of two) whose predicted communication share is at
 most --max-comm-share (tau_G first, then the smallest tau_L dividing it); for gossip, among the
 topologies within that share, the one with the largest spectral gap per step (the cheapest one
@@ -30,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
+from lsgd_hpc.methods.spec import COMM_DTYPES, comm_dtype_problem
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
@@ -41,6 +48,9 @@ DATASET_SHAPES = {d.name: (d.num_classes, d.input_shape) for d in DATASETS.value
                   if d.input_shape is not None}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
+#: bytes per element on the wire of each comm_dtype (int8 and fp8: one fp32 scale per block of
+#: 4096 elements, lsgd_hpc.comm.quantized)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 4096, "fp8": 1 + 4 / 4096}
 #: SlowMo's slow period in the plan: its default (fairscale's slowmo_frequency)
 SLOWMO_EVERY = SPECS["slowmo"].option("slowmo_every").default
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each
@@ -112,7 +122,8 @@ class PlanInputs:
     mem_Bps: float
     max_comm_share: float
     allreduce: str = "auto"
-    comm_dtype: str = "fp32"   # what the methods send: fp32, or bf16 (2 bytes per element)
+    comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
+    worker_ranks: object = 1   # ranks per worker (the trainer's --worker-ranks): K or "node"
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -146,47 +157,63 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     """Predicted cost of every method, with the recommended periods and topology."""
     c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
     w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
-                    element_bytes=2 if inp.comm_dtype == "bf16" else cm.FLOAT_BYTES)
+                    element_bytes=WIRE_BYTES[inp.comm_dtype])
+    # what a method that cannot send that dtype sends (int8 and fp8 are refused for allreduce
+    # SGD and gossip: they run in fp32)
+    w_full = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+
+    def load(method: str) -> cm.Workload:
+        return w_full if comm_dtype_problem(inp.comm_dtype, "mpi", method) else w
+
     coll = cm.Collectives(inp.allreduce)
     share = inp.max_comm_share
+
+    def cost(method: str, **options) -> cm.MethodCost:
+        return cm.method_cost(method, load(method), c, options, coll=coll,
+                              worker_ranks=inp.worker_ranks)
+
+    # the cluster the methods run on: the ranks, or the workers' first ranks (--worker-ranks)
+    cw = c if inp.worker_ranks == 1 else cm.workers_cluster(c, cm.worker_size(c, inp.worker_ranks))
     # allreduce SGD at its defaults (buckets of bucket_mb), no overlap counted (a CPU MPI
     # progresses non-blocking collectives only inside MPI calls)
-    rows: List[cm.MethodCost] = [cm.method_cost("allreduce", w, c, coll=coll)]
-    multi = 1 < c.nodes < c.ranks
+    rows: List[cm.MethodCost] = [cost("allreduce")]
+    multi = 1 < cw.nodes < cw.ranks
 
     # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
-    tau_g, _ = cm.smallest_period(lambda t: cm.lsgd(w, c, t, t), share)
+    tau_g, _ = cm.smallest_period(lambda t: cost("lsgd", tau_local=t, tau_global=t), share)
     tau_l = tau_g
     if multi:
         for t in (2 ** k for k in range(0, int(math.log2(tau_g)) + 1)):
-            if cm.lsgd(w, c, t, tau_g).comm_share <= share:
+            if cost("lsgd", tau_local=t, tau_global=tau_g).comm_share <= share:
                 tau_l = t
                 break
-    rows.append(cm.lsgd(w, c, tau_l, tau_g))
-    tau_e, easgd_cost = cm.smallest_period(lambda t: cm.easgd(w, c, t, coll), share)
+    rows.append(cost("lsgd", tau_local=tau_l, tau_global=tau_g))
+    tau_e, easgd_cost = cm.smallest_period(lambda t: cost("easgd", easgd_tau=t), share)
     rows.append(easgd_cost)
-    T, local_cost = cm.smallest_period(lambda t: cm.local_sgd(w, c, t, coll), share)
+    T, local_cost = cm.smallest_period(lambda t: cost("local-sgd", local_steps=t), share)
     rows.append(local_cost)
     # DiLoCo: the same amortised allreduce as local SGD, every H steps
-    H, diloco_cost = cm.smallest_period(lambda t: cm.diloco(w, c, t, coll), share)
+    H, diloco_cost = cm.smallest_period(lambda t: cost("diloco", local_steps=t), share)
     rows.append(diloco_cost)
     # SlowMo: local SGD's T, the slow step every fairscale's 48 steps (rounded up to a
     # multiple of T)
     slow_every = T * max(1, math.ceil(SLOWMO_EVERY / T))
-    rows.append(cm.slowmo(w, c, T, slow_every, coll))
+    rows.append(cost("slowmo", local_steps=T, slowmo_every=slow_every))
 
-    node_of = c.node_of()
+    node_of = cw.node_of()
     gossip_rows = []
     for name in _topologies():
-        if name == "hypercube" and c.ranks & (c.ranks - 1):
+        if name == "hypercube" and cw.ranks & (cw.ranks - 1):
             continue
         try:
-            cost = cm.gossip(w, c, name)
+            g_cost = cost("gossip", topology=name)
         except ValueError:
             continue
-        gossip_rows.append({"topology": name, "step_s": cost.step_s, "comm_share": cost.comm_share,
-                            "bytes_per_step": cost.bytes_per_step,
-                            "gap_per_step": _per_step_gap(name, c.ranks, node_of), "cost": cost})
+        gossip_rows.append({"topology": name, "step_s": g_cost.step_s,
+                            "comm_share": g_cost.comm_share,
+                            "bytes_per_step": g_cost.bytes_per_step,
+                            "gap_per_step": _per_step_gap(name, cw.ranks, node_of),
+                            "cost": g_cost})
     within = [g for g in gossip_rows
               if g["comm_share"] <= share and not math.isnan(g["gap_per_step"])]
     if within:
@@ -197,19 +224,29 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
         why = f"no topology within {share:.0%} comm share: the cheapest"
     rows.append(best["cost"])
 
-    # cost ratio r of one averaging round to one local step (what local SGD's auto T measures)
-    round_s = cm.local_sgd(w, c, 1, coll).comm_s
+    # cost ratio r of one averaging round to one local step (what local SGD's auto T
+    # measures; with workers a local step includes the gradient's allreduce inside them)
+    one = cost("local-sgd", local_steps=1)
+    round_s = getattr(one, "between_s", one.comm_s)
+    local_step_s = w.compute_s + getattr(one, "inside_s", 0.0)
+
+    def method_row(r: cm.MethodCost) -> Dict:
+        row = dict(method=r.method, setting=r.setting, step_s=r.step_s,
+                   compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
+                   bytes_per_step=r.bytes_per_step)
+        if isinstance(r, cm.WorkerCost):
+            row.update(inside_s=r.inside_s, between_s=r.between_s,
+                       worker_bytes_per_step=r.worker_bytes_per_step)
+        return row
     return {
         "inputs": _inputs_dict(inp, facts),
-        "methods": [dict(method=r.method, setting=r.setting, step_s=r.step_s,
-                         compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
-                         bytes_per_step=r.bytes_per_step) for r in rows],
+        "methods": [method_row(r) for r in rows],
         "recommended": {"lsgd": {"tau_local": tau_l, "tau_global": tau_g},
                         "easgd": {"tau": tau_e}, "diloco": {"H": H},
                         "slowmo": {"T": T, "every": slow_every},
                         "local-sgd": {"T": T,
-                                                              "cost_ratio": round_s / w.compute_s
-                                                              if w.compute_s > 0 else math.inf},
+                                      "cost_ratio": round_s / local_step_s
+                                      if local_step_s > 0 else math.inf},
                         "gossip": {"topology": best["topology"], "why": why}},
         "gossip": [{k: v for k, v in g.items() if k != "cost"} for g in gossip_rows],
     }
@@ -219,6 +256,9 @@ def _inputs_dict(inp: PlanInputs, facts: ModelFacts) -> Dict:
     d = {k: v for k, v in asdict(inp).items() if k not in ("intra", "inter")}
     for name, link in (("intra", inp.intra), ("inter", inp.inter)):
         d[name] = {"gbps": link.gbps, "latency_us": link.alpha_s * 1e6}
+    if inp.worker_ranks != 1:
+        q_w = inp.ranks_per_node if inp.worker_ranks == "node" else int(inp.worker_ranks)
+        d.update(worker_size=q_w, n_workers=inp.nodes * inp.ranks_per_node // q_w)
     d.update(ranks=inp.nodes * inp.ranks_per_node, n_params=facts.n_params,
              n_buffers=facts.n_buffers, macs_per_sample=facts.macs_per_sample,
              model_bytes=(facts.n_params + facts.n_buffers) * cm.FLOAT_BYTES)
@@ -246,12 +286,24 @@ def format_plan(result: Dict) -> str:
         f"between nodes {i['inter']['gbps']:.4g} Gbit/s, {i['inter']['latency_us']:.3g} us "
         f"({i['link_source']})",
         f"compute per step: {_fmt_ms(i['step_s'])} ms ({i['step_source']})",
+    ]
+    workers = "worker_size" in i
+    if workers:
+        lines.append(f"workers: {i['n_workers']} of {i['worker_size']} ranks (--worker-ranks "
+                     f"{i['worker_ranks']}); bytes/step/rank is the method's traffic between "
+                     "workers, inside/step/rank the gradient's allreduce inside a worker and "
+                     "the results spread in it (allreduce: one replica over all ranks)")
+    lines += [
         "",
-        f"{'method':<10} {'setting':<30} {'step ms':>9} {'comm share':>10} {'bytes/step/rank':>16}",
+        f"{'method':<10} {'setting':<30} {'step ms':>9} {'comm share':>10} {'bytes/step/rank':>16}"
+        + (f" {'inside/step/rank':>17}" if workers else ""),
     ]
     for m in result["methods"]:
+        inside = m.get("worker_bytes_per_step")
         lines.append(f"{m['method']:<10} {m['setting']:<30} {_fmt_ms(m['step_s']):>9} "
-                     f"{100 * m['comm_share']:>9.1f}% {_fmt_bytes(m['bytes_per_step']):>16}")
+                     f"{100 * m['comm_share']:>9.1f}% {_fmt_bytes(m['bytes_per_step']):>16}"
+                     + ((f" {_fmt_bytes(inside):>17}" if inside is not None else f" {'-':>17}")
+                        if workers else ""))
     lines += [
         "",
         f"recommended (comm share <= {i['max_comm_share']:.0%}): "
@@ -361,8 +413,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="under mpirun/srun: measure links and step time first")
     p.add_argument("--measure-ranks-per-node", type=int,
                    help="with --measure: K consecutive ranks form a node (default: by host name)")
-    p.add_argument("--comm-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="what the methods send (the trainer's --comm-dtype): bf16 halves bytes")
+    p.add_argument("--comm-dtype", choices=COMM_DTYPES, default="fp32",
+                   help="what the methods send (the trainer's --comm-dtype): bf16 halves the "
+                        "bytes, int8 and fp8 quarter them (plus a scale per 4096 elements); "
+                        "allreduce SGD and gossip stay fp32 with int8/fp8, as the trainer "
+                        "refuses them")
+    p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
+                   help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
+                        "node, train one replica with an allreduce of the gradient inside; the "
+                        "methods run between workers (default 1: every rank a worker)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -392,6 +451,18 @@ def _check(args) -> None:
             raise UsageError(f"{', '.join(missing)}: required without --measure")
     elif args.measure_ranks_per_node is not None and args.measure_ranks_per_node < 1:
         raise UsageError("--measure-ranks-per-node: must be >= 1")
+    if args.worker_ranks != "node":
+        try:
+            args.worker_ranks = int(args.worker_ranks)
+            if args.worker_ranks < 1:
+                raise ValueError
+        except ValueError:
+            raise UsageError(f"--worker-ranks: must be an integer >= 1 or node, got "
+                             f"{args.worker_ranks!r}") from None
+        if args.ranks_per_node and args.ranks_per_node % args.worker_ranks:
+            raise UsageError(f"--worker-ranks: must divide the ranks of every node "
+                             f"(worker_ranks={args.worker_ranks}; --ranks-per-node "
+                             f"{args.ranks_per_node})")
     if args.nodes and args.ranks_per_node and args.nodes * args.ranks_per_node > 65536:
         raise UsageError(f"--nodes x --ranks-per-node: at most 65536 ranks, got "
                          f"{args.nodes * args.ranks_per_node}")
@@ -425,11 +496,15 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
         else:
             raise UsageError(f"--{kind}-gbps: the job has no {kind}-node link to measure "
                              f"({m.get('layout', 'one rank')}); give --{kind}-gbps")
+    rpn = args.ranks_per_node or m.get("ranks_per_node")
+    if args.worker_ranks != "node" and rpn and rpn % args.worker_ranks:
+        raise UsageError(f"--worker-ranks: must divide the ranks of every node "
+                         f"(worker_ranks={args.worker_ranks}; {rpn} per node)")
     return PlanInputs(args.model, facts.dataset, args.nodes or m.get("nodes"),
-                      args.ranks_per_node or m.get("ranks_per_node"), links["intra"],
+                      rpn, links["intra"],
                       links["inter"], step_s, step_src, ", ".join(srcs), batch,
                       args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
-                      args.comm_dtype)
+                      args.comm_dtype, args.worker_ranks)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

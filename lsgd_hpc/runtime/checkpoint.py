@@ -180,6 +180,8 @@ class Checkpointer:
 
     def __init__(self, run_dir: str, comm, **objects):
         self.run_dir, self.comm, self.objects = run_dir, comm, objects
+        #: steps of newer sets that restore() found damaged or incomplete and passed over
+        self.skipped: list = []
         bad = [k for k, v in objects.items()
                if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict"))]
         if bad:
@@ -232,7 +234,12 @@ class Checkpointer:
         if int(pointer["world_size"]) != self.comm.size:
             raise ValueError(f"checkpoint in {self.run_dir} was written by "
                              f"{pointer['world_size']} ranks, this job has {self.comm.size}")
+        self.skipped = list(pointer.get("skipped", []))
         state = load_rank(self.run_dir, int(pointer["step"]), self.comm.rank)
+        missing = sorted(set(self.objects) - set(state["objects"]))
+        if missing:
+            raise ValueError(f"checkpoint in {self.run_dir} (step {pointer['step']}) holds no "
+                             f"{', '.join(missing)} (it holds {', '.join(state['objects'])})")
         for k, v in self.objects.items():
             v.load_state_dict(state["objects"][k])
         torch.set_rng_state(state["torch_rng"])

@@ -46,7 +46,7 @@ OPTIONAL_GROUPS = ("faults",)
 #: resumed run is compared with an uninterrupted one on everything else).
 TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
                 "overhead_seconds", "probe_seconds", "eval_seconds", "checkpoint_seconds",
-                "metrics_seconds", "recovery_seconds")
+                "metrics_seconds", "worker_seconds", "recovery_seconds")
 
 
 def rank_file(run_dir: str, rank: int) -> str:

@@ -15,6 +15,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from lsgd_hpc.comm.launcher import launch_attrs
 from lsgd_hpc.runtime.metrics import (GROUPS, OPTIONAL_GROUPS, SCHEMA_VERSION, MetricsWriter,
                                      encode_config, rank_file)
 from lsgd_hpc.runtime.rundir import git_sha, make_run_dir
@@ -125,11 +126,21 @@ class RunMetrics(MetricsWriter):
         self.compute_seconds = float(state["compute"])
 
 
+def _options_of(method) -> dict:
+    """The method's options as the configuration records them: what a command line could
+    give (a callable such as LeaderSGD's score_fn has no record)."""
+    if method is None:
+        return {}
+    return {"method_options": {k: v for k, v in method.options.items()
+                               if method.spec.option(k).cli}}
+
+
 def _library_of(comm) -> str:
+    """The MPI library the ranks run on; empty under the torch backend (no MPI there)."""
     if comm.backend == "mpi" or comm.backend == "horovod":
         from lsgd_hpc.comm.mpi import mpi_library
         return mpi_library()
-    return f"torch.distributed {torch.__version__}"
+    return ""
 
 
 def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
@@ -170,11 +181,11 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         "local_rank": comm.local_rank, "node_index": comm.node_index, "n_nodes": comm.n_nodes,
         "hostname": socket.gethostname(),
         "algorithm": method.name if method is not None else "custom",
-        "config": encode_config(dict(config or {},
-                                     **({"method_options": method.options} if method else {}))),
+        "config": encode_config(dict(config or {}, **_options_of(method))),
         "lsgd_hpc_version": __version__, "git_sha": shared["git_sha"],
         "torch_version": torch.__version__, "mpi_library": _library_of(comm),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID", ""), "start_time": shared["start"],
+        **launch_attrs(comm.backend, dict(os.environ)),
     }
     if method is not None:
         attrs.update(method.rule.file_attrs)

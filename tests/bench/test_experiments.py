@@ -209,3 +209,37 @@ def test_headline_ratios_against_the_best_tuned_baseline(tmp_path):
     # allreduce did not reach the target in every seed: no time to target in the table
     assert any("| noisy digits (40 % labels wrong), 4 ranks | allreduce SGD | 80.0 % ± 2.0 | "
                "1.50 | n/a |" in ln for ln in lines)
+
+
+@pytest.mark.netns
+@pytest.mark.mpi
+@pytest.mark.timeout(300)
+def test_lm_links_experiment_measures_the_bytes_on_the_links(tmp_path):
+    """results/experiments/lm_links.py end to end at 100 Mbit/s (as root): allreduce SGD and
+    DiLoCo with int8 and error feedback, 16 steps, one learning rate: its tables and figure,
+    and the bytes between the nodes read from the links, far fewer for DiLoCo."""
+    if os.geteuid() != 0:
+        pytest.skip("emulated cluster not available: needs root (network namespaces and tc)")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        pytest.skip("emulated cluster not available: needs the ip and tc commands (iproute2)")
+    out, raw = tmp_path / "out", tmp_path / "raw"
+    cmd = [sys.executable, str(REPO / "results" / "experiments" / "lm_links.py"), "--out",
+           str(out), "--raw", str(raw), "--rates", "100mbit", "--steps", "16", "--eval-every",
+           "8", "--lrs", "0.003", "--seeds", "1", "--methods", "allreduce SGD",
+           "DiLoCo int8+EF", "--cluster", "lsgdlkt", "10.79.12"]
+    p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
+                       timeout=280)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    runs = {r["method"]: r for r in _csv(out / "links_runs.csv")}
+    assert set(runs) == {"allreduce SGD", "DiLoCo int8+EF"}
+    for r in runs.values():
+        assert r["rate"] == "100mbit" and r["steps"] == "16"
+        assert 1 < float(r["final_perplexity"]) < 256
+        # what crossed the links: at least the logical payload that had to (headers on top)
+        assert int(r["link_bytes"]) > 0
+    ar, dl = (int(runs[m]["link_bytes"]) for m in ("allreduce SGD", "DiLoCo int8+EF"))
+    assert dl < ar / 10, (dl, ar)            # 2 int8 outer steps against 16 fp32 allreduces
+    summary = _csv(out / "links_summary.csv")
+    assert {s["method"] for s in summary} == set(runs)
+    png = (out / "links_100mbit.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

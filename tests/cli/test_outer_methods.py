@@ -61,6 +61,11 @@ BAD = [
     (["--algorithm", "easgd", "--leader-score", "heldout"], "--leader-score"),
     (["--leader-score", "heldout", "--heldout-size", "0"], "--heldout-size"),
     (["--leader-score", "heldout", "--heldout-size", "5000"], "--heldout-size"),
+    (["--algorithm", "diloco", "--fragments", "3"], "--fragments"),
+    (["--algorithm", "diloco", "--fragments", "2", "--fragment-sync-delay", "4"],
+     "--fragment-sync-delay"),
+    (["--algorithm", "diloco", "--fragment-update-alpha", "2"], "--fragment-update-alpha"),
+    (["--pull-delay", "4"], "--pull-delay"),
 ]
 
 
@@ -115,7 +120,6 @@ def test_heldout_leader_score_in_a_real_run(tmp_path):
     scores exactly the loss of its model in the checkpoint of that step), and the evaluation
     time is measurement (probe_seconds, out of the training time)."""
     from lsgd_hpc.runtime import checkpoint as ck
-    from lsgd_hpc.comm import FlatParams
     from lsgd_hpc.data.datasets import load_dataset, split_heldout
     from lsgd_hpc.models.zoo import build_model
     run = tmp_path / "ho"
@@ -135,8 +139,7 @@ def test_heldout_leader_score_in_a_real_run(tmp_path):
     ds = load_dataset("digits", seed=seed)
     _, idx = split_heldout(ds, size, seed)
     model = build_model("digits_cnn", ds.num_classes, ds.input_shape)
-    flat = FlatParams(model)
-    flat.flat.copy_(ck.load_rank(str(run), 16, leader)["flat"])
+    model.load_state_dict(ck.load_rank(str(run), 16, leader)["objects"]["model"])
     model.eval()
     with torch.no_grad():
         want = float(torch.nn.functional.cross_entropy(

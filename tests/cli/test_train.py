@@ -193,13 +193,13 @@ def test_consensus_logged_on_the_same_steps_for_every_method(all_runs):
 def test_allreduce_replicas_bit_identical(all_runs):
     import torch
     from lsgd_hpc.runtime.checkpoint import latest_checkpoint, load_rank
-    # the final checkpoint holds each rank's flat parameters
+    # the final checkpoint holds each rank's model (parameters and buffers)
     run_dir = None
     for r in all_runs["allreduce"]:
         run_dir = json.loads(r["attrs"]["config"])["run_dir"]
     ptr = latest_checkpoint(run_dir)
-    flats = [load_rank(run_dir, ptr["step"], r)["flat"] for r in range(4)]
-    assert all(torch.equal(flats[0], f) for f in flats[1:])
+    models = [load_rank(run_dir, ptr["step"], r)["objects"]["model"] for r in range(4)]
+    assert all(torch.equal(models[0][k], m[k]) for m in models[1:] for k in models[0])
     losses = [r["eval"]["test_loss"][-1] for r in all_runs["allreduce"]]
     assert len(set(losses)) == 1
 

@@ -51,7 +51,6 @@ def test_validation_metrics_in_a_real_run(tmp_path):
     """EASGD on 2 ranks with --validation-size 150: fewer steps per epoch, and every
     evaluation row has val_* for the worker and for the centre; the worker's last val_accuracy
     and val_loss are those of its checkpointed model on the slice, computed here."""
-    from lsgd_hpc.comm import FlatParams
     from lsgd_hpc.data.datasets import load_dataset, split_validation
     from lsgd_hpc.models.zoo import build_model
     from lsgd_hpc.runtime import checkpoint as ck
@@ -73,7 +72,7 @@ def test_validation_metrics_in_a_real_run(tmp_path):
         for col in ("val_loss", "val_accuracy", "center_val_loss", "center_val_accuracy"):
             assert len(ev[col]) == 2 and all(0 <= v < 10 for v in ev[col]), col
         model = build_model("digits_cnn", ds.num_classes, ds.input_shape)
-        FlatParams(model).flat.copy_(ck.load_rank(str(run), 12, r)["flat"])
+        model.load_state_dict(ck.load_rank(str(run), 12, r)["objects"]["model"])
         model.eval()
         with torch.no_grad():
             out = model(x)

@@ -204,6 +204,14 @@ def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
 
 # ------------------------------------------------------------------------------ torch backend
 
+def failure_text(proc) -> str:
+    """What a failed job printed, c10d's per-connection warnings left out (they filled the
+    excerpt CI keeps and hid the error once)."""
+    err = "\n".join(ln for ln in proc.stderr.splitlines()
+                     if "socket.cpp" not in ln and "[c10d]" not in ln)
+    return f"exit {proc.returncode}\n--- stderr ---\n{err[-4000:]}\n--- stdout ---\n{proc.stdout[-2000:]}"
+
+
 def _salloc(slurm_cluster, tmp_path: Path, *cmd: str, timeout: float = JOB_TIMEOUT):
     """salloc 2 nodes x 2 tasks, then ``srun --mpi=none`` (no MPI anywhere) of ``cmd`` in
     it; (process, job id)."""
@@ -224,7 +232,7 @@ def test_srun_without_mpi_torch_backend(slurm_cluster, tmp_path):
     proc, job = _salloc(slurm_cluster, tmp_path, sys.executable, "-m", "lsgd_hpc.train",
                         "--backend", "torch", *DIGITS, "--max-steps", "4", "--eval-every", "2",
                         "--run-dir", str(tmp_path / "run"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc)
     assert "done: 4 steps" in proc.stdout and not error_lines(proc.stderr), proc.stdout
     assert job is not None, proc.stderr
     run_dir = tmp_path / "run"
@@ -285,7 +293,7 @@ def test_library_api_torch_backend_under_srun(slurm_cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     proc, _ = _salloc(slurm_cluster, tmp_path, sys.executable, str(script), str(out))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc)
     got = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
     a, b = slurm_cluster.nodes[0], slurm_cluster.nodes[1]
     for r, g in enumerate(got):
@@ -337,7 +345,7 @@ def test_mpirun_inside_salloc(slurm_cluster, tmp_path):
                       "--run-dir", str(tmp_path / "run")],
                      env=slurm_cluster.env(), cwd=tmp_path, timeout=JOB_TIMEOUT)
     assert proc.returncode is not None, f"salloc mpirun hung\n{proc.stdout}{proc.stderr}"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc)
     assert "done: 4 steps" in proc.stdout and not error_lines(proc.stderr)
     assert_two_nodes_by_hostname(slurm_cluster, tmp_path / "run")
 
@@ -618,7 +626,7 @@ def test_doctor_on_two_nodes(slurm_cluster, tmp_path):
                       "--probe-repeats", "2", "--json", str(out)],
                      env=slurm_cluster.env(), cwd=tmp_path, timeout=240)
     assert proc.returncode is not None, "srun doctor hung"
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_text(proc)
     assert proc.stdout.count("lsgd_hpc doctor: 4 rank(s)") == 1
     report = json.loads(out.read_text())
     a, b = slurm_cluster.nodes[0], slurm_cluster.nodes[1]

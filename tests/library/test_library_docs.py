@@ -71,9 +71,10 @@ def methods_table() -> str:
     def values(o):
         if o.kind == "choice":
             return ", ".join(o.choices) if len(o.choices) <= 4 else f"{len(o.choices)} names"
-        if o.kind in ("int", "float", "int_or_auto"):
+        if o.kind in ("int", "float", "int_or_auto", "int_or_modules"):
             text = o._range() if o.kind == "float" else f">= {o.low:g}"
-            return text + (" or auto" if o.kind == "int_or_auto" else "")
+            return text + {"int_or_auto": " or auto",
+                           "int_or_modules": " or a list of modules"}.get(o.kind, "")
         return o.kind
 
     lines = ["| name | class | option | default | values | digits preset |",

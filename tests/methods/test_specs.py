@@ -91,12 +91,21 @@ def test_one_check_one_message_for_the_library_and_the_cli():
         SPECS["lsgd"].resolve({"tau": 3}, where="LeaderSGD")
 
 
+class Module:
+    """Stands for a torch.nn.Module (the spec tells one by its parameters())."""
+
+    def parameters(self):
+        return iter(())
+
+
 @pytest.mark.parametrize("kind,good,bad", [
     ("int", [1, 7, 3.0], [0, True, 2.5, "3"]),
     ("float", [0.5, 1, 0.0], [-0.1, 1.5, float("nan"), "x", True]),
     ("bool", [True, False], [1, "yes"]),
     ("choice", ["a", "b"], ["c", None]),
     ("int_or_auto", [1, "auto"], ["Auto", 0]),
+    ("int_or_node", [1, 4, "node"], ["Node", "auto", 0, True, 2.5]),
+    ("int_or_modules", [1, 4, [Module()]], [0, "2", [], [Module(), "m"], True]),
 ])
 def test_option_checks(kind, good, bad):
     o = Option("x", None if kind == "choice" else 1, kind, "help", low=0 if kind == "float"
@@ -131,3 +140,54 @@ def test_a_real_run_records_and_prints_its_preset(tmp_path):
         assert cfg["preset"] == want_preset
         assert cfg["method_options"]["local_steps"] == (8 if want_preset else 500)
         assert ("digits preset for diloco: local_steps=8" in out.stdout) == bool(want_preset)
+
+
+def test_every_preset_names_real_methods_and_their_options():
+    for ds in DATASETS.values():
+        for method, options in ds.presets.items():
+            assert method in SPECS, (ds.name, method)
+            SPECS[method].resolve(options)          # known options, valid values
+
+
+STREAMING_REFUSED = [
+    ({"local_steps": 6, "fragments": 4}, "fragments",
+     "must divide local_steps (4 fragments, local_steps 6)"),
+    ({"local_steps": 8, "fragments": 2, "fragment_sync_delay": 4}, "fragment_sync_delay",
+     "must be < local_steps / fragments = 4"),
+    ({"local_steps": 8, "fragments": [Module()] * 3}, "fragments",
+     "must divide local_steps (3 fragments, local_steps 8)"),
+    ({"fragment_update_alpha": -0.1}, "fragment_update_alpha", "must be in [0, 1]"),
+    ({"fragment_sync_delay": -1}, "fragment_sync_delay", "must be an integer >= 0"),
+]
+
+
+@pytest.mark.parametrize("given,option,why", STREAMING_REFUSED)
+def test_streaming_diloco_options_refused(given, option, why):
+    with pytest.raises(OptionError) as e:
+        SPECS["diloco"].resolve(given)
+    assert e.value.option == option and why in e.value.reason
+    # P = 1, tau = 0, alpha = 0 is DiLoCo: the defaults
+    d = SPECS["diloco"].defaults
+    assert (d["fragments"], d["fragment_sync_delay"], d["fragment_update_alpha"]) == (1, 0, 0.0)
+
+
+def test_streaming_and_pull_delay_flags_parse_and_refuse():
+    cfg = parse_config(["--algorithm", "diloco", "--fragments", "2", "--fragment-sync-delay",
+                        "1", "--fragment-update-alpha", "0.5"], env={})
+    assert {k: cfg.method_options[k] for k in ("local_steps", "fragments",
+                                                "fragment_sync_delay", "fragment_update_alpha")} \
+        == {"local_steps": 8, "fragments": 2, "fragment_sync_delay": 1,
+            "fragment_update_alpha": 0.5}                        # H = 8 from the digits preset
+    with pytest.raises(ConfigError, match=r"^--fragments: must divide local_steps \(3 fragm"):
+        parse_config(["--algorithm", "diloco", "--fragments", "3"], env={})
+    with pytest.raises(ConfigError, match=r"^--fragment-sync-delay: must be < local_steps / "
+                                          r"fragments = 4"):
+        parse_config(["--algorithm", "diloco", "--fragments", "2", "--fragment-sync-delay",
+                      "4"], env={})
+    with pytest.raises(ConfigError, match="--fragments: must be an integer >= 1"):
+        parse_config(["--algorithm", "diloco", "--fragments", "two"], env={})
+    assert parse_config(["--pull-delay", "3"], env={}).pull_delay == 3
+    with pytest.raises(ConfigError, match=r"^--pull-delay: must be < tau_local \(one pull per "
+                                          r"level in flight\), got 4 vs 4"):
+        parse_config(["--pull-delay", "4"], env={})              # tau_local 4: digits preset
+    assert "pull_delay" not in SPECS["lsgd-async"].defaults      # synchronous LSGD only

@@ -40,13 +40,14 @@ def inject(kind: str, rank: int, step: int) -> None:
 
 
 def slow_evaluation(seconds: float) -> None:
-    original = train.Trainer._eval_current
+    from lsgd_hpc.cli.evaluate import Evaluator
+    original = Evaluator.loss_accuracy
 
-    def _eval_current(self, _orig=original):
+    def loss_accuracy(self, batches=None, _orig=original):
         time.sleep(seconds)
-        return _orig(self)
+        return _orig(self, batches)
 
-    train.Trainer._eval_current = _eval_current
+    Evaluator.loss_accuracy = loss_accuracy
 
 
 def main() -> int:

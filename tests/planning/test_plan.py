@@ -367,3 +367,79 @@ def test_comm_dtype_bf16_halves_every_methods_bytes():
     for key, fp32 in out["fp32"].items():
         if key in out["bf16"] and fp32 > 0:
             assert abs(out["bf16"][key] / fp32 - 0.5) < 0.02, (key, fp32, out["bf16"][key])
+
+
+# -- workers that span ranks (--worker-ranks) ------------------------------------------------------
+def test_diloco_between_node_workers_by_hand():
+    """One worker per node of q ranks: the gradient's allreduce inside it every step (a ring
+    of q on the intra link, in float32), the outer allreduce between the N workers every H
+    steps on the inter link, and its result spread inside each worker (a broadcast over q)."""
+    inter, intra = cm.Link(5e-6, 8e-9), cm.Link(1e-6, 1e-10)
+    c = cluster(2, 4, intra=intra, inter=inter)
+    w = cm.Workload(250_000, 0, 0.01, element_bytes=2)         # bf16 between workers
+    H = 8
+    got = cm.method_cost("diloco", w, c, {"local_steps": H}, worker_ranks="node")
+    assert isinstance(got, cm.WorkerCost) and (got.worker_ranks, got.n_workers) == (4, 2)
+    grad = 4 * 250_000                     # float32 inside the worker
+    inside = cm.allreduce_sgd(cm.Workload(250_000, 0, 0.01), cluster(1, 4, intra, intra),
+                              bucket_bytes=2 ** 20)
+    assert got.inside_s == pytest.approx(inside.comm_s)
+    n = w.flat_bytes
+    between = min(cm.ring_allreduce(n, 2, inter), cm.doubling_allreduce(n, 2, inter)) / H
+    spread = cm.broadcast_time(n, 4, intra) / H
+    assert got.between_s == pytest.approx(between + spread)
+    assert got.comm_s == pytest.approx(inside.comm_s + between + spread)
+    assert got.bytes_per_step == pytest.approx(n / H / 4)       # first ranks only
+    assert got.worker_bytes_per_step == pytest.approx(grad + n / H / 4)
+
+
+def test_workers_cut_the_methods_bytes_by_the_worker_size():
+    c = cluster(4, 8)
+    w = cm.Workload(1_000_000, 1000, 0.05)
+    for method, opts in (("diloco", {"local_steps": 16}), ("local-sgd", {"local_steps": 4}),
+                         ("easgd", {"easgd_tau": 4}), ("slowmo", {"local_steps": 2})):
+        per_rank = cm.method_cost(method, w, c, opts)
+        for wr, q_w in (("node", 8), (2, 2)):
+            assert cm.method_cost(method, w, c, opts, worker_ranks=wr).bytes_per_step == \
+                pytest.approx(per_rank.bytes_per_step / q_w), (method, wr)
+    # allreduce SGD: one replica over all ranks already, the grouping changes nothing
+    assert cm.method_cost("allreduce", w, c, worker_ranks="node") == \
+        cm.method_cost("allreduce", w, c)
+    with pytest.raises(ValueError, match="must divide the ranks of every node"):
+        cm.method_cost("diloco", w, c, worker_ranks=3)
+    with pytest.raises(ValueError, match="not supported by lsgd-async"):
+        cm.method_cost("lsgd-async", w, c, worker_ranks=2)
+
+
+def test_cli_plans_between_workers(capsys):
+    from lsgd_hpc.planning.plan import main
+    assert main(EXAMPLE + ["--worker-ranks", "node", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["inputs"]["worker_size"], doc["inputs"]["n_workers"]) == \
+        (doc["inputs"]["ranks_per_node"], doc["inputs"]["nodes"])
+    rows = {m["method"]: m for m in doc["methods"]}
+    assert "worker_bytes_per_step" in rows["diloco"] and "worker_bytes_per_step" not in \
+        rows["allreduce"]
+    assert main(EXAMPLE + ["--worker-ranks", "node"]) == 0
+    text = capsys.readouterr().out
+    assert "workers: " in text and "inside/step/rank" in text
+    assert main(EXAMPLE + ["--worker-ranks", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "lsgd_hpc.plan: error: --worker-ranks: must divide the ranks of every node" in err
+
+
+def test_comm_dtype_int8_quarters_the_quantized_methods_bytes():
+    """int8 (and fp8): 1 byte per element plus one 4-byte scale per 4096, for the methods
+    that take it; allreduce SGD and gossip, which the trainer refuses it for, stay fp32."""
+    from lsgd_hpc.planning import plan as pl
+    facts = pl.model_facts("resnet20", None)
+    inp = lambda dtype: pl.PlanInputs(  # noqa: E731
+        "resnet20", facts.dataset, 4, 4, cm.Link.from_gbps(100, 2), cm.Link.from_gbps(10, 5),
+        0.05, "given", "given", 128, 1e12, 0.1, "auto", dtype)
+    fp32, int8 = ({m["method"]: m["bytes_per_step"] for m in pl.plan(inp(d), facts)["methods"]}
+                  for d in ("fp32", "int8"))
+    for method in ("lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
+        assert int8[method] / fp32[method] == pytest.approx((1 + 4 / 4096) / 4, rel=0.02), method
+    for method in ("allreduce", "gossip"):
+        assert int8[method] == fp32[method], method

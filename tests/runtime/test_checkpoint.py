@@ -166,12 +166,20 @@ def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("method", [
     ["--algorithm", "diloco", "--local-steps", "8"],
-    ["--algorithm", "slowmo", "--local-steps", "2", "--slowmo-every", "8"]],
-    ids=["diloco", "slowmo"])
+    ["--algorithm", "slowmo", "--local-steps", "2", "--slowmo-every", "8"],
+    ["--algorithm", "diloco", "--local-steps", "6", "--fragments", "2",
+     "--fragment-sync-delay", "2", "--fragment-update-alpha", "0.5"],
+    ["--algorithm", "lsgd", "--tau-local", "4", "--tau-global", "4", "--pull-delay", "3",
+     "--ranks-per-node", "1"]],
+    ids=["diloco", "slowmo", "streaming-diloco", "lsgd-pull-delay"])
 def test_outer_state_resumes_exactly(tmp_path, method):
     """DiLoCo's x_prev and outer momentum, SlowMo's x_old and u: a run resumed from step 20
     (mid-period: the outer/slow step at 24 needs the state of step 16) ends with exactly
-    the rows of the uninterrupted run."""
+    the rows of the uninterrupted run. Streaming DiLoCo (a fragment syncs every 3 steps,
+    its allreduce started 2 steps before): at step 20 fragment 0's allreduce, started at 19
+    for the sync at 21, is in flight; the checkpoint completes it and the resumed run applies
+    it at 21. LSGD with --pull-delay 3 (2 ranks as 2 nodes): the broadcast of the election
+    at 20 is in flight; the pull lands at 23 in both runs."""
     run = tmp_path / "run"
     args = [*method, "--max-steps", "24", "--checkpoint-every", "10", "--eval-every", "8",
             "--seed", "7", "--lr-schedule", "step", "--consensus-every", "4"]

@@ -337,4 +337,12 @@ def test_two_ranks_rank_0_writes_the_events(tmp_path):
     assert glob_rows.any()
     assert got["leader/rank"] == [(int(s), float(r)) for s, r in zip(
         ranks[0]["leader"]["step"][glob_rows], ranks[0]["leader"]["leader_rank"][glob_rows])]
+    # LeaderSGD sends the elected leader's score: the score in the leader's own /leader row
+    want = []
+    for s, r in zip(ranks[0]["leader"]["step"][glob_rows],
+                    ranks[0]["leader"]["leader_rank"][glob_rows]):
+        rows = ranks[int(r)]["leader"]
+        at = (rows["step"] == s) & (rows["scope"] == 0)
+        want.append((int(s), float(rows["score"][at][0])))
+    assert got["leader/score"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in want]
     assert [s for s, _ in got["eval/test_accuracy"]] == [6, 12]

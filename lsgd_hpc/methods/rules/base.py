@@ -41,6 +41,8 @@ class Rule:
         self.world = groups.world
         self.flat = flat
         self.log = log or (lambda group, **row: None)
+        #: track(step, **scalars): values for the experiment trackers only (not the HDF5)
+        self.track = lambda step, **scalars: None
         # the flat buffers' shapes are agreed on once here, not before every collective
         self.world.agree_buffers(flat.flat, flat.params, flat.grad, flat.flat[flat.n_params:])
 
@@ -49,6 +51,17 @@ class Rule:
 
     def after_step(self, step: int, loss: float) -> None:
         """``step`` optimizer steps are done; the last minibatch loss was ``loss``."""
+
+    @property
+    def overlaps(self) -> bool:
+        """True when the rule keeps collectives in flight across steps (see progress)."""
+        return False
+
+    def progress(self) -> None:
+        """Advance the rule's non-blocking collectives in flight, if any. Open MPI moves a
+        non-blocking collective forward only inside MPI calls: the method calls this from
+        gradient hooks during backward, so a broadcast or allreduce posted at one step runs
+        behind the next steps' compute instead of waiting for the step that needs it."""
 
     def eval_models(self) -> Dict[str, torch.Tensor]:
         """Extra flat parameter vectors to evaluate beside the worker's own (name -> vector)."""

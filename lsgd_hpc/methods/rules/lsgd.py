@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
 from lsgd_hpc.comm import Election, FlatParams, NodeGroups
 from lsgd_hpc.comm.faults import injection_point
+from lsgd_hpc.comm.hierarchy import HierarchicalBroadcast
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 
@@ -57,6 +58,22 @@ class LeaderRule(Rule):
     ``score_fn()`` (its loss on a held-out slice of the training set, the same slice on
     every rank) instead of the window mean; it is called once per step that has an
     election, and its value is the score elected on and logged in /leader.
+
+    ``pull_delay`` d > 0 puts the leader's broadcast behind d steps of compute. At a period
+    boundary s the election runs as above (blocking: one 16-byte MINLOC, latency-bound),
+    the leader snapshots its parameters x_L(s) and their broadcast starts without blocking
+    (an ibroadcast on a node communicator of the level's own; the global one stage by stage
+    through the node hierarchy, still crossing node boundaries once per node:
+    lsgd_hpc.comm.hierarchy), progressed at every step; at step s + d it is completed and
+
+        x_i <- x_i - c (x_i - x_L(s))        on the worker's current x_i, the leader's too
+
+    (the leader's pull is toward its own step-s self, zero only when d = 0). d < tau_local
+    (the spec), so at most one pull per level is in flight, and a pull never lands on a
+    boundary step; on step s + d the local pull comes first. With ``pull_every_step`` a
+    level's proximal term runs at every step on which its pull does not land, toward the
+    last copy that landed. ``state_dict`` completes a broadcast in flight and keeps the
+    leader's copy and the step to pull at. d = 0 is the rule above, through the same code.
     """
 
     name = "lsgd"
@@ -64,7 +81,8 @@ class LeaderRule(Rule):
     def __init__(self, groups: NodeGroups, flat: FlatParams, tau_local: int, tau_global: int,
                  pull_local: float, pull_global: float, window: int,
                  log: Optional[MetricsSink] = None, pull_every_step: bool = False,
-                 bn: str = "keep", score_fn: Optional[Callable[[], float]] = None):
+                 bn: str = "keep", score_fn: Optional[Callable[[], float]] = None,
+                 pull_delay: int = 0):
         super().__init__(groups, flat, log)
         self.tau_local, self.tau_global = tau_local, tau_global
         self.pull_local, self.pull_global = pull_local, pull_global
@@ -86,11 +104,27 @@ class LeaderRule(Rule):
         # (level, is_leader), and how many pulls of each level this rank completed
         self.pull_in_flight = None
         self.pulls_done = {LOCAL: 0, GLOBAL: 0}
+        self.pull_delay = int(pull_delay)
+        if self.pull_delay:
+            # what a broadcast in flight writes into (the copies stay readable meanwhile)
+            self.incoming = {LOCAL: torch.empty_like(self.sent),
+                             GLOBAL: torch.empty_like(self.sent)}
+            #: level -> [step to pull at, request or None (completed)]
+            self.delayed: Dict[int, list] = {}
+            # communicators of the delayed broadcasts' own (every rank creates them in this
+            # order: node, node, roots), so that they never interleave with other collectives
+            self.delay_node = {GLOBAL: groups.node.dup()}
+            if self.multi_level:
+                self.delay_node[LOCAL] = groups.node.dup()
+            self.delay_roots = groups.roots.dup() if groups.roots is not None else None
 
     def score(self) -> float:
         return window_score(self.losses)
 
     def after_step(self, step: int, loss: float) -> None:
+        if self.pull_delay:
+            self._after_step_delayed(step, loss)
+            return
         self.losses.append(float(loss))
         local_now = self.multi_level and step % self.tau_local == 0
         global_now = step % self.tau_global == 0
@@ -108,6 +142,7 @@ class LeaderRule(Rule):
             self.last_global = el
             self._log(step, GLOBAL, el, score)
             injection_point("elected", step, leader=el.world_rank == self.world.world_rank)
+            self.track(step, **{"leader/score": el.score})
             self._pull(GLOBAL, el.world_rank, self.pull_global,
                        lambda t: self.groups.broadcast_from_(t, el.world_rank))
         if self.pull_every_step:
@@ -138,6 +173,81 @@ class LeaderRule(Rule):
         if self.bn == "copy":
             self.flat.flat[self.n_params:].copy_(xl[self.n_params:])
 
+    # -- pull_delay > 0 ------------------------------------------------------------------
+    @property
+    def overlaps(self) -> bool:
+        return bool(self.pull_delay)
+
+    def progress(self) -> None:
+        for pending in (self.delayed.values() if self.pull_delay else ()):
+            if pending is not None and pending[1] is not None:
+                pending[1].test()
+
+    def _after_step_delayed(self, step: int, loss: float) -> None:
+        self.losses.append(float(loss))
+        landed = set()
+        for level in (LOCAL, GLOBAL):
+            pending = self.delayed.get(level)
+            if pending is None:
+                continue
+            if pending[0] == step:
+                self._land(level)
+                landed.add(level)
+            elif pending[1] is not None:
+                pending[1].test()                        # progress it behind compute
+        local_now = self.multi_level and step % self.tau_local == 0
+        global_now = step % self.tau_global == 0
+        if self.score_fn is not None:
+            score = float(self.score_fn()) if (local_now or global_now) else math.nan
+        else:
+            score = self.score()
+        if local_now:
+            el = self.groups.node.elect(score)
+            self._log(step, LOCAL, el, score)
+            self._start(LOCAL, step, el, lambda t: self.delay_node[LOCAL].ibroadcast_(t, el.rank))
+        if global_now:
+            el = self.groups.world.elect(score)
+            self.last_global = el
+            self._log(step, GLOBAL, el, score)
+            self._start(GLOBAL, step, el, lambda t: HierarchicalBroadcast(
+                self.delay_node[GLOBAL], self.delay_roots, self.groups.node_of, t,
+                el.world_rank, self.groups.world.world_ranks))
+        if self.pull_every_step:
+            if self.multi_level and LOCAL not in landed:
+                self._proximal(LOCAL, self.pull_local / self.tau_local)
+            if GLOBAL not in landed:
+                self._proximal(GLOBAL, self.pull_global / self.tau_global)
+
+    def _start(self, level: int, step: int, el: Election, post) -> None:
+        """The leader's x of this step into the level's incoming buffer, its broadcast posted."""
+        if self.world.world_rank == el.world_rank:
+            self.incoming[level].copy_(self.sent)
+        self.delayed[level] = [step + self.pull_delay, post(self.incoming[level])]
+
+    def _land(self, level: int) -> None:
+        """The pull of a delayed broadcast: x <- x - c (x - x_L(s)), on every worker."""
+        _, request = self.delayed.pop(level)
+        if request is not None:
+            request.wait()
+        xl = self.incoming[level]
+        # the copy that landed is the level's copy now (proximal pulls, checkpoints)
+        self.copies[level], self.incoming[level] = xl, self.copies[level]
+        self.have_copy[level] = True
+        c = self.pull_local if level == LOCAL else self.pull_global
+        n = self.pulled.numel()
+        if c > 0:
+            self.pulled.sub_(self.pulled - xl[:n], alpha=c)      # x <- x - c (x - x_L(s))
+        if self.bn == "copy":
+            self.flat.flat[self.n_params:].copy_(xl[self.n_params:])
+
+    def drain(self) -> None:
+        """Complete the broadcasts in flight (their pulls still land at their steps)."""
+        if self.pull_delay:
+            for pending in self.delayed.values():
+                if pending[1] is not None:
+                    pending[1].wait()
+                    pending[1] = None
+
     def _proximal(self, level: int, strength: float) -> None:
         if not self.have_copy[level] or strength <= 0:
             return
@@ -153,6 +263,12 @@ class LeaderRule(Rule):
             for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
                 if self.have_copy[level]:
                     state[f"{name}_copy"] = self.copies[level].clone()
+        if self.pull_delay:           # a leader copy received, to pull toward at its step
+            self.drain()
+            for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
+                if level in self.delayed:
+                    state[f"{name}_delayed"] = {"pull_step": self.delayed[level][0],
+                                                "copy": self.incoming[level].clone()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -162,3 +278,9 @@ class LeaderRule(Rule):
             if f"{name}_copy" in state:
                 self.copies[level].copy_(state[f"{name}_copy"])
                 self.have_copy[level] = True
+            if self.pull_delay:
+                self.delayed.pop(level, None)
+                got = state.get(f"{name}_delayed")
+                if got is not None:
+                    self.incoming[level].copy_(got["copy"])
+                    self.delayed[level] = [int(got["pull_step"]), None]

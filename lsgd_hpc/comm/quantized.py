@@ -1,0 +1,426 @@
+"""Communication in int8 or fp8 (one byte per element, per-block scales), with error feedback.
+
+``Quantized(comm, "int8")`` wraps one communicator: model-sized float32 tensors (at least
+``MIN_ELEMENTS``) move as one byte per element plus one float32 scale per block; everything
+else (elections, scalars, float64 measurements, integers) passes through unchanged, and so
+does a group of one (nothing is sent, nothing is rounded).
+
+Quantizing a block x of at most ``BLOCK`` elements: s = max|x| / QMAX (QMAX 127 for int8,
+448 for fp8 e4m3), q = round(x / s) clamped to [-127, 127] (int8), or x / s rounded to
+float8_e4m3fn (fp8); Q(x) = q s. A block of zeros has s = 0; a block holding inf or NaN
+comes back as NaN throughout (it cannot be scaled).
+
+Allreduce of v over p ranks (sum or mean), two phases over byte buffers:
+
+1. v is split into p chunks of c elements (the last ones padded with zeros), each chunk into
+   b = ceil(ceil(n / p) / BLOCK) equal blocks. Each rank quantizes every chunk; an alltoall
+   sends chunk j (its b scales and c bytes) to rank j.
+2. Rank j dequantizes the p contributions to its chunk and adds them in float32 (rank order),
+   divides by p for a mean, requantizes that reduced chunk, and an allgather gives every rank
+   every reduced chunk, which every rank (rank j too) dequantizes: every rank ends with the
+   same bits.
+
+Bytes counted (the package's logical-payload convention: an allreduce of m bytes is sent m,
+received m): sent = received = n + 4 p b for an n-element vector, against 4 n in float32, so
+0.25 of the float32 bytes plus the scales' (about 1/4096 of the payload for large n). A
+broadcast sends (root) or receives (the others) n + 4 ceil(n / BLOCK): the root quantizes,
+payload and scales are broadcast as bytes, every rank (the root too) dequantizes, so the
+copy is the same bits everywhere; across node boundaries (``NodeGroups.broadcast_from_``)
+the same bytes are forwarded, never requantized. The padding (fewer than 4 b + 1 bytes a
+chunk) travels but is not counted. The counted seconds are those of the whole operation,
+quantization included.
+
+Error feedback (``error_feedback=True``; SparseLoCo, MuLoCo, 1-bit Adam): each rank keeps a
+residual e per buffer it allreduces and sends Q(v + e) in phase 1, then sets
+e <- (v + e) - Q(v + e): what rounding dropped is sent in later rounds instead of lost, so
+the running mean of what arrives converges to the true mean. Phase 2's requantization
+(identical on every rank, at most half a step of the reduced chunk's scale) is not fed back,
+nor is a broadcast's (a leader's copy is a new vector each time, not a sum over rounds).
+A residual is keyed by the buffer it belongs to: the index of the buffer registered with
+``agree_buffers`` that holds it (rules register their scratch buffers at construction, in the
+same order on every rank and in every run) and its offset and length there, so a resumed
+run finds its residuals (``state_dict``). A tensor outside every registered buffer is keyed
+by its length.
+
+The blocking collectives are quantized; a non-blocking allreduce or broadcast of a model
+tensor runs the blocking one at once and returns a completed request (no overlap). A
+neighbour exchange of a model tensor is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from lsgd_hpc.comm.base import CommError, Communicator, Pending
+from lsgd_hpc.comm.groups import NodeGroups
+from lsgd_hpc.comm.lowprec import MIN_ELEMENTS
+
+__all__ = ["Quantized", "QuantizedGroups", "quantized_groups", "KINDS", "BLOCK", "QMAX",
+           "MIN_ELEMENTS", "kind_problem", "quantize", "dequantize", "layout", "roundtrip",
+           "allreduce_bytes", "broadcast_bytes"]
+
+#: the wire dtype of each quantized comm_dtype (fp8 where this torch has float8_e4m3fn)
+KINDS: Dict[str, torch.dtype] = {"int8": torch.int8}
+if hasattr(torch, "float8_e4m3fn"):
+    KINDS["fp8"] = torch.float8_e4m3fn
+#: the largest magnitude of each wire dtype: a block's scale is max|x| / QMAX
+QMAX = {"int8": 127.0, "fp8": 448.0}
+#: elements per scale, at most (a chunk is cut into equal blocks of at most this many)
+BLOCK = 4096
+SCALE_BYTES = 4
+
+
+def kind_problem(kind: str, device=None) -> Optional[str]:
+    """Why ``kind`` cannot be used on ``device`` with this torch, or None."""
+    if kind not in QMAX:
+        return f"must be one of {', '.join(QMAX)}, got {kind!r}"
+    if kind not in KINDS:
+        return f"{kind} needs torch.float8_e4m3fn, which torch {torch.__version__} lacks"
+    try:
+        x = torch.tensor([2.0, -3.0], device=device)
+        back = x.to(KINDS[kind]).view(torch.uint8).view(KINDS[kind]).to(torch.float32)
+        if not torch.equal(back, x):
+            return f"{kind}: conversions on {device or 'cpu'} do not round-trip"
+    except (RuntimeError, TypeError) as exc:
+        return f"{kind} conversions are not supported on {device or 'cpu'} ({exc})"
+    return None
+
+
+# -- the maths: pure functions, no communication --------------------------------------------------
+def quantize(x: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocks along the last dimension of ``x`` (float32): (q as bytes, scales float32)."""
+    qmax = QMAX[kind]
+    scales = x.abs().amax(-1) / qmax
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    y = x / safe.unsqueeze(-1)
+    if kind == "int8":
+        q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
+    else:
+        q = y.clamp_(-qmax, qmax).to(KINDS[kind])
+    return q.view(torch.uint8), scales
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
+    """float32 blocks from bytes ``q`` (..., block) and ``scales`` (...)."""
+    return q.view(KINDS[kind]).to(torch.float32) * scales.unsqueeze(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How an n-element vector is cut for p ranks: p chunks of c = b * be elements (b blocks
+    of ``be``), and the bytes of one chunk on the wire (``record``: b scales, then c bytes)."""
+
+    n: int
+    p: int
+    b: int
+    be: int
+
+    @property
+    def c(self) -> int:
+        return self.b * self.be
+
+    @property
+    def record(self) -> int:
+        return SCALE_BYTES * self.b + self.c
+
+    @property
+    def counted(self) -> int:
+        """The bytes counted: one per element, four per scale (padding left out)."""
+        return self.n + SCALE_BYTES * self.p * self.b
+
+
+def layout(n: int, p: int, block: int = BLOCK) -> Layout:
+    """b = ceil(ceil(n / p) / block) blocks per chunk, each ceil(ceil(n / p) / b) elements
+    rounded up to a multiple of 4 (so every chunk's scales stay 4-byte aligned)."""
+    m = -(-n // p)
+    b = -(-m // block)
+    be = -(-m // b)
+    be += -be % 4
+    return Layout(n, p, b, be)
+
+
+def allreduce_bytes(n: int, p: int, block: int = BLOCK) -> int:
+    """Bytes a quantized allreduce of n float32 elements over p ranks counts (each way)."""
+    return layout(n, p, block).counted
+
+
+def broadcast_bytes(n: int, block: int = BLOCK) -> int:
+    """Bytes a quantized broadcast of n float32 elements counts (root: sent; others: received)."""
+    return layout(n, 1, block).counted
+
+
+def roundtrip(x: torch.Tensor, p: int, kind: str, block: int = BLOCK) -> torch.Tensor:
+    """Q(x) as phase 1 of an allreduce over p ranks sees it (float32, x's shape)."""
+    lay = layout(x.numel(), p, block)
+    pad = torch.zeros(lay.p * lay.c, dtype=torch.float32, device=x.device)
+    pad[:x.numel()] = x.reshape(-1)
+    q, s = quantize(pad.view(lay.p, lay.b, lay.be), kind)
+    return dequantize(q, s, kind).reshape(-1)[:x.numel()].view_as(x)
+
+
+# -- shared state: registered buffers, residuals, work buffers -----------------------------------
+class _Shared:
+    """What the wrappers of one method's communicators share."""
+
+    def __init__(self, kind: str, error_feedback: bool, block: int):
+        self.kind, self.error_feedback, self.block = kind, error_feedback, block
+        #: buffers registered with agree_buffers, in registration order (the residuals' keys)
+        self.agreed: List[torch.Tensor] = []
+        self.residuals: Dict[str, torch.Tensor] = {}
+        self.work: Dict[tuple, dict] = {}
+
+    def registered(self, t: torch.Tensor) -> bool:
+        return any(a.data_ptr() == t.data_ptr() and a.numel() == t.numel()
+                   and a.dtype == t.dtype for a in self.agreed)
+
+    def key(self, comm_key: str, t: torch.Tensor) -> str:
+        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        for i, a in enumerate(self.agreed):
+            lo = a.data_ptr()
+            if (a.device == t.device and a.dtype == t.dtype and lo <= ptr
+                    and end <= lo + a.numel() * a.element_size()):
+                return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
+        return f"{comm_key}/numel{t.numel()}"
+
+    def residual(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        e = self.residuals.get(key)
+        if e is None or e.numel() != t.numel() or e.device != t.device:
+            e = self.residuals[key] = torch.zeros(t.numel(), dtype=torch.float32,
+                                                  device=t.device)
+        return e
+
+
+class _Booked:
+    """Count one quantized collective as its logical payload: the backend's own counts of the
+    byte buffers it moved are replaced by (sent, received); the seconds are the whole
+    operation's, quantization included; one call."""
+
+    def __init__(self, stats, sent: int = 0, recv: int = 0,
+                 unit: Optional[Tuple[int, int]] = None):
+        self.stats, self.sent, self.recv, self.unit = stats, sent, recv, unit
+
+    def __enter__(self):
+        self.before = self.stats.snapshot()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> bool:
+        st, b = self.stats, self.before
+        if self.unit is not None:       # forwarded hops: each wire record counts as logical
+            wire, logical = self.unit
+            self.sent = (st.bytes_sent - b.bytes_sent) // wire * logical
+            self.recv = (st.bytes_recv - b.bytes_recv) // wire * logical
+        st.bytes_sent = b.bytes_sent + int(self.sent)
+        st.bytes_recv = b.bytes_recv + int(self.recv)
+        st.calls = b.calls + 1
+        st.seconds = b.seconds + time.perf_counter() - self.t0
+        return False
+
+
+class Quantized:
+    """A communicator whose model-sized float32 traffic moves as ``kind`` (int8 or fp8) with
+    per-block scales; with ``error_feedback`` its allreduces carry each buffer's residual."""
+
+    def __init__(self, inner: Communicator, kind: str = "int8", error_feedback: bool = False,
+                 block: int = BLOCK, _shared: Optional[_Shared] = None):
+        problem = kind_problem(kind)
+        if problem:
+            raise CommError(problem)
+        if not isinstance(block, int) or block < 4 or block % 4:
+            raise CommError(f"block must be a positive multiple of 4, got {block!r}")
+        self.inner, self.kind = inner, kind
+        self.shared = _shared or _Shared(kind, bool(error_feedback), block)
+
+    def __getattr__(self, name):          # everything not overridden: the inner communicator
+        return getattr(self.inner, name)
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.shared.error_feedback
+
+    @property
+    def block(self) -> int:
+        return self.shared.block
+
+    def quantizes(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` moves quantized (model-sized float32, in a group of more than one)."""
+        return t.dtype == torch.float32 and t.numel() >= MIN_ELEMENTS and self.inner.size > 1
+
+    def agree_buffers(self, *tensors: torch.Tensor) -> None:
+        self.inner.agree_buffers(*tensors)
+        self.shared.agreed.extend(tensors)
+
+    def _agree(self, what: str, t: torch.Tensor) -> None:
+        """The per-call agreement check of the backend, for a tensor not registered at set-up
+        (its numel decides the layout, so every member must pass the same)."""
+        if not self.shared.registered(t):
+            check = getattr(self.inner, "_agree", None)
+            if check is not None:
+                check(what, t)
+
+    def _work(self, lay: Layout, device, what: str) -> dict:
+        """Work buffers of one layout on this communicator, made once (collectively: every
+        member makes them at the same call) and agreed on at creation."""
+        key = (self.inner.key, what, lay, str(device))
+        w = self.shared.work.get(key)
+        if w is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            w = {"x": torch.zeros(lay.p * lay.c, dtype=torch.float32, device=device),
+                 "send": torch.zeros(lay.p, lay.record, **u8)}
+            if what == "allreduce":
+                w["recv"] = torch.zeros(lay.p, lay.record, **u8)
+                w["own"] = torch.zeros(lay.record, **u8)
+                w["all"] = torch.zeros(lay.p, lay.record, **u8)
+                self.inner.agree_buffers(w["send"], w["own"])
+            else:
+                self.inner.agree_buffers(w["send"])
+            self.shared.work[key] = w
+        return w
+
+    @staticmethod
+    def _split(buf: torch.Tensor, lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(bytes (rows, b, be), scales (rows, b)) views of records ``buf`` (rows, record)."""
+        rows = buf.view(-1, lay.record)
+        k = SCALE_BYTES * lay.b
+        return rows[:, k:].unflatten(-1, (lay.b, lay.be)), rows[:, :k].view(torch.float32)
+
+    def _pack(self, x: torch.Tensor, buf: torch.Tensor,
+              lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` (rows * c float32) into the records ``buf``; returns their views."""
+        q, s = quantize(x.view(-1, lay.b, lay.be), self.kind)
+        qv, sv = self._split(buf, lay)
+        qv.copy_(q)
+        sv.copy_(s)
+        return qv, sv
+
+    # -- allreduce ---------------------------------------------------------------------------
+    def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        if not self.quantizes(tensor):
+            return self.inner.allreduce_(tensor, op)
+        self.inner._check_allreduce(tensor, op)
+        self._agree("allreduce_", tensor)
+        p, n = self.inner.size, tensor.numel()
+        lay = layout(n, p, self.block)
+        w = self._work(lay, tensor.device, "allreduce")
+        with _Booked(self.inner.stats, lay.counted, lay.counted):
+            x = w["x"]
+            x[:n].copy_(tensor.reshape(-1))
+            e = None
+            if self.error_feedback:
+                e = self.shared.residual(self.shared.key(self.inner.key, tensor), tensor)
+                x[:n].add_(e)                                   # v + e
+            qv, sv = self._pack(x, w["send"], lay)
+            if e is not None:                                   # e <- (v + e) - Q(v + e)
+                torch.sub(x[:n], dequantize(qv, sv, self.kind).reshape(-1)[:n], out=e)
+            # phase 1: chunk j to rank j
+            self.inner.alltoall(w["send"].view(-1), w["recv"].view(-1))
+            rq, rs = self._split(w["recv"], lay)
+            reduced = dequantize(rq, rs, self.kind).sum(0)      # (b, be), float32
+            if op == "mean":
+                reduced.div_(p)
+            self._pack(reduced.reshape(-1), w["own"], lay)
+            # phase 2: every reduced chunk to every rank; all dequantize the same bytes
+            self.inner.allgather(w["own"], w["all"].view(-1))
+            aq, as_ = self._split(w["all"], lay)
+            tensor.view(-1).copy_(dequantize(aq, as_, self.kind).reshape(-1)[:n])
+        return tensor
+
+    def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *, agreed: bool = False):
+        if not self.quantizes(tensor):
+            return self.inner.iallreduce_(tensor, op, agreed=agreed)
+        self.allreduce_(tensor, op)                   # blocking: a completed request
+        return Pending(self.inner, tensor, op, lambda: None, lambda: True,
+                       finish=lambda: tensor)
+
+    # -- broadcast ---------------------------------------------------------------------------
+    def _broadcast(self, tensor: torch.Tensor, is_root: bool, move) -> torch.Tensor:
+        """The root quantizes ``tensor``; ``move(bytes)`` broadcasts its records; every rank
+        (the root too) dequantizes them into ``tensor``."""
+        n = tensor.numel()
+        lay = layout(n, 1, self.block)
+        w = self._work(lay, tensor.device, "broadcast")
+        buf = w["send"]
+        with _Booked(self.inner.stats, unit=(lay.record, lay.counted)):
+            if is_root:
+                x = w["x"]
+                x[:n].copy_(tensor.reshape(-1))
+                self._pack(x, buf, lay)
+            move(buf.view(-1))
+            q, s = self._split(buf, lay)
+            tensor.view(-1).copy_(dequantize(q, s, self.kind).reshape(-1)[:n])
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        if not self.quantizes(tensor):
+            return self.inner.broadcast_(tensor, root)
+        self.inner._check_root(root)
+        self._agree("broadcast_", tensor)
+        return self._broadcast(tensor, self.inner.rank == root,
+                               lambda b: self.inner.broadcast_(b, root))
+
+    def ibroadcast_(self, tensor: torch.Tensor, root: int):
+        if not self.quantizes(tensor):
+            return self.inner.ibroadcast_(tensor, root)
+        self.broadcast_(tensor, root)
+        return Pending(self.inner, tensor, "sum", lambda: None, lambda: True,
+                       name="ibroadcast_", finish=lambda: tensor)
+
+    def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
+                           destinations: Sequence[int], out: Optional[torch.Tensor] = None,
+                           graph_key=None) -> torch.Tensor:
+        if self.quantizes(tensor):
+            raise CommError(f"comm_dtype {self.kind}: no quantized neighbour exchange (gossip "
+                            "sends parameters, not sums; use fp32 or bf16)")
+        return self.inner.neighbor_allgather(tensor, sources, destinations, out, graph_key)
+
+    # -- groups and state --------------------------------------------------------------------
+    def dup(self) -> "Quantized":
+        return Quantized(self.inner.dup(), self.kind, _shared=self.shared)
+
+    def split(self, color: int, key: Optional[int] = None) -> Optional["Quantized"]:
+        sub = self.inner.split(color, key)
+        return None if sub is None else Quantized(sub, self.kind, _shared=self.shared)
+
+    def state_dict(self) -> dict:
+        """The error-feedback residuals (copies), by buffer key."""
+        return {"comm_dtype": self.kind,
+                "residuals": {k: v.detach().clone() for k, v in self.shared.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.shared.residuals = {k: v.detach().clone().to(torch.float32)
+                                 for k, v in state.get("residuals", {}).items()}
+
+
+@dataclasses.dataclass
+class QuantizedGroups(NodeGroups):
+    """NodeGroups over Quantized communicators; a broadcast across node boundaries
+    (``broadcast_from_``) is quantized once, at the source, and its bytes forwarded."""
+
+    plain: Optional[NodeGroups] = None
+
+    def broadcast_from_(self, tensor, world_root: int):
+        q: Quantized = self.world
+        if not q.quantizes(tensor):
+            return self.plain.broadcast_from_(tensor, world_root)
+        return q._broadcast(tensor, q.world_rank == world_root,
+                            lambda b: self.plain.broadcast_from_(b, world_root))
+
+    def state_dict(self) -> dict:
+        return self.world.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.world.load_state_dict(state)
+
+
+def quantized_groups(groups: NodeGroups, kind: str = "int8", error_feedback: bool = False,
+                     block: int = BLOCK) -> QuantizedGroups:
+    """The same node hierarchy with every communicator sending model tensors as ``kind``;
+    the three share their registered buffers and residuals."""
+    world = Quantized(groups.world, kind, error_feedback, block)
+    wrap = lambda c: None if c is None else Quantized(c, kind, _shared=world.shared)  # noqa: E731
+    fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(NodeGroups)}
+    fields.update(world=world, node=wrap(groups.node), roots=wrap(groups.roots))
+    return QuantizedGroups(**fields, plain=groups)
