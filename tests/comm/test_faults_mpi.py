@@ -5,6 +5,7 @@ Every job runs under a timeout, so a hang fails the test."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,8 +111,8 @@ def test_lsgd_leader_killed_between_election_and_broadcast(tmp_path):
     """The global leader of step 8 dies after its election, before its broadcast: nobody has
     its copy, so nobody pulled (on every survivor), and it is never elected again."""
     proc, res, run_dir = run_ft(tmp_path, "lsgd", "--kill", "leader:8")
-    died = [int(line.split()[2]) for line in proc.stderr.splitlines()
-            if "inject_failures: rank" in line]
+    died = [int(re.search(r"inject_failures: rank (\d+) ", line).group(1))
+            for line in proc.stderr.splitlines() if "inject_failures: rank" in line]
     assert len(died) == 1, proc.stderr[-3000:]
     check_survivors(proc, res, died)
     # global pulls at steps 4, 12 and 16; the one of step 8 was lost with its leader
