@@ -131,6 +131,18 @@ TRAINER_OPTIONS = (
     Option("straggler", None, "str",
            "RANK:SECONDS: that rank sleeps SECONDS per step (experiments; off by default)",
            section="cluster and backend", none="none"),
+    Option("on_failure", "abort", "choice",
+           "a dead rank: abort ends the job (resume it from its checkpoint); shrink: the "
+           "survivors go on without it (the mpi backend under mpirun --with-ft ulfm; see "
+           "docs/cluster.md, When a node dies)", section="cluster and backend",
+           choices=("abort", "shrink")),
+    Option("min_ranks", 1, "int",
+           "with --on-failure shrink: fewer survivors than this end the job (exit 3)",
+           section="cluster and backend", low=1),
+    Option("inject_failure", None, "str",
+           "RANK:STEP[,RANK:STEP...]: testing only, that rank (as numbered at the start) "
+           "SIGKILLs itself at that step; leader:STEP kills the global leader elected then, "
+           "before its broadcast", section="cluster and backend", none="none"),
     # -- output and checkpoints --
     Option("run_dir", None, "str", "output folder", section="output and checkpoints",
            none="runs/<job id> under SLURM, else runs/<algorithm>-<time>"),
@@ -416,6 +428,15 @@ def validate(cfg: Config, env: dict) -> None:
         raise ConfigError("--nesterov", "needs --momentum > 0 (Nesterov momentum without "
                                         "momentum is plain SGD)")
     straggler_of(cfg)
+    failures_of(cfg)
+    if cfg.on_failure == "shrink" and cfg.backend != "mpi":
+        from lsgd_hpc.comm.faults import ulfm_problem
+        raise ConfigError("--on-failure", ulfm_problem(cfg.backend).replace(
+            "on_failure='shrink'", "shrink").replace("backend='", "--backend ").replace(
+            "'", ""))
+    if cfg.min_ranks != 1 and cfg.on_failure != "shrink":
+        raise ConfigError("--min-ranks", "needs --on-failure shrink (with abort the first "
+                                         "dead rank ends the job)")
     if cfg.dataset == "imagefolder" and cfg.validation_size:
         raise ConfigError("--validation-size", "not for imagefolder (its val/ folder is the "
                                                "test set; split train/ yourself)")
@@ -489,6 +510,18 @@ def straggler_of(cfg: Config) -> Optional[tuple]:
     return out
 
 
+def failures_of(cfg: Config) -> list:
+    """--inject-failure as [(rank or "leader", step, point)] ([] when off)."""
+    if cfg.inject_failure is None:
+        return []
+    from lsgd_hpc.comm.faults import failure_plan
+    try:
+        return failure_plan(cfg.inject_failure)
+    except ValueError as exc:
+        raise ConfigError("--inject-failure", str(exc).replace("inject_failures: ", "")
+                          + f" (got {cfg.inject_failure!r})") from None
+
+
 def launcher_world_size(env: dict):
     """``(launcher, n)``: how many ranks the launcher started (see lsgd_hpc.runtime.launcher)."""
     from lsgd_hpc.runtime.launcher import launcher_world_size as count
@@ -522,6 +555,13 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
             raise ConfigError("--resume", f"the checkpoint in {cfg.run_dir} was written by "
                                           f"{pointer['world_size']} ranks; this job has "
                                           f"{world_size} (resume with the same rank count)")
+    for rank, _, _ in failures_of(cfg):
+        if rank != "leader" and rank >= world_size:
+            raise ConfigError("--inject-failure", f"rank {rank} is not in this job of "
+                                                  f"{world_size} ranks")
+    if cfg.min_ranks > world_size:
+        raise ConfigError("--min-ranks", f"{cfg.min_ranks} is more than the {world_size} ranks "
+                                         "of this job")
     slow = straggler_of(cfg)
     if slow is not None and slow[0] >= world_size:
         raise ConfigError("--straggler", f"rank {slow[0]} is not in this job of {world_size} "

@@ -10,13 +10,18 @@ __all__ = ["Progress"]
 
 
 class Progress:
-    """Rank 0's lines of one run (every call is a no-op on other ranks)."""
+    """Rank 0's lines of one run (every call is a no-op on other ranks). After lost ranks
+    (--on-failure shrink) rank 0 is the lowest survivor, which takes the lines over."""
 
     def __init__(self, trainer):
-        self.t, self.on = trainer, trainer.rank == 0
+        self.t = trainer
         self.losses: List[float] = []
         self.t_last: Optional[float] = None
         self.step_last = 0
+
+    @property
+    def on(self) -> bool:
+        return self.t.comm.rank == 0
 
     def start(self, resumed: Optional[int], skipped, now: float, step: int) -> None:
         t, cfg = self.t, self.t.cfg
@@ -47,8 +52,10 @@ class Progress:
             return
         loss = sum(losses) / max(1, len(losses))
         leader = getattr(t.rule, "last_global", None)
-        lead = f"leader {leader.world_rank} ({leader.score:.3f})" if leader else "leader -"
-        samples = steps_per_s * t.cfg.batch_size * t.size
+        # (ranks as numbered at the start: after lost ranks they are renumbered)
+        lead = (f"leader {t.comm.initial_ranks[leader.world_rank]} ({leader.score:.3f})"
+                if leader else "leader -")
+        samples = steps_per_s * t.cfg.batch_size * t.comm.size
         eta = _dt.timedelta(seconds=int(max(0, (t.total_steps - step) / max(steps_per_s, 1e-9))))
         print(f"step {step:>7d}/{t.total_steps} | epoch {step / t.spe:6.2f} | "
               f"loss {loss:.4f} | test acc {100 * test_acc:5.2f}% | {lead} | "

@@ -50,8 +50,11 @@ def _init(backend: str, cfg):
     rank's device; an exception ends only this run (the trainer agrees and exits itself)."""
     import lsgd_hpc
     cuda = cfg is not None and cfg.device == "cuda"
+    shrink = cfg is not None and cfg.on_failure == "shrink" and backend == "mpi"
     return lsgd_hpc.init(backend, ranks_per_node=cfg.ranks_per_node if cfg else None,
-                         device="cuda" if cuda else "cpu", abort_on_exception=False)
+                         device="cuda" if cuda else "cpu", abort_on_exception=False,
+                         on_failure="shrink" if shrink else "abort",
+                         min_ranks=cfg.min_ranks if shrink else 1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -120,8 +123,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if comm.rank == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if cfg.inject_failure:                 # testing: ranks that SIGKILL themselves
+        from lsgd_hpc.comm.faults import inject_failures
+        inject_failures(cfg.inject_failure, comm)
+    from lsgd_hpc.comm.faults import EXIT_UNRECOVERABLE, UnrecoverableFailure
     try:
         status = trainer.run()
+    except UnrecoverableFailure as exc:
+        # on every survivor alike (agreed): one line each, no traceback, then out
+        print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_UNRECOVERABLE
     except BaseException as exc:  # fail fast: one rank's error ends every rank now
         if isinstance(exc, SystemExit) and exc.code in (0, None):
             raise
@@ -354,7 +365,7 @@ class Trainer:
         self.checkpointer.save()
         self.metrics.close_trackers()           # not the end of the run: no end_time
         requeued = lsgd_hpc.requeue(self.comm, self.stop)
-        if self.rank == 0:
+        if self.comm.rank == 0:            # (the lowest survivor after lost ranks)
             print(f"[lsgd_hpc] stop requested: checkpoint at step {step} in "
                   f"{self.run_dir}/checkpoints", flush=True)
             if self.env.get("SLURM_JOB_ID") and not requeued:

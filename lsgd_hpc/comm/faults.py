@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["ON_FAILURE", "ProcessFailure", "UnrecoverableFailure", "FailureEvent",
            "FaultTolerance", "ulfm_problem", "is_process_failure", "format_ranks",
-           "parse_ranks", "inject_failures", "injection_point", "FailureInjector",
+           "parse_ranks", "inject_failures", "failure_plan", "injection_point", "FailureInjector",
            "MAX_ATTEMPTS", "EXIT_UNRECOVERABLE", "ULFM_ENV", "FINALIZE_ENV",
            "prepare_mpi_environment"]
 
@@ -513,6 +513,15 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
     explicitly. Installs the plan for this process (the methods call :func:`injection_point`
     each step) and returns it; ``comm`` (the session's) pins this rank's initial number."""
     global _INJECTOR
+    _INJECTOR = FailureInjector(failure_plan(spec))
+    if comm is not None:
+        _INJECTOR.initial_rank = getattr(comm, "initial_rank", comm.rank)
+    return _INJECTOR
+
+
+def failure_plan(spec: str) -> list:
+    """``inject_failures``' SPEC as [(rank or "leader", step, point)]; ValueError when bad
+    (checked by the trainer before anything starts)."""
     plan = []
     for item in [s for s in str(spec).replace(" ", "").split(",") if s]:
         parts = item.split(":")
@@ -531,10 +540,9 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
         if step_n < 1 or (rank != "leader" and rank < 0):
             raise ValueError(f"inject_failures: {item!r}: rank >= 0 and step >= 1 are needed")
         plan.append((rank, step_n, point))
-    _INJECTOR = FailureInjector(plan)
-    if comm is not None:
-        _INJECTOR.initial_rank = getattr(comm, "initial_rank", comm.rank)
-    return _INJECTOR
+    if not plan:
+        raise ValueError("inject_failures: no RANK:STEP given")
+    return plan
 
 
 def injection_point(point: str, step: int, comm=None, leader: bool = False) -> None:

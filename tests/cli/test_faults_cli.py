@@ -1,0 +1,84 @@
+"""The trainer's --on-failure shrink for real: 4 ranks as 2 nodes under mpirun --with-ft ulfm,
+ranks killed by --inject-failure; the survivors finish the budget, the lowest survivor takes
+rank 0's lines, /faults and summary name the lost ranks. Every job runs under a timeout."""
+
+import re
+import sys
+
+import h5py
+import pytest
+
+from mpi_util import run_mpi
+
+ULFM = ["--with-ft", "ulfm"]
+STEPS = 40
+TIMEOUT = 240
+
+
+def train(tmp_path, *args, mpi_args=ULFM, check=True):
+    run_dir = tmp_path / "run"
+    proc = run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(STEPS),
+                       "--eval-every", "20", "--ranks-per-node", "2", "--run-dir", str(run_dir),
+                       *args], timeout=TIMEOUT, mpi_args=mpi_args, check=check, cwd=tmp_path)
+    return proc, run_dir
+
+
+def error_lines(text):
+    return [ln for ln in text.splitlines() if ln.startswith("lsgd_hpc.train: error:")]
+
+
+def faults_of(run_dir, rank):
+    with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as f:
+        g = f["faults"]
+        return {k: g[k][:].tolist() for k in g}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm,kill", [("lsgd", "0:15"), ("allreduce", "3:15")])
+def test_a_lost_rank_and_the_survivors_finish(tmp_path, algorithm, kill):
+    """Rank 0 killed (LSGD: its lines move to the lowest survivor) or rank 3 (allreduce SGD):
+    exit 0, every survivor at step STEPS, one /faults row naming the lost rank on each."""
+    proc, run_dir = train(tmp_path, "--algorithm", algorithm, "--on-failure", "shrink",
+                          "--inject-failure", kill)
+    lost = int(kill.split(":")[0])
+    out = proc.stdout + proc.stderr[-3000:]
+    assert f"done: {STEPS} steps" in proc.stdout, out
+    assert re.search(rf"lost rank\(s\) {lost} \(initial numbering\); 3 of 4 ranks go on", out)
+    survivors = [r for r in range(4) if r != lost]
+    for r in survivors:
+        rows = faults_of(run_dir, r)
+        assert len(rows["step"]) == 1 and rows["world_size_after"] == [3], rows
+        with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r") as f:
+            assert int(f["train"]["step"][-1]) == STEPS
+    summary = run_mpi(1, [sys.executable, "-m", "lsgd_hpc.summary", str(run_dir)])
+    assert f"failure: rank(s) {lost} lost; 3 rank(s) went on" in summary.stdout, summary.stdout
+    assert re.search(rf"^\s+{lost}\s+\d+ .* lost \(recovery at step", summary.stdout, re.M)
+
+
+@pytest.mark.mpi
+def test_a_whole_node_lost_lsgd_goes_on_single_node(tmp_path):
+    proc, run_dir = train(tmp_path, "--on-failure", "shrink", "--inject-failure", "2:12,3:12")
+    out = proc.stdout + proc.stderr[-3000:]
+    assert f"done: {STEPS} steps" in proc.stdout, out
+    for r in (0, 1):                       # one or two events, the node's two ranks in all
+        rows = faults_of(run_dir, r)
+        assert sum(rows["n_lost"]) == 2 and rows["world_size_after"][-1] == 2, rows
+
+
+@pytest.mark.mpi
+def test_fewer_survivors_than_min_ranks_end_every_survivor_with_one_line(tmp_path):
+    proc, _ = train(tmp_path, "--on-failure", "shrink", "--min-ranks", "4",
+                    "--inject-failure", "1:10", check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert len(lines) == 3 and len(set(lines)) == 1 and "min_ranks" in lines[0], proc.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.fast
+def test_shrink_without_ulfm_is_refused_before_training(tmp_path):
+    proc, _ = train(tmp_path, "--on-failure", "shrink", mpi_args=[], check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    lines = error_lines(proc.stderr)
+    assert lines and len(set(lines)) == 1 and "--with-ft ulfm" in lines[0], proc.stderr
+    assert "step " not in proc.stdout
