@@ -5,8 +5,9 @@ have one):
 
 - ``<!-- test: setup NAME -->``: a fragment that defines things (a model, data); it runs only
   as part of the blocks that use it.
-- ``<!-- test: run np=N [uses=NAME,...] [times=K] [rc=R] [expect=PATH,...] [stdout="TEXT"] -->``:
-  the block, after the setup blocks it uses, is a script run under ``mpirun -np N`` (K times,
+- ``<!-- test: run np=N [uses=NAME,...] [times=K] [rc=R] [expect=PATH,...] [stdout="TEXT"]
+  [mpi="ARGS"] -->``:
+  the block, after the setup blocks it uses, is a script run under ``mpirun ARGS -np N`` (K times,
   each must exit R, default 0) in a fresh folder; then every PATH must exist there and the
   last run's output must contain TEXT (the marker is split like a shell line).
 - ``<!-- test: shell -->`` before a ```sh block: its lines run, in order, in the folder of the
@@ -135,7 +136,7 @@ def test_block_runs(run, tmp_path):
     rc = int(spec.get("rc", "0"))
     for _ in range(int(spec.get("times", "1"))):
         res = run_mpi(np_, [sys.executable, str(script)], timeout=180, cwd=tmp_path,
-                      check=False)
+                      check=False, mpi_args=shlex.split(spec.get("mpi", "")))
         assert res.returncode == rc, (f"exit {res.returncode}, expected {rc}\n{res.stdout}"
                                       f"\n{res.stderr[-4000:]}")
     assert spec.get("stdout", "") in res.stdout, f"{spec['stdout']!r} not printed:\n{res.stdout}"
