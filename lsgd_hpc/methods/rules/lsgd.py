@@ -121,17 +121,22 @@ class LeaderRule(Rule):
     def score(self) -> float:
         return window_score(self.losses)
 
-    def after_step(self, step: int, loss: float) -> None:
-        if self.pull_delay:
-            self._after_step_delayed(step, loss)
-            return
-        self.losses.append(float(loss))
+    def _due(self, step: int):
+        """(local election now, global election now, this rank's score for them)."""
         local_now = self.multi_level and step % self.tau_local == 0
         global_now = step % self.tau_global == 0
         if self.score_fn is not None:
             score = float(self.score_fn()) if (local_now or global_now) else math.nan
         else:
             score = self.score()
+        return local_now, global_now, score
+
+    def after_step(self, step: int, loss: float) -> None:
+        if self.pull_delay:
+            self._after_step_delayed(step, loss)
+            return
+        self.losses.append(float(loss))
+        local_now, global_now, score = self._due(step)
         if local_now:
             el = self.groups.node.elect(score)
             self._log(step, LOCAL, el, score)
@@ -195,12 +200,7 @@ class LeaderRule(Rule):
                 landed.add(level)
             elif pending[1] is not None:
                 pending[1].test()                        # progress it behind compute
-        local_now = self.multi_level and step % self.tau_local == 0
-        global_now = step % self.tau_global == 0
-        if self.score_fn is not None:
-            score = float(self.score_fn()) if (local_now or global_now) else math.nan
-        else:
-            score = self.score()
+        local_now, global_now, score = self._due(step)
         if local_now:
             el = self.groups.node.elect(score)
             self._log(step, LOCAL, el, score)
