@@ -1,6 +1,7 @@
 """Regenerate every experiment under results/ and results/README.md: ``make results``.
 
     python results/run_all.py [--out results] [--quick] [--only NAME ...]
+    python results/run_all.py --refresh NAME ...     (tables, figures, findings; no training)
 
 Each experiment is ``results/experiments/<name>.py`` (runnable alone, with options for a bigger
 budget on a cluster); this driver calls its ``run(out, quick, log)`` in the order of
@@ -163,9 +164,25 @@ def main(argv=None) -> int:
     p.add_argument("--readme-only", action="store_true",
                    help="rewrite OUT/README.md from OUT/summary.json and results/readings/ "
                         "(after editing a reading), running nothing")
+    p.add_argument("--refresh", nargs="+", metavar="NAME", choices=names,
+                   help="recompute these experiments' tables, figures and findings from the "
+                        "raw numbers they stored (their refresh()), training nothing; then "
+                        "rewrite OUT/summary.json and OUT/README.md")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.refresh:
+        doc = json.loads((out / "summary.json").read_text())
+        for name in args.refresh:
+            mod = load_experiment(name)
+            if not hasattr(mod, "refresh"):
+                p.error(f"--refresh: {name} stores no raw numbers to recompute from")
+            doc["experiments"][name].update(mod.refresh(out / name))
+            print(f"refreshed {name} from {out / name}")
+        (out / "summary.json").write_text(json.dumps(doc, indent=1, default=float))
+        (out / "README.md").write_text(readme(doc))
+        print(f"wrote {out}/summary.json and {out}/README.md")
+        return 0
     if args.readme_only:
         doc = json.loads((out / "summary.json").read_text())
         (out / "README.md").write_text(readme(doc))

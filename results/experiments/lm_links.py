@@ -200,15 +200,85 @@ def plot(rows: List[Dict], rate: str, out: Path) -> str:
     ax_t.set_xlabel("training time (s)")
     ax_b.set_xlabel("bytes between the nodes (MB, measured on the links; log)")
     ax_b.set_xscale("log")
+    # the first evaluation (an untrained model, perplexity ~ 200-300) would flatten the rest:
+    # the axis starts under the best final perplexity and ends at 3x the worst one
+    finals = [r["final_perplexity"] for r in rows if r["rate"] == rate
+              and r["role"] == "report" and math.isfinite(r["final_perplexity"])]
     for ax in (ax_t, ax_b):
-        ax.set_ylabel("held-out perplexity (per byte)")
-        ax.grid(alpha=0.3)
+        ax.set_ylabel("held-out perplexity (per byte; log)")
+        ax.set_yscale("log")
+        if finals:
+            ax.set_ylim(0.9 * min(finals), 3.0 * max(finals))
+        ax.grid(alpha=0.3, which="both")
     ax_t.set_title(f"{WORLD} ranks, 2 nodes, {rate} links: vs training time")
     ax_b.set_title("vs bytes between the nodes")
     ax_b.legend(fontsize=8, loc="upper right")
     name = f"links_{rate}.png"
     save_figure(fig, out / name)
     return name
+
+
+def loss_at(curve: List[Dict], t: float) -> float:
+    """The held-out loss of an evaluation curve at training time ``t``: linear between two
+    evaluations, the last one past the end."""
+    pts = [(c["training_time"], c["loss"]) for c in curve]
+    if not pts:
+        return math.nan
+    if t <= pts[0][0]:
+        return pts[0][1]
+    for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
+        if t0 <= t <= t1:
+            return l0 + (l1 - l0) * (t - t0) / (t1 - t0) if t1 > t0 else l1
+    return pts[-1][1]
+
+
+def time_to(curve: List[Dict], loss: float) -> Optional[float]:
+    """The first training time at which the curve reaches ``loss`` (linear between two
+    evaluations), or None."""
+    pts = [(c["training_time"], c["loss"]) for c in curve]
+    for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
+        if l1 <= loss:
+            return t0 + (t1 - t0) * (l0 - loss) / (l0 - l1) if l0 > loss else t0
+    return None
+
+
+def equal_time(rows: List[Dict], summary: List[Dict]) -> List[str]:
+    """Per rate: every method's perplexity at the training time the fastest method ended
+    (mean over seeds), and how long allreduce SGD took to reach each method's final
+    perplexity (the same seeds)."""
+    out = []
+    for rate in dict.fromkeys(s["rate"] for s in summary):
+        ss = [s for s in summary if s["rate"] == rate]
+        t_end = min(s["training_time_s"] for s in ss)
+        rep = [r for r in rows if r["rate"] == rate and r["role"] == "report" and r.get("curve")]
+        at = {}
+        for s in ss:
+            rs = [r for r in rep if r["method"] == s["method"]]
+            if rs:
+                at[s["method"]] = sum(math.exp(loss_at(r["curve"], t_end)) for r in rs) / len(rs)
+        if not at:
+            continue
+        order = sorted(at, key=at.get)
+        win, second = order[0], (order[1] if len(order) > 1 else None)
+        line = (f"At {rate}, at equal training time ({t_end:.1f} s, when the fastest method "
+                f"ended): {win} leads with perplexity {at[win]:.2f}")
+        if second:
+            line += f", {100 * (at[second] / at[win] - 1):.1f} % below {second} ({at[second]:.2f})"
+        line += ". Per method: " + "; ".join(f"{m} {at[m]:.2f}" for m in order) + "."
+        out.append(line)
+        ar = [r for r in rep if r["method"] == "allreduce SGD"]
+        if ar:
+            reach = []
+            for s in sorted(ss, key=lambda s: s["final_perplexity"]):
+                if s["method"] == "allreduce SGD":
+                    continue
+                ts = [time_to(r["curve"], math.log(s["final_perplexity"])) for r in ar]
+                mean = (sum(ts) / len(ts)) if all(t is not None for t in ts) else None
+                reach.append(f"{s['method']}'s {s['final_perplexity']:.2f} (reached at "
+                             f"{s['training_time_s']:.1f} s) in "
+                             + (f"{mean:.1f} s" if mean is not None else "n/a"))
+            out.append(f"At {rate}, allreduce SGD reaches " + "; ".join(reach) + ".")
+    return out
 
 
 def findings(summary: List[Dict]) -> List[str]:
@@ -291,11 +361,7 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, s
     write_csv(out / "links_summary.csv", summary, SUMMARY_COLUMNS)
     figures = [plot(rows, rate, out) for rate in rates
                if any(r["rate"] == rate and r["role"] == "report" for r in rows)]
-    found = [f"Setup: examples/char_lm.py (0.47 M parameters), {n} steps per rank, {WORLD} "
-             f"ranks on 2 emulated nodes, rates {', '.join(rates)}; learning rates "
-             f"{', '.join(f'{lr:g}' for lr in lrs)} tuned at {rates[0]} (seed {TUNE_SEED}), "
-             f"reported seeds {', '.join(map(str, seeds))}; bytes between nodes measured on "
-             "the links."] + findings(summary)
+    found = _all_findings(rows, summary, n, rates, lrs, seeds)
     found += [f"error in {k}: {v}" for k, v in errors.items()]
     seconds = time.perf_counter() - t0
     write_json(out / "links.json", {"summary": summary, "runs": rows, "probes": probes,
@@ -303,6 +369,34 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, s
     return {**base, "status": "ok" if not errors else "ok (with errors)", "figures": figures,
             "tables": ["links_summary.csv", "links_runs.csv"], "findings": found,
             "seconds": seconds}
+
+
+def _all_findings(rows, summary, n, rates, lrs, seeds) -> List[str]:
+    return [f"Setup: examples/char_lm.py (0.47 M parameters), {n} steps per rank, {WORLD} "
+            f"ranks on 2 emulated nodes, rates {', '.join(rates)}; learning rates "
+            f"{', '.join(f'{lr:g}' for lr in lrs)} tuned at {rates[0]} (seed {TUNE_SEED}), "
+            f"reported seeds {', '.join(map(str, seeds))}; bytes between nodes measured on "
+            "the links."] + findings(summary) + equal_time(rows, summary)
+
+
+def refresh(out) -> Dict:
+    """The tables, figures and findings again from OUT/links.json, training nothing (after a
+    change to how they are computed): ``python results/run_all.py --refresh lm_links``."""
+    out = Path(out)
+    doc = json.loads((out / "links.json").read_text())
+    rows = doc["runs"]
+    summary = summarize(rows)
+    rates = list(dict.fromkeys(r["rate"] for r in rows if r["role"] == "report"))
+    lrs = sorted({r["lr"] for r in rows if r["role"] == "tune"}) or \
+        sorted({r["lr"] for r in rows})
+    seeds = sorted({r["seed"] for r in rows if r["role"] == "report"})
+    write_csv(out / "links_runs.csv", rows, RUN_COLUMNS)
+    write_csv(out / "links_summary.csv", summary, SUMMARY_COLUMNS)
+    figures = [plot(rows, rate, out) for rate in rates]
+    found = _all_findings(rows, summary, rows[0]["steps"], rates, lrs, seeds)
+    found += [f"error in {k}: {v}" for k, v in doc.get("errors", {}).items()]
+    return {"figures": figures, "tables": ["links_summary.csv", "links_runs.csv"],
+            "findings": found}
 
 
 def _train(rate: str, argvs: List[List[str]], steps: int, raw: Path, timeout_per_run: float,

@@ -243,3 +243,51 @@ def test_lm_links_experiment_measures_the_bytes_on_the_links(tmp_path):
     assert {s["method"] for s in summary} == set(runs)
     png = (out / "links_100mbit.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_lm_links_equal_time_findings_and_refresh(tmp_path):
+    """lm_links' perplexity at equal training time and time to a perplexity (linear between
+    evaluations), and --refresh: tables, figure and findings again from links.json alone."""
+    import importlib.util
+    import json
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "results_lm_links", REPO / "results" / "experiments" / "lm_links.py")
+        lk = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(lk)
+
+        def curve(points):
+            return [{"step": 8 * i, "training_time": t, "bytes_sent": 100.0 * i,
+                     "loss": math.log(p)} for i, (t, p) in enumerate(points)]
+        assert abs(math.exp(lk.loss_at(curve([(0, 20), (10, 10)]), 5.0))
+                   - math.exp((math.log(20) + math.log(10)) / 2)) < 1e-9
+        assert lk.loss_at(curve([(0, 20), (10, 10)]), 99.0) == math.log(10)
+        assert abs(lk.time_to(curve([(0, 20), (10, 10)]), math.log(10)) - 10.0) < 1e-9
+        assert lk.time_to(curve([(0, 20), (10, 10)]), math.log(5)) is None
+        rows = []
+        for seed in (1, 2):
+            for method, pts, end in (("allreduce SGD", [(0, 300), (10, 12), (40, 9)], 40.0),
+                                     ("LSGD", [(0, 300), (10, 10), (20, 9.5)], 20.0)):
+                rows.append({"rate": "100mbit", "method": method, "role": "report", "lr": 0.01,
+                             "seed": seed, "tuned_pick": "", "final_val_loss": 1.0,
+                             "final_loss": 1.0, "final_perplexity": pts[-1][1],
+                             "training_time_s": end, "comm_s": 1.0, "bytes_sent": 1000.0,
+                             "link_bytes": 900, "steps": 16, "curve": curve(pts)})
+        out = tmp_path / "lm_links"
+        out.mkdir()
+        (out / "links.json").write_text(json.dumps({"runs": rows, "errors": {}}))
+        res = lk.refresh(out)
+        found = "\n".join(res["findings"])
+        # at 20 s (LSGD's end) LSGD is at 9.5, allreduce SGD between 12 and 9
+        assert "at equal training time (20.0 s" in found and "LSGD leads with perplexity 9.50" \
+            in found, found
+        assert "allreduce SGD reaches LSGD's 9.50 (reached at 20.0 s) in" in found, found
+        assert res["figures"] == ["links_100mbit.png"]
+        assert (out / "links_100mbit.png").read_bytes()[:4] == b"\x89PNG"
+        assert len(_csv(out / "links_summary.csv")) == 2
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:     # the experiments' own modules only
+            if str(REPO / "results") in str(getattr(sys.modules[name], "__file__", "") or ""):
+                del sys.modules[name]
