@@ -101,6 +101,21 @@ def write_result(path: str, result: dict) -> None:
     os.replace(tmp, path)
 
 
+def driver_main(run: Callable[[bool], dict], description: str, argv=None) -> int:
+    """``main()`` of a benchmark that starts its own jobs (run_all's ``driver=True``):
+    ``--out FILE [--quick]``, ``run(quick)`` written to FILE, one line per row printed; exit 1
+    when the result lists errors."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="a smaller budget")
+    args = p.parse_args(argv)
+    result = run(args.quick)
+    write_result(args.out, result)
+    for r in result["rows"]:
+        print(f"{r['label']}: {r['figures']}  ratio {r['ratio']}")
+    return 0 if not result.get("errors") else 1
+
+
 def row(label: str, compared: str, figures: str, ratio: Optional[float], ratio_label: str,
         **data) -> dict:
     """One line of the results table (run_all renders it); ``data`` holds the raw numbers."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -10,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import fmt_bytes, median, row, write_result
+from _common import driver_main, fmt_bytes, median, row
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -179,15 +178,7 @@ def run(quick: bool = False, timeout: float = 150, log=print) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
-    result = run(args.quick)
-    write_result(args.out, result)
-    for r in result["rows"]:
-        print(f"{r['label']}: {r['figures']}  ratio {r['ratio']}")
-    return 0 if not result["errors"] else 1
+    return driver_main(run, __doc__, argv)
 
 
 if __name__ == "__main__":

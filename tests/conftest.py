@@ -20,6 +20,7 @@ sys.path.extend(str(d) for d in sorted(_HERE.iterdir())
 CI_REQUIRED_MARKERS = ("cluster", "netns", "horovod")
 
 
+@pytest.hookimpl(tryfirst=True)        # before xdist reads the groups (loadgroup)
 def pytest_collection_modifyitems(config, items):
     # Every test about Horovod carries "horovod" in its name or parameters: mark it, so the
     # CI rule below covers the backend tests wherever they live.
@@ -31,6 +32,19 @@ def pytest_collection_modifyitems(config, items):
         # on SLURM's timers, so the other worker runs the CPU-bound tests meanwhile.
         if item.get_closest_marker("cluster") or item.get_closest_marker("netns"):
             item.add_marker(pytest.mark.xdist_group("cluster"))
+        # A module-scoped fixture (one mpirun job whose runs several tests read) is set up
+        # once per worker that runs one of its tests: keep such a module's tests on one
+        # worker, or both workers pay for the same job.
+        elif _uses_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(f"module:{item.module.__name__}"))
+
+
+def _uses_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs and defs[-1].scope == "module"
+               for defs in info.name2fixturedefs.values())
 
 
 @pytest.hookimpl(hookwrapper=True)

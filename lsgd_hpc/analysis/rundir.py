@@ -144,8 +144,8 @@ class Run:
     def faults(self) -> list[dict]:
         """The recoveries from lost ranks (/faults, on_failure="shrink"), oldest first: one
         dict per event (step, wall_time, lost_ranks as a list of initial ranks, n_lost,
-        world_size_after, recovery_seconds), the union over the survivors' files (the
-        slowest recovery's seconds)."""
+        world_size_after, recovery_seconds, lost_nodes as a list of node names), the union
+        over the survivors' files (the slowest recovery's seconds)."""
         from lsgd_hpc.comm.faults import parse_ranks
         events: dict[tuple, dict] = {}
         for r in sorted(self.ranks):
@@ -158,7 +158,8 @@ class Run:
                     "step": key[0], "wall_time": float(f["wall_time"][i]), "lost_ranks": lost,
                     "n_lost": int(f["n_lost"][i]) if "n_lost" in f else len(lost),
                     "world_size_after": int(f["world_size_after"][i]),
-                    "recovery_seconds": float(f["recovery_seconds"][i])})
+                    "recovery_seconds": float(f["recovery_seconds"][i]),
+                    "lost_nodes": _names(f["lost_nodes"][i]) if "lost_nodes" in f else []})
                 ev["recovery_seconds"] = max(ev["recovery_seconds"],
                                              float(f["recovery_seconds"][i]))
         return [events[k] for k in sorted(events)]
@@ -424,3 +425,9 @@ def read_runs(paths: Iterable[str | os.PathLike],
     for reason in failed:
         warn(f"skipping run: {reason}")
     return runs
+
+
+def _names(value) -> list[str]:
+    """A comma-separated /faults string column (bytes or str) as a list; empty: []."""
+    text = value.decode() if isinstance(value, bytes) else str(value)
+    return [n for n in text.split(",") if n]

@@ -51,7 +51,9 @@ def format_summary(run: Run) -> str:
     faults, lost = run.faults(), run.lost_ranks
     for ev in faults:
         from lsgd_hpc.comm.faults import format_ranks
-        lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost; "
+        nodes = ev.get("lost_nodes") or []
+        lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost"
+                     + (f" (node(s) {', '.join(nodes)} gone)" if nodes else "") + "; "
                      f"{ev['world_size_after']} rank(s) went on from step {ev['step']} "
                      f"(wall {ev['wall_time']:.1f} s, recovery {ev['recovery_seconds']:.2f} s)")
     lines.append(f"{'rank':>5} {'node':>5}" + (f" {'worker':>6}" if workers else "")

@@ -32,7 +32,7 @@ SUMMARY_COLUMNS = (
 )
 #: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
 FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
-                 "recovery_seconds")
+                 "recovery_seconds", "lost_nodes")
 #: summary.csv's columns for runs with workers that span ranks (--worker-ranks), after
 #: SUMMARY_COLUMNS: the workers, and the traffic inside them (total_bytes_sent stays the
 #: method's own, between workers)
@@ -455,10 +455,13 @@ def write_curves_csv(runs: list[Run], path: str | os.PathLike) -> int:
 
 
 def fault_rows(runs: list[Run]) -> list[dict]:
-    """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3')."""
+    """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3',
+    lost_nodes as 'nodeA,nodeB')."""
     from lsgd_hpc.comm.faults import format_ranks
-    return [{"run": run.name, **{k: v for k, v in ev.items() if k != "lost_ranks"},
-             "lost_ranks": format_ranks(ev["lost_ranks"])}
+    return [{"run": run.name, **{k: v for k, v in ev.items()
+                                 if k not in ("lost_ranks", "lost_nodes")},
+             "lost_ranks": format_ranks(ev["lost_ranks"]),
+             "lost_nodes": ",".join(ev.get("lost_nodes") or [])}
             for run in runs for ev in run.faults()]
 
 

@@ -471,7 +471,10 @@ def validate(cfg: Config, env: dict) -> None:
             job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         cfg.run_dir = os.path.join("runs", job)
     if cfg.run_dir and not cfg.resume:
-        requeued = env.get("SLURM_RESTART_COUNT", "0") not in ("", "0")
+        # A requeued SLURM job (same id) or a group that torchrun --max-restarts restarted
+        # after a worker died: continue from the latest complete checkpoint, if any.
+        requeued = any(env.get(var, "0") not in ("", "0")
+                       for var in ("SLURM_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT"))
         metrics_dir = os.path.join(cfg.run_dir, "metrics")
         if requeued and latest_checkpoint(cfg.run_dir) is not None:
             cfg.resume = True          # a requeued job continues where it stopped

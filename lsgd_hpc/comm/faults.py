@@ -88,7 +88,9 @@ class FailureEvent:
     ``step``: the step count of the methods after the recovery (the last method's; -1
     without a method); ``recovery_seconds``: from noticing to restored, on this rank;
     ``rank``: this rank's new rank (``comm.rank``); ``initial_rank``: its rank at the start;
-    ``wall_time``: ``time.time()`` at the end of the recovery."""
+    ``wall_time``: ``time.time()`` at the end of the recovery; ``lost_nodes``: the nodes
+    left without any rank by this failure (host names, or "node K" when the layout is
+    emulated with ``ranks_per_node``)."""
 
     lost_ranks: Tuple[int, ...]
     lost_now: Tuple[int, ...]
@@ -100,6 +102,7 @@ class FailureEvent:
     initial_rank: int
     generation: int
     wall_time: float = field(default_factory=time.time)
+    lost_nodes: Tuple[str, ...] = ()
 
 
 def format_ranks(ranks: Sequence[int]) -> str:
@@ -254,6 +257,10 @@ class FaultTolerance:
         self._ids = 0
         world = comm.world
         world.comm.Set_errhandler(_mpi().ERRORS_RETURN)
+        import socket
+        #: the node of every initial rank (a host name, or "node K" when emulated)
+        self.initial_nodes: List[str] = world.allgather_object(
+            f"node {world.rank // ranks_per_node}" if ranks_per_node else socket.gethostname())
 
     # -- registration ------------------------------------------------------------------------
     def register(self, participant) -> None:
@@ -291,8 +298,9 @@ class FaultTolerance:
         MONITOR.rank_map = tuple(self.initial_ranks)
         self.events.append(event)
         if self.comm.world.rank == 0:
+            nodes = f" and node(s) {', '.join(event.lost_nodes)}" if event.lost_nodes else ""
             print(f"[lsgd_hpc] lost rank(s) {format_ranks(event.lost_ranks)} (initial "
-                  f"numbering); {event.world_size_after} of {self.initial_size} ranks go on "
+                  f"numbering){nodes}; {event.world_size_after} of {self.initial_size} ranks go on "
                   f"from step {event.step} after {event.recovery_seconds:.2f} s of recovery",
                   file=sys.stderr, flush=True)
         for fn in list(self.listeners) + list(self.callbacks):
@@ -356,11 +364,14 @@ class FaultTolerance:
             raise UnrecoverableFailure(f"lsgd_hpc: recovery failed {MAX_ATTEMPTS} times "
                                        "(ranks kept dying); ending the job")
         self.lost += lost_here
+        alive = {self.initial_nodes[r] for r in self.initial_ranks}
+        lost_nodes = tuple(dict.fromkeys(self.initial_nodes[r] for r in sorted(lost_here)
+                                         if self.initial_nodes[r] not in alive))
         return FailureEvent(lost_ranks=tuple(sorted(lost_here)), lost_now=tuple(sorted(self.lost)),
                             world_size_before=before, world_size_after=world.size,
                             step=ctx.step, recovery_seconds=time.perf_counter() - t0,
                             rank=world.rank, initial_rank=self.initial_ranks[world.rank],
-                            generation=self.generation)
+                            generation=self.generation, lost_nodes=lost_nodes)
 
     def resilient(self, fn: Callable):
         """``fn()``; after a rank failure: recover, then ``fn()`` again on the new world."""

@@ -304,7 +304,17 @@ def torch_store(info: LaunchInfo, env: dict, timeout_s: float = 300.0):
     size, rank = int(info.size), info.rank
     if info.master_addr and info.master_port is not None:
         if info.launcher == "torchrun":
-            return None        # torch's env:// rendezvous (it reuses torchrun's agent store)
+            attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+            if attempt == "0":
+                return None    # torch's env:// rendezvous (it reuses torchrun's agent store)
+            # A group torchrun restarted (--max-restarts) meets in the same agent store as
+            # the group before it: under a prefix of its own, so that no rank reads an address
+            # a dead rank of the earlier attempt left there (gloo then retries a closed port
+            # until it times out).
+            agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+            base = dist.TCPStore(info.master_addr, info.master_port, size,
+                                 rank == 0 and not agent, timeout, wait_for_workers=False)
+            return dist.PrefixStore(f"lsgd_hpc/attempt{attempt}/", base)
         return dist.TCPStore(info.master_addr, info.master_port, size, rank == 0, timeout,
                              wait_for_workers=False)
     if info.launcher == "mpirun":

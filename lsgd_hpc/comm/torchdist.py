@@ -103,7 +103,8 @@ def init_torch_world(env: Optional[dict] = None, timeout_s: Optional[float] = No
         host, port = info.master_addr or "", int(info.master_port or 0)
     else:
         kwargs["store"] = store
-        host, port = str(store.host), int(store.port)
+        host = str(getattr(store, "host", info.master_addr or ""))
+        port = int(getattr(store, "port", info.master_port or 0))
     RENDEZVOUS.update(launcher=info.launcher or "", host=host, port=port)
     dist.init_process_group(backend, rank=info.rank, world_size=info.size, **kwargs)
     _LEAVING["store"] = store

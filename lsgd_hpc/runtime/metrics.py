@@ -33,9 +33,10 @@ GROUPS: Dict[str, Dict[str, str]] = {
     "consensus": {"step": "i8", "distance": "f8"},
     # one row per recovery from lost ranks (on_failure="shrink"; docs/metrics.md): the step
     # the survivors go on from, the run's clock, the ranks lost (initial numbering, e.g.
-    # "1,3" or "8-15"; n_lost of them), the world size after it, and the seconds it took
+    # "1,3" or "8-15"; n_lost of them), the world size after it, the seconds it took, and
+    # the nodes left without a rank (host names, comma-separated; empty when none)
     "faults": {"step": "i8", "wall_time": "f8", "lost_ranks": "S256", "n_lost": "i8",
-               "world_size_after": "i8", "recovery_seconds": "f8"},
+               "world_size_after": "i8", "recovery_seconds": "f8", "lost_nodes": "S256"},
 }
 
 #: groups written only when they have rows (a file without failures has no /faults)

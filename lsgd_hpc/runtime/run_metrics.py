@@ -58,9 +58,12 @@ class RunMetrics(MetricsWriter):
         lost = format_ranks(event.lost_ranks)
         if len(lost) > 256:
             lost = lost[:252] + ",..."
+        nodes = ",".join(event.lost_nodes)
+        if len(nodes.encode()) > 256:
+            nodes = nodes.encode()[:252].decode(errors="ignore") + ",..."
         self.log("faults", step=int(event.step), wall_time=self.wall(), lost_ranks=lost,
                  n_lost=len(event.lost_ranks), world_size_after=int(event.world_size_after),
-                 recovery_seconds=float(event.recovery_seconds))
+                 recovery_seconds=float(event.recovery_seconds), lost_nodes=nodes)
         self.flush()
 
     def wall(self) -> float:

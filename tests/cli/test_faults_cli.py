@@ -35,7 +35,7 @@ def faults_of(run_dir, rank):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("algorithm,kill", [("lsgd", "0:15"), ("allreduce", "3:15")])
-def test_a_lost_rank_and_the_survivors_finish(tmp_path, algorithm, kill):
+def test_a_lost_rank_and_the_survivors_finish(tmp_path, capsys, algorithm, kill):
     """Rank 0 killed (LSGD: its lines move to the lowest survivor) or rank 3 (allreduce SGD):
     exit 0, every survivor at step STEPS, one /faults row naming the lost rank on each."""
     proc, run_dir = train(tmp_path, "--algorithm", algorithm, "--on-failure", "shrink",
@@ -50,9 +50,12 @@ def test_a_lost_rank_and_the_survivors_finish(tmp_path, algorithm, kill):
         assert len(rows["step"]) == 1 and rows["world_size_after"] == [3], rows
         with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r") as f:
             assert int(f["train"]["step"][-1]) == STEPS
-    summary = run_mpi(1, [sys.executable, "-m", "lsgd_hpc.summary", str(run_dir)])
-    assert f"failure: rank(s) {lost} lost; 3 rank(s) went on" in summary.stdout, summary.stdout
-    assert re.search(rf"^\s+{lost}\s+\d+ .* lost \(recovery at step", summary.stdout, re.M)
+    # what `python -m lsgd_hpc.summary RUN_DIR` prints (in-process: the same main())
+    from lsgd_hpc.analysis.summary import main as summary_main
+    assert summary_main([str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert f"failure: rank(s) {lost} lost; 3 rank(s) went on" in printed, printed
+    assert re.search(rf"^\s+{lost}\s+\d+ .* lost \(recovery at step", printed, re.M)
 
 
 @pytest.mark.mpi
@@ -63,6 +66,7 @@ def test_a_whole_node_lost_lsgd_goes_on_single_node(tmp_path):
     for r in (0, 1):                       # one or two events, the node's two ranks in all
         rows = faults_of(run_dir, r)
         assert sum(rows["n_lost"]) == 2 and rows["world_size_after"][-1] == 2, rows
+        assert rows["lost_nodes"][-1] == b"node 1", rows
 
 
 @pytest.mark.mpi
@@ -82,3 +86,15 @@ def test_shrink_without_ulfm_is_refused_before_training(tmp_path):
     lines = error_lines(proc.stderr)
     assert lines and len(set(lines)) == 1 and "--with-ft ulfm" in lines[0], proc.stderr
     assert "step " not in proc.stdout
+
+
+@pytest.mark.mpi
+def test_inject_failure_under_abort_ends_the_job(tmp_path):
+    """The testing hook kills its rank under the default --on-failure abort too (it was once
+    a no-op there): plain mpirun, the job ends with the killed rank named, not at step 40."""
+    proc, run_dir = train(tmp_path, "--inject-failure", "1:5", "--checkpoint-every", "2",
+                          mpi_args=[], check=False)
+    assert proc.returncode not in (0, None), proc.stdout[-2000:]
+    assert "inject_failures: rank 1 kills itself at step 5" in proc.stderr, proc.stderr[-3000:]
+    assert f"done: {STEPS} steps" not in proc.stdout
+    assert '"step": 4' in (run_dir / "checkpoints" / "latest.json").read_text()

@@ -496,6 +496,50 @@ def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
         assert list(groups["train"]["step"]) == [1, 2, 3, 4]
 
 
+# ------------------------------------------------------------------------- a node lost
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slurm_cluster,
+                                                                           tmp_path):
+    """LSGD_ON_FAILURE=shrink sbatch --no-kill: the template starts the ranks with mpirun
+    --with-ft ulfm inside the allocation; once they train, both ranks of the second node are
+    SIGKILLed from outside. The job ends COMPLETED (exit 0) on the first node, and the log
+    and the survivors' /faults name the lost ranks and the lost node."""
+    steps = 300
+    env = slurm_cluster.env({"DATA_DIR": tmp_path / "data", "LSGD_ON_FAILURE": "shrink"})
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--algorithm", "lsgd",
+                          "--max-steps", str(steps), "--epochs", "1000", "--eval-every",
+                          str(steps), "--flush-every", "5", sbatch_args=["--no-kill"], env=env)
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: train_rows(run_dir, 2) >= 1 and train_rows(run_dir, 3) >= 1,
+                 JOB_TIMEOUT, "ranks 2 and 3 training")
+        pids = slurm_cluster.rank_pids(job)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        for rank in (2, 3):
+            os.kill(pids[rank], signal.SIGKILL)
+        recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+        # nothing of this job may outlive it into the next test's job on the same nodes
+        wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
+    text = log_of(tmp_path, job)
+    assert "mpirun --with-ft ulfm" in text and "on a dead rank: shrink" in text, text
+    assert recs[0]["JobState"] == "COMPLETED" and recs[0]["ExitCode"] == "0:0", f"{recs}\n{text}"
+    ranks = read_ranks(run_dir)
+    lost_host = ranks[2][0]["hostname"]
+    assert lost_host == ranks[3][0]["hostname"] != ranks[0][0]["hostname"]
+    assert re.search(rf"lost rank\(s\) [23,\- ]+ \(initial numbering\) and node\(s\) "
+                     rf"{re.escape(lost_host)};", text), text
+    assert f"done: {steps} steps" in text, text
+    for rank in (0, 1):
+        attrs, groups = ranks[rank]
+        assert int(groups["train"]["step"][-1]) == steps
+        faults = groups["faults"]
+        assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
+        assert faults["lost_nodes"][-1].decode() == lost_host
+
+
 # ------------------------------------------------------------------- preemption (long jobs)
 
 #: The same training for every preemption job (same seed, same layout): only how it is

@@ -69,7 +69,7 @@ SHARED = {"allreduce", "easgd", "diloco", "slowmo", "local-sgd"}
 @pytest.mark.mpi
 @pytest.mark.parametrize("method", ["lsgd", "allreduce", "easgd", "local-sgd", "diloco",
                                     "slowmo", "gossip"])
-def test_every_method_survives_a_lost_rank(tmp_path, method):
+def test_every_method_survives_a_lost_rank(tmp_path, capsys, method):
     proc, res, run_dir = run_ft(tmp_path, method, "--kill", "1:5")
     check_survivors(proc, res, [1])
     if method in SHARED:
@@ -85,22 +85,29 @@ def test_every_method_survives_a_lost_rank(tmp_path, method):
         rows = faults_rows(run_dir, r["initial_rank"])
         assert len(rows) == 1 and rows[0]["lost_ranks"] == b"1"
         assert rows[0]["world_size_after"] == 3 and rows[0]["n_lost"] == 1
+        assert rows[0]["lost_nodes"] == b""          # rank 0 is still on node 0
         assert rows[0]["recovery_seconds"] < 60
     with h5py.File(run_dir / "metrics" / "rank00001.h5", "r") as f:
         assert "faults" not in f and len(f["train"]["step"]) >= 1
-    summary = subprocess.run([sys.executable, "-m", "lsgd_hpc.summary", str(run_dir)],
-                             capture_output=True, text=True, env=mpi_env(), timeout=120)
-    assert summary.returncode == 0, summary.stderr
-    assert "failure: rank(s) 1 lost; 3 rank(s) went on" in summary.stdout
-    assert "lost (recovery at step" in summary.stdout
+    # what `python -m lsgd_hpc.summary RUN_DIR` prints (in-process: the same main())
+    from lsgd_hpc.analysis.summary import main as summary_main
+    assert summary_main([str(run_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "failure: rank(s) 1 lost; 3 rank(s) went on" in printed
+    assert "lost (recovery at step" in printed
 
 
 @pytest.mark.mpi
 def test_lsgd_loses_a_whole_node_and_goes_on_single_node(tmp_path):
     """Both ranks of node 1 at once, with bf16 pulls: the survivors are one node, LSGD runs
     single-level from then on."""
-    proc, res, _ = run_ft(tmp_path, "lsgd", "--kill", "2:5,3:5", "-o", "comm_dtype=\"bf16\"")
+    proc, res, run_dir = run_ft(tmp_path, "lsgd", "--kill", "2:5,3:5", "-o",
+                                "comm_dtype=\"bf16\"")
     check_survivors(proc, res, [2, 3])
+    # the node is named where its last rank was found gone (one event, or two)
+    rows = faults_rows(run_dir, 0)
+    assert [r["lost_nodes"] for r in rows][-1] == b"node 1", rows
+    assert "and node(s) node 1;" in proc.stderr
     assert {r["n_nodes"] for r in res} == {1}
     assert {r["multi_level"] for r in res} == {False}
     assert sorted(r["local_rank"] for r in res) == [0, 1]

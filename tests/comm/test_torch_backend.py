@@ -4,6 +4,7 @@ each launcher ending the job, and a usage error under torchrun. Every job runs u
 timeout: a hang fails the test."""
 
 import os
+import re
 import sys
 import textwrap
 import time
@@ -175,3 +176,68 @@ def test_stalled_rank_under_torchrun_is_named_and_job_ends(tmp_path):
     assert "collective watchdog: rank" in proc.stderr
     assert "rank(s) 1 have not arrived" in proc.stderr, proc.stderr[-3000:]
     assert time.time() - t0 < 200
+
+
+def _worker_pid(marker: str, rank: int):
+    """The pid of the lsgd_hpc.train worker of torchrun with RANK=rank whose argv holds
+    ``marker`` (its run directory), or None."""
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if b"lsgd_hpc.train" not in argv or marker.encode() not in argv:
+                continue
+            environ = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RESTART_COUNT=0" in environ:
+            return int(d.name)
+    return None
+
+
+@pytest.mark.mpi
+def test_torchrun_restart_resumes_from_the_last_complete_checkpoint(tmp_path):
+    """torchrun --max-restarts 1 and a real SIGKILL of worker 1 from outside once a
+    checkpoint is complete: torchrun restarts the group (TORCHELASTIC_RESTART_COUNT=1), every
+    worker resumes from the latest complete checkpoint by itself, and the run ends at its
+    step budget with exit 0."""
+    import json
+    import signal
+    import subprocess
+    from mpi_util import kill_session
+    run_dir = tmp_path / "run"
+    steps = 60
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--max-restarts", "1", "-m", "lsgd_hpc.train", "--backend", "torch",
+           "--run-dir", str(run_dir), "--max-steps", str(steps), "--epochs", "1000",
+           "--eval-every", str(steps), "--checkpoint-every", "10", "--straggler", "1:0.1",
+           "--seed", "2"]
+    e = mpi_env()
+    for var in [v for v in e if v.startswith(("OMPI_", "PMIX_", "PMI_", "PRTE_", "SLURM_"))]:
+        e.pop(var)
+    p = subprocess.Popen(cmd, env=e, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        latest = run_dir / "checkpoints" / "latest.json"
+        deadline = time.monotonic() + 180
+        while not latest.exists():
+            assert p.poll() is None, p.communicate()
+            assert time.monotonic() < deadline, "no checkpoint within 180 s"
+            time.sleep(0.1)
+        stopped_at = json.loads(latest.read_text())["step"]
+        pid = _worker_pid(str(run_dir), 1)
+        assert pid is not None, "worker 1 not found"
+        os.kill(pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            kill_session(p.pid)
+            p.kill()
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    assert stopped_at < steps
+    m = re.search(r"resumed at step (\d+)", out)
+    assert m and stopped_at <= int(m.group(1)) < steps, out[-3000:]
+    assert f"done: {steps} steps" in out, out[-3000:]
+    for r in read(run_dir, 2):
+        assert int(r["train"]["step"][-1]) == steps
