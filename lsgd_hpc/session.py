@@ -274,11 +274,9 @@ def _check_fault_tolerance(world, min_ranks: int) -> None:
 
 def _enable_fault_tolerance(comm: Comm, min_ranks: int, ranks_per_node) -> None:
     import atexit
-    import socket
     from lsgd_hpc.comm.faults import FaultTolerance
     comm._ft = FaultTolerance(comm, min_ranks, ranks_per_node)
-    comm.groups.node_key = (comm.rank // ranks_per_node if ranks_per_node
-                            else socket.gethostname())
+    comm.groups.node_key = comm._ft.initial_nodes[comm.rank]
     # a survivor that finished its loop waits here for one whose last step was cut off
     # (registered after mpi4py's own exit handler, so it runs before MPI_Finalize)
     atexit.register(comm._ft.final_barrier)

@@ -258,9 +258,12 @@ class FaultTolerance:
         world = comm.world
         world.comm.Set_errhandler(_mpi().ERRORS_RETURN)
         import socket
-        #: the node of every initial rank (a host name, or "node K" when emulated)
-        self.initial_nodes: List[str] = world.allgather_object(
-            f"node {world.rank // ranks_per_node}" if ranks_per_node else socket.gethostname())
+        #: the host of every initial rank, and its node: the host name, or "node K" when the
+        #: layout is emulated (``ranks_per_node``); the node groups are rebuilt from these
+        self.initial_hosts: List[str] = world.allgather_object(socket.gethostname())
+        self.initial_nodes: List[str] = [
+            f"node {r // ranks_per_node}" if ranks_per_node else host
+            for r, host in enumerate(self.initial_hosts)]
 
     # -- registration ------------------------------------------------------------------------
     def register(self, participant) -> None:
@@ -464,13 +467,11 @@ def _mpi():
 
 def _rebuild_groups(comm, ft: FaultTolerance) -> None:
     """Node groups of the new world, in place (objects holding ``comm.groups`` see them): by
-    host name, or by ``initial rank // ranks_per_node`` when the layout was emulated."""
-    import socket
+    host name, or by ``initial rank // ranks_per_node`` when the layout was emulated (the
+    nodes recorded at the start, so no collective is needed for them)."""
     groups, world = comm.groups, comm.world
-    hosts = world.allgather_object(socket.gethostname())
-    world.one_host = len(set(hosts)) == 1
-    k = ft.ranks_per_node
-    keys = [ft.initial_ranks[r] // k for r in range(world.size)] if k else hosts
+    world.one_host = len({ft.initial_hosts[r] for r in ft.initial_ranks}) == 1
+    keys = [ft.initial_nodes[r] for r in ft.initial_ranks]
     index: Dict = {}
     node_of = [index.setdefault(key, len(index)) for key in keys]
     me = world.rank

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams
+from lsgd_hpc.comm.faults import injection_point
 from lsgd_hpc.comm.workers import WorkerRanks, build_workers, worker_layout, \
     worker_layout_problem
 from lsgd_hpc.methods.registry import SPECS
@@ -374,11 +375,11 @@ class Method:
                                "released its hooks; build a new one to train on")
         if self.done:
             raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
-        from lsgd_hpc.methods.recovery import guarded, injection_point
         if getattr(self.comm, "_ft", None) is None:
-            # (the testing hook kills its rank with on_failure="abort" too: the job then ends)
+            # the testing hook (a no-op without a plan) under on_failure="abort" too
             injection_point("step", self.steps + 1, self.comm)
             return self._step(loss, scaler)
+        from lsgd_hpc.methods.recovery import guarded
         if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
             self._drop_next = self._synced = False
             return None

@@ -55,15 +55,15 @@ class RunMetrics(MetricsWriter):
         """The /faults row of a recovery (open_metrics registers it with the comm), flushed
         at once."""
         from lsgd_hpc.comm.faults import format_ranks
-        lost = format_ranks(event.lost_ranks)
-        if len(lost) > 256:
-            lost = lost[:252] + ",..."
-        nodes = ",".join(event.lost_nodes)
-        if len(nodes.encode()) > 256:
-            nodes = nodes.encode()[:252].decode(errors="ignore") + ",..."
-        self.log("faults", step=int(event.step), wall_time=self.wall(), lost_ranks=lost,
+        def fit(text: str) -> str:        # the columns hold 256 bytes (S256)
+            if len(text.encode()) <= 256:
+                return text
+            return text.encode()[:252].decode(errors="ignore") + ",..."
+        self.log("faults", step=int(event.step), wall_time=self.wall(),
+                 lost_ranks=fit(format_ranks(event.lost_ranks)),
                  n_lost=len(event.lost_ranks), world_size_after=int(event.world_size_after),
-                 recovery_seconds=float(event.recovery_seconds), lost_nodes=nodes)
+                 recovery_seconds=float(event.recovery_seconds),
+                 lost_nodes=fit(",".join(event.lost_nodes)))
         self.flush()
 
     def wall(self) -> float:
