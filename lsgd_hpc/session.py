@@ -192,6 +192,9 @@ def _install_abort_hook(world) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
+        from lsgd_hpc.comm.faults import UnrecoverableFailure
+        if issubclass(exc_type, UnrecoverableFailure):
+            _end_survivor(exc)                  # every survivor got it: no abort, no race
         try:
             print(f"[lsgd_hpc] rank {world.rank}: uncaught {exc_type.__name__}: {exc}; "
                   "aborting every rank", file=sys.stderr, flush=True)
@@ -203,6 +206,25 @@ def _install_abort_hook(world) -> None:
             previous(exc_type, exc, tb)
 
     sys.excepthook = hook
+
+
+def _end_survivor(exc) -> None:
+    """An uncaught UnrecoverableFailure: every survivor raised it alike (agreed), so each
+    prints the same one line and ends with EXIT_UNRECOVERABLE after the exit handlers
+    (metrics closed) and MPI_Finalize. An MPI_Abort from three survivors at once, under
+    ``--with-ft ulfm``, let mpirun exit 0 now and then."""
+    import atexit
+    from lsgd_hpc.comm.faults import EXIT_UNRECOVERABLE
+    print(str(exc), file=sys.stderr, flush=True)
+    try:
+        atexit._run_exitfuncs()                 # the metrics' close, the session's own
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNRECOVERABLE)
 
 
 def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="auto",

@@ -75,8 +75,9 @@ class ProcessFailure(RuntimeError):
 
 class UnrecoverableFailure(RuntimeError):
     """``on_failure="shrink"`` could not go on: fewer than ``min_ranks`` ranks left, or the
-    recovery itself failed. Raised on every survivor; uncaught, the library's abort hook then
-    ends the job (catch it to exit with a status of your own, e.g. EXIT_UNRECOVERABLE)."""
+    recovery itself failed. Raised on every survivor; uncaught (with the session's
+    ``abort_on_exception``), each survivor prints its one line and exits with
+    EXIT_UNRECOVERABLE (3); catch it to end otherwise."""
 
 
 @dataclass(frozen=True)

@@ -187,9 +187,12 @@ def test_a_rank_killed_from_outside(tmp_path):
 def test_fewer_survivors_than_min_ranks_end_the_job(tmp_path):
     t0 = time.monotonic()
     proc, res, _ = run_ft(tmp_path, "lsgd", "--kill", "1:5", "--min-ranks", "4", check=False)
-    assert proc.returncode not in (0, None)
+    assert proc.returncode == 3, proc.stderr[-3000:]      # EXIT_UNRECOVERABLE, no abort
     assert res == []
-    assert "fewer than min_ranks=4; ending the job" in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if "ending the job" in ln]
+    assert len(lines) == 3 and len(set(lines)) == 1, proc.stderr[-3000:]
+    assert lines[0].endswith("fewer than min_ranks=4; ending the job")
+    assert "MPI_ABORT" not in proc.stderr and "Traceback" not in proc.stderr
     assert time.monotonic() - t0 < TIMEOUT
 
 
