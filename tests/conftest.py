@@ -77,3 +77,13 @@ def slurm_cluster(cluster_nodes):
     if not cluster_nodes.slurm:
         pytest.skip(f"no SLURM on the emulated cluster: {cluster_nodes.why_no_slurm}")
     return cluster_nodes
+
+
+@pytest.fixture(scope="session")
+def forked_cli():
+    """`python -m lsgd_hpc.train` runs that fork from one helper that imported the CLI once
+    (tests/cli_fork.py): for tables of cases that each end before training."""
+    from cli_fork import ForkedCLI
+    cli = ForkedCLI()
+    yield cli
+    cli.close()

@@ -151,12 +151,6 @@ BAD = [
 ]
 
 
-@pytest.mark.slow
-def test_new_options_bad_values_one_line(tmp_path):
-    procs = [(subprocess.Popen([sys.executable, "-m", "lsgd_hpc.train", "--run-dir",
-                                str(tmp_path / "never"), *args], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=mpi_env(), cwd=REPO),
-              option) for args, option in BAD]
-    for p, option in procs:
-        out, err = p.communicate(timeout=180)
-        _check_one_line(subprocess.CompletedProcess(p.args, p.returncode, out, err), option)
+def test_new_options_bad_values_one_line(tmp_path, forked_cli):
+    for args, option in BAD:
+        _check_one_line(forked_cli.run(["--run-dir", str(tmp_path / "never"), *args]), option)

@@ -1,6 +1,5 @@
 """Preemption and exact resume, fail-fast on a rank's error or death, and bad input."""
 
-import os
 import subprocess
 import sys
 import time
@@ -122,34 +121,26 @@ def _check_one_line(proc, option):
     assert "Traceback" not in proc.stderr
 
 
-#: interpreters started at once by the table test: start-up is most of its cost, and more at
-#: once than there are cores only makes each slower (and starves everything else running)
-BAD_AT_ONCE = max(1, min(4, os.cpu_count() or 1))
-
-
-@pytest.mark.slow
-def test_bad_options_one_line_exit_2(tmp_path):
-    """Each case in its own process, at most BAD_AT_ONCE at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(case):
-        args, option = case
-        return _run_cli(["--run-dir", str(tmp_path / "never"), *args]), option
-
-    with ThreadPoolExecutor(max_workers=BAD_AT_ONCE) as pool:
-        for proc, option in pool.map(one, BAD):
-            _check_one_line(proc, option)
+def test_bad_options_one_line_exit_2(tmp_path, forked_cli):
+    """Each case in its own process (forked from one that imported the CLI once)."""
+    for args, option in BAD:
+        _check_one_line(forked_cli.run(["--run-dir", str(tmp_path / "never"), *args]), option)
     assert not (tmp_path / "never" / "metrics").exists()
 
 
-@pytest.mark.slow
-def test_bad_yaml_keys_and_values(tmp_path):
+def test_a_bad_option_through_python_m(tmp_path):
+    """The same check through a plain `python -m lsgd_hpc.train` start."""
+    args, option = BAD[0]
+    _check_one_line(_run_cli(["--run-dir", str(tmp_path / "never"), *args]), option)
+
+
+def test_bad_yaml_keys_and_values(tmp_path, forked_cli):
     cases = [("lr: 0.1\nfrobnicate: 3\n", "unknown key"), ("lr: [1, 2]\n", "--lr"),
              ("{{not yaml", "not valid YAML"), ("- a\n- b\n", "mapping")]
     for i, (text, expect) in enumerate(cases):
         path = tmp_path / f"c{i}.yaml"
         path.write_text(text)
-        _check_one_line(_run_cli(["--config", str(path)]), expect)
+        _check_one_line(forked_cli.run(["--config", str(path)]), expect)
 
 
 def test_yaml_config_and_command_line_precedence(tmp_path):
