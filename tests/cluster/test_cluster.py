@@ -546,10 +546,10 @@ def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slu
 #: stopped differs. Many epochs: a job ends by its signal or at the --max-steps the test sets.
 PREEMPT = [*DIGITS, "--seed", "3", "--epochs", "100000", "--eval-every", "50",
            "--flush-every", "10"]
-#: A real time limit and warning. SLURM looks every 30 s, so SIGUSR1 comes 120-150 s after the
+#: A real time limit and warning. SLURM looks every 30 s, so SIGUSR1 comes 60-90 s after the
 #: start, 30-60 s before the kill: room for a slow start (torch imports on a loaded machine)
 #: and for the checkpoint and the requeue.
-TIME_LIMIT = ["--time=3", "--signal=USR1@60"]
+TIME_LIMIT = ["--time=2", "--signal=USR1@60"]
 EXTRA_STEPS = 10
 STOPPED = re.compile(r"stop requested: checkpoint at step (\d+)")
 
@@ -641,7 +641,7 @@ def _check_resumed_equals_reference(cluster, info: dict, reference: dict) -> Non
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT)
 def test_preempt_at_time_limit_resumes_exactly(slurm_cluster, preemption):
-    """--time=3 --signal=USR1@60: SLURM warns the ranks, they checkpoint, the job requeues
+    """--time=2 --signal=USR1@60: SLURM warns the ranks, they checkpoint, the job requeues
     itself, comes back with SLURM_RESTART_COUNT=1, resumes, and its metrics equal those of
     an uninterrupted run (every column but the timings)."""
     info = preemption["time_limit"]
