@@ -52,15 +52,13 @@ def broken(num_classes, input_shape):
 '''
 
 
-def _run_usage(i: int, args: list, env: dict, cwd) -> "subprocess.CompletedProcess":
+def _run_usage(i: int, args: list, env: dict, cwd, forked_cli) -> "subprocess.CompletedProcess":
     """The first bad case under mpirun -np 2 (every rank agrees on the one line), the others
-    in one process (the same check, without an MPI job's start-up)."""
+    in one process each (the same check, without an MPI job's start-up)."""
     if i == 0:
         return run_mpi(2, args, env=env, cwd=cwd, timeout=120, check=False)
-    import os
-    import subprocess
-    full = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    return subprocess.run(args, env=full, cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert args[:3] == TRAIN
+    return forked_cli.run(args[3:], env=env, cwd=cwd)
 
 
 def _usage(proc, needle):
@@ -71,7 +69,7 @@ def _usage(proc, needle):
 
 
 @pytest.mark.mpi
-def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path):
+def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli):
     (tmp_path / "usermodels.py").write_text(FACTORY)
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
     run = tmp_path / "run"
@@ -86,7 +84,7 @@ def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path):
             ("nosuchmodule:make", "cannot import 'nosuchmodule'"),
             ("usermodels:missing", "has no 'missing'"))):
         proc = _run_usage(i, [*TRAIN, "--model", spec, "--max-steps", "2", "--run-dir",
-                              str(tmp_path / spec.replace(":", "_"))], env, tmp_path)
+                              str(tmp_path / spec.replace(":", "_"))], env, tmp_path, forked_cli)
         _usage(proc, needle)
 
 
@@ -138,7 +136,7 @@ def wrong(data_dir, seed):
 
 
 @pytest.mark.mpi
-def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path):
+def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli):
     (tmp_path / "userdata.py").write_text(DATA)
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
     run = tmp_path / "run"
@@ -149,5 +147,5 @@ def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path):
     for i, (spec, needle) in enumerate((("userdata:wrong", "returned list; it must return"),
                                         ("nosuch:f", "cannot import 'nosuch'"))):
         proc = _run_usage(i, [*TRAIN, "--dataset", spec, "--max-steps", "2", "--run-dir",
-                              str(tmp_path / spec.replace(":", "_"))], env, tmp_path)
+                              str(tmp_path / spec.replace(":", "_"))], env, tmp_path, forked_cli)
         _usage(proc, needle)

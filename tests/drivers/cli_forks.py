@@ -27,6 +27,9 @@ def run_child(req: dict, out_path: str, err_path: str) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     os.chdir(req["cwd"])
+    # as `python -m` starts: the working folder first, then PYTHONPATH's entries
+    extra = [p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:0] = [req["cwd"], *extra]
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_TRUNC)
         os.dup2(f, fd)
