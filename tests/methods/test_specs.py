@@ -13,7 +13,7 @@ from lsgd_hpc.cli.config import ConfigError, parse_config
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import Option, OptionError
-from mpi_util import REPO, mpi_env
+from mpi_util import REPO
 
 NAMES = tuple(SPECS)
 
@@ -126,15 +126,13 @@ def test_world_checks():
         SPECS["gossip"].resolve({"topology": "hypercube"}, world_size=6)
 
 
-def test_a_real_run_records_and_prints_its_preset(tmp_path):
+def test_a_real_run_records_and_prints_its_preset(tmp_path, forked_cli):
     """The trainer prints which values came from the preset and records them, and
     --no-preset runs the library's defaults (both in config.yaml)."""
-    env = mpi_env()
     for extra, want_preset in (([], {"local_steps": 8}), (["--no-preset"], {})):
         run = tmp_path / ("preset" if want_preset else "nopreset")
-        out = subprocess.run([sys.executable, "-m", "lsgd_hpc.train", "--algorithm", "diloco",
-                              "--max-steps", "4", "--run-dir", str(run), *extra],
-                             cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        out = forked_cli.run(["--algorithm", "diloco", "--max-steps", "4", "--run-dir",
+                              str(run), *extra])
         assert out.returncode == 0, out.stderr
         cfg = yaml.safe_load((run / "config.yaml").read_text())
         assert cfg["preset"] == want_preset

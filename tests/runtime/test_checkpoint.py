@@ -135,6 +135,7 @@ def assert_same_rows(run, reference, equal_nan=False):
                                           equal_nan=equal_nan), (r, g, c)
 
 
+@pytest.mark.mpi
 def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
     proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
