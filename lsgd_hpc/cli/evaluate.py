@@ -64,8 +64,7 @@ class Evaluator:
     def _bn_inputs(self, step: int):
         """The first ``bn_batches`` training inputs of this rank from the current epoch on
         (read from the batches, whose order and state the training does not share)."""
-        spe = self.batches.steps_per_epoch
-        epoch, n = step // spe, 0
+        epoch, n = int(self.batches.epoch_of(step)), 0
         while n < self.bn_batches:
             for xb, _ in self.batches.batches(epoch, 0):
                 if n == self.bn_batches:

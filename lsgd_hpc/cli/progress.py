@@ -57,7 +57,7 @@ class Progress:
                 if leader else "leader -")
         samples = steps_per_s * t.cfg.batch_size * t.comm.size
         eta = _dt.timedelta(seconds=int(max(0, (t.total_steps - step) / max(steps_per_s, 1e-9))))
-        print(f"step {step:>7d}/{t.total_steps} | epoch {step / t.spe:6.2f} | "
+        print(f"step {step:>7d}/{t.total_steps} | epoch {t.batches.epoch_of(step):6.2f} | "
               f"loss {loss:.4f} | test acc {100 * test_acc:5.2f}% | {lead} | "
               f"{samples:,.0f} samples/s | ETA {eta}", flush=True)
 

@@ -249,7 +249,20 @@ class Trainer:
         self.evaluator = Evaluator(self.model, self.flat, self.rule, self.ds, self.batches,
                                    self.validation, self.device, cfg.eval_batch_size,
                                    self.bn_batches)
+        if cfg.on_failure == "shrink":
+            comm.on_failure(self._reshard)
         return self
+
+    def _reshard(self, event) -> None:
+        """After lost ranks: the survivors share the whole training set from the next epoch
+        boundary on (the dead ranks' shards are left out until then)."""
+        self.batches.reshard(self.comm.rank, self.comm.size)
+        spe = self.batches.steps_per_epoch          # the epoch under way's
+        base = self.batches.sampler.base_step
+        boundary = base + -(-(event.step - base) // spe) * spe
+        if self.comm.rank == 0:
+            print(f"data: the {self.comm.size} ranks left share the training set from step "
+                  f"{boundary} (the next epoch) on", flush=True)
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
@@ -275,8 +288,8 @@ class Trainer:
         wstats = method.worker_stats
         MONITOR.step = step
         while step < last_step:
-            epoch, start = divmod(step, self.spe)
-            for xb, yb in self.batches.batches(epoch, start):
+            # to the end of this step's epoch (where a reshard after lost ranks begins)
+            for xb, yb in self.batches.from_step(step):
                 xb = xb.to(self.device, non_blocking=True)
                 yb = yb.to(self.device, non_blocking=True)
                 t0 = time.perf_counter()
@@ -350,13 +363,13 @@ class Trainer:
 
     def _log_train(self, step: int, loss: float, out, yb, lr: float) -> None:
         acc = float((out.argmax(1) == yb).float().mean())
-        self.metrics.log_step(step, loss, acc, lr, epoch=step / self.spe,
+        self.metrics.log_step(step, loss, acc, lr, epoch=self.batches.epoch_of(step),
                               **({"skipped_steps": self.method.skipped_steps}
                                  if self.scaler is not None else {}))
 
     def evaluate(self, step: int) -> float:
         row = self.evaluator(step)
-        self.metrics.log_eval(step, epoch=step / self.spe, **row)
+        self.metrics.log_eval(step, epoch=self.batches.epoch_of(step), **row)
         return row["test_accuracy"]
 
     # -- preemption ------------------------------------------------------------------------

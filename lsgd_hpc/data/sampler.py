@@ -73,6 +73,12 @@ class ShardedSampler(torch.utils.data.Sampler):
         e.g. from ``comm.on_failure``."""
         self._pending = (comm.rank, comm.size)
 
+    def _apply_pending(self, step: int, epoch: int) -> None:
+        """At the epoch boundary ``step`` (the start of ``epoch``): a waiting reshard begins."""
+        self._shard(*self._pending)
+        self._pending = None
+        self.base_step, self.base_epoch = step, epoch
+
     def _locate(self, step: int) -> Tuple[int, int]:
         """(epoch, batch within it) of a global step."""
         epoch, start = divmod(max(0, step - self.base_step), self.steps_per_epoch)
@@ -102,9 +108,7 @@ class ShardedSampler(torch.utils.data.Sampler):
     def __iter__(self) -> Iterator[List[int]]:
         epoch, start = self._locate(self.step)
         if self._pending is not None and start == 0:      # an epoch boundary: reshard now
-            self._shard(*self._pending)
-            self._pending = None
-            self.base_step, self.base_epoch = self.step, epoch
+            self._apply_pending(self.step, epoch)
         idx = self.indices(epoch)
         b, per_epoch, base = self.batch_size, self.steps_per_epoch, self.base_step
         for i in range(start, per_epoch):
@@ -116,11 +120,26 @@ class ShardedSampler(torch.utils.data.Sampler):
                  "seed": self.seed, "shuffle": int(self.shuffle)}
         if self.base_step or self.base_epoch:       # resharded after lost ranks
             state.update(base_step=self.base_step, base_epoch=self.base_epoch)
+        if self._pending is not None:               # a reshard waits for the epoch's end
+            state.update(rank=self.rank, next_rank=self._pending[0],
+                         next_size=self._pending[1])
         return state
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         self.base_step = int(state.get("base_step", 0))
         self.base_epoch = int(state.get("base_epoch", 0))
+        if "next_size" in state:
+            # Saved by the survivors of a failure before the epoch's end: this job is their
+            # world (rank next_rank of next_size), and the epoch under way keeps the shard
+            # this rank had in the world before (rank of size).
+            nxt = (int(state["next_rank"]), int(state["next_size"]))
+            if nxt != (self.rank, self.size):
+                raise ValueError(f"ShardedSampler: the checkpoint was written for rank {nxt[0]} "
+                                 f"of {nxt[1]}, this is rank {self.rank} of {self.size}")
+            self._shard(int(state["rank"]), int(state["size"]))
+            self._pending = nxt
+        else:
+            self._pending = None
         mine = self.state_dict()
         if state != mine:
             diff = ", ".join(f"{k} {state.get(k)} -> {mine[k]}" for k in mine
@@ -160,31 +179,70 @@ class ShardedBatches:
         if n == 0:
             raise DataError(f"data set {ds.name} has no training samples")
         self.ds = ds
-        self.rank = rank
-        self.world_size = world_size
         self.batch_size = batch_size
         if _int(seed) is None:
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.seed = _int(seed)
         self.drop_last = bool(drop_last)
         self.augment = ds.augment if augment is None else bool(augment)
-        self.samples_per_rank = -(-n // world_size)
-        self.total_size = self.samples_per_rank * world_size
-        # the index scheme (its batch size matters only to its own iteration)
+        per_rank = -(-n // world_size)
+        # the index scheme (its batch size matters only to its own iteration); this object's
+        # rank, world size and shard sizes are the sampler's, which a reshard changes
         self.sampler = ShardedSampler(n, SimpleNamespace(rank=rank, size=world_size),
-                                      min(batch_size, self.samples_per_rank), self.seed)
-        if self.drop_last:
-            self.steps_per_epoch = self.samples_per_rank // batch_size
-        else:
-            self.steps_per_epoch = -(-self.samples_per_rank // batch_size)
+                                      min(batch_size, per_rank), self.seed)
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"--batch-size {batch_size} is larger than the {self.samples_per_rank} training "
                 f"samples each of the {world_size} ranks gets from {ds.name} ({n} in all); "
                 f"use --batch-size <= {self.samples_per_rank}")
 
+    @property
+    def rank(self) -> int:
+        return self.sampler.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.sampler.size
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.sampler.per_rank
+
+    @property
+    def total_size(self) -> int:
+        return self.sampler.per_rank * self.sampler.size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        per_rank, b = self.sampler.per_rank, self.batch_size
+        return per_rank // b if self.drop_last else -(-per_rank // b)
+
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    def reshard(self, rank: int, world_size: int) -> None:
+        """After lost ranks: rank ``rank`` of ``world_size`` from the next epoch boundary
+        that ``position``/``from_step`` reach (the epoch under way keeps its shards)."""
+        self.sampler.reshard(SimpleNamespace(rank=rank, size=world_size))
+
+    def position(self, step: int) -> Tuple[int, int]:
+        """(epoch, batch within it) of the global step ``step``, counted from where the
+        current sharding began; at an epoch boundary a waiting reshard begins here."""
+        s = self.sampler
+        epoch, start = divmod(max(0, step - s.base_step), self.steps_per_epoch)
+        epoch += s.base_epoch
+        if s._pending is not None and start == 0:
+            s._apply_pending(step, epoch)
+        return epoch, start
+
+    def from_step(self, step: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
+        """The batches from global step ``step`` to the end of its epoch."""
+        return self._iter(*self.position(step))
+
+    def epoch_of(self, step: int) -> float:
+        """Epochs done at global step ``step`` (fractional), under the current sharding."""
+        s = self.sampler
+        return s.base_epoch + max(0, step - s.base_step) / self.steps_per_epoch
 
     def indices(self, epoch: int) -> torch.Tensor:
         """This rank's training indices for ``epoch`` (samples_per_rank of them)."""

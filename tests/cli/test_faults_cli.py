@@ -2,6 +2,7 @@
 ranks killed by --inject-failure; the survivors finish the budget, the lowest survivor takes
 rank 0's lines, /faults and summary name the lost ranks. Every job runs under a timeout."""
 
+import json
 import re
 import sys
 
@@ -63,10 +64,23 @@ def test_a_whole_node_lost_lsgd_goes_on_single_node(tmp_path):
     proc, run_dir = train(tmp_path, "--on-failure", "shrink", "--inject-failure", "2:12,3:12")
     out = proc.stdout + proc.stderr[-3000:]
     assert f"done: {STEPS} steps" in proc.stdout, out
+    # the survivors share the training set from the next epoch boundary on
+    m = re.search(r"data: the 2 ranks left share the training set from step (\d+) \(the next "
+                  r"epoch\) on", proc.stdout)
+    assert m, out
+    boundary = int(m.group(1))
     for r in (0, 1):                       # one or two events, the node's two ranks in all
         rows = faults_of(run_dir, r)
         assert sum(rows["n_lost"]) == 2 and rows["world_size_after"][-1] == 2, rows
         assert rows["lost_nodes"][-1] == b"node 1", rows
+        with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r") as f:
+            spe = json.loads(f.attrs["config"])["steps_per_epoch"]
+            epoch = dict(zip(f["train"]["step"][:].tolist(), f["train"]["epoch"][:].tolist()))
+        assert boundary % spe == 0 and 12 <= boundary < STEPS, (boundary, spe)
+        assert epoch[boundary] == pytest.approx(boundary / spe)
+        # twice the samples per rank: twice the steps per epoch after the boundary
+        slope = (epoch[STEPS] - epoch[boundary]) / (STEPS - boundary)
+        assert slope == pytest.approx(1 / (2 * spe), rel=0.1), (slope, spe)
 
 
 @pytest.mark.mpi

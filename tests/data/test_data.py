@@ -139,6 +139,49 @@ def test_resume_mid_epoch_is_bit_identical(cifar):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(tail_np, tail))
 
 
+def _ids(batches):
+    return [tuple(x.flatten(1).sum(1).tolist()) for x, _ in batches]
+
+
+def test_survivors_reshard_at_the_next_epoch_and_resume_exactly(digits):
+    """Rank 1 of 4 lost mid-epoch: the 3 survivors keep their shards to the epoch's end, then
+    share the whole training set (their shards disjoint and covering it, more steps per
+    epoch); a checkpoint taken while the reshard waits resumes in a 3-rank job exactly."""
+    b, world = 16, 4
+    old = [ShardedBatches(digits, r, world, b, seed=2) for r in range(world)]
+    spe = old[0].steps_per_epoch
+    fail = spe + 3                                  # mid-epoch 1
+    survivors = [0, 2, 3]
+    for new_rank, r in enumerate(survivors):
+        s = old[r]
+        assert s.position(fail) == (1, 3)
+        s.reshard(new_rank, 3)
+        before = _ids(s.from_step(fail))            # the rest of epoch 1: the old shard
+        assert before == _ids(ShardedBatches(digits, r, world, b, seed=2).batches(1, 3))
+        assert s.steps_per_epoch == spe and s.world_size == world
+        # a checkpoint now, resumed by a 3-rank job's rank new_rank
+        state = s.sampler.state_dict()
+        resumed = ShardedBatches(digits, new_rank, 3, b, seed=2)
+        resumed.sampler.load_state_dict(state)
+        assert _ids(resumed.from_step(fail)) == before
+        boundary = 2 * spe
+        assert s.position(boundary) == (2, 0) == resumed.position(boundary)
+        assert (s.rank, s.world_size) == (new_rank, 3) and s.steps_per_epoch > spe
+        assert s.epoch_of(boundary + s.steps_per_epoch // 2) == pytest.approx(
+            2 + (s.steps_per_epoch // 2) / s.steps_per_epoch)
+        assert _ids(resumed.from_step(boundary)) == _ids(s.from_step(boundary))
+    # epoch 2 over the survivors: disjoint shards that cover the training set
+    idx = [set(old[r].indices(2).tolist()) for r in survivors]
+    assert sum(map(len, idx)) == len(set().union(*idx)) + (3 * old[0].samples_per_rank
+                                                            - digits.n_train)
+    assert set().union(*idx) == set(range(digits.n_train))
+    # the resumed job refuses a checkpoint written for another rank
+    with pytest.raises(ValueError, match="written for rank 0 of 3"):
+        ShardedBatches(digits, 1, 3, b, seed=2).sampler.load_state_dict(
+            ShardedBatches(digits, 0, 4, b, seed=2).sampler.state_dict() | dict(
+                rank=0, next_rank=0, next_size=3))
+
+
 def test_batch_too_large_names_batch_size(digits):
     with pytest.raises(DataError, match="--batch-size"):
         ShardedBatches(digits, 0, 4, 400, seed=0)   # 360 samples per rank
