@@ -9,6 +9,7 @@ Each child is a fresh process for MPI (it initialises MPI itself, as a singleton
 import json
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 
@@ -43,9 +44,15 @@ def run_child(req: dict, out_path: str, err_path: str) -> None:
         if not isinstance(exc.code, (int, type(None))):
             print(exc.code, file=sys.stderr)
     except BaseException:                   # noqa: BLE001 - as the interpreter would
-        import traceback
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())
         code = 1
+    # what the interpreter does at exit: the exit handlers (metrics, trackers), MPI_Finalize
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+        mpi = sys.modules.get("mpi4py.MPI")
+        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+            mpi.Finalize()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -68,6 +75,7 @@ def main() -> None:
             answer = dict(returncode=code, stdout=o.read(), stderr=e.read())
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
