@@ -121,13 +121,35 @@ def load_plugin(spec: str, data_dir: Optional[str], seed: int) -> Dataset:
 
 # ----------------------------------------------------------------------------------- digits
 
-def _load_digits() -> Dataset:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+#: scikit-learn's digits (1797 8x8 images), as its load_digits reads them
+DIGITS_CSV = os.path.join("datasets", "data", "digits.csv.gz")
+#: the fixed split of the digits: train_test_split(test_size=0.2, random_state=0,
+#: stratify=y)'s training and test indices, in its order (tests check it against sklearn)
+DIGITS_SPLIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "digits_split.npz")
 
-    x, y = load_digits(return_X_y=True)
+
+def digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
+    """(x float64 (1797, 64), y int64): scikit-learn's digits file read directly, without
+    importing scikit-learn (its import is most of a rank's start-up otherwise)."""
+    import importlib.util
+    spec = importlib.util.find_spec("sklearn")      # located, not imported
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = next((os.path.join(r, DIGITS_CSV) for r in roots
+                 if os.path.isfile(os.path.join(r, DIGITS_CSV))), None)
+    if path is None:                    # another layout: through scikit-learn itself
+        from sklearn.datasets import load_digits
+        x, y = load_digits(return_X_y=True)
+        return x, y.astype(np.int64)
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(np.int64)
+
+
+def _load_digits() -> Dataset:
+    x, y = digits_arrays()
     # A fixed split, independent of the run's seed: every rank and every run sees the same one.
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    with np.load(DIGITS_SPLIT) as split:
+        train, test = split["train"].astype(np.int64), split["test"].astype(np.int64)
+    x_tr, x_te, y_tr, y_te = x[train], x[test], y[train], y[test]
     x_tr = torch.from_numpy((x_tr / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
     x_te = torch.from_numpy((x_te / 16.0).astype(np.float32)).reshape(-1, 1, 8, 8)
     mean, std = float(x_tr.mean()), float(x_tr.std())

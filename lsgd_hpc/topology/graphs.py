@@ -9,8 +9,6 @@ from collections import deque
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
-import scipy.linalg
-import scipy.sparse
 
 from .spectra import (_mean_variance_from_spectrum, _mean_variance_periodic, _periodic_slem,
                       _slem_from_spectrum)
@@ -155,6 +153,7 @@ class Topology:
                 rows.extend([i] * len(row))
                 cols.extend(row)
                 vals.extend(row.values())
+            import scipy.sparse            # scipy on use: a run's start-up skips it
             W = scipy.sparse.csr_matrix((vals, (rows, cols)), shape=(self.n, self.n))
             symmetric &= bool(abs(W - W.T).max() <= _TOL) if self.n > 1 else True
             stochastic &= (min(vals) >= 0.0
@@ -326,6 +325,7 @@ class _Chain(_MaxDegreeGraph):
         rows = [self.weights(i) for i in range(self.n)]
         diag = np.array([w_ii for w_ii, _ in rows])
         off = np.array([rows[i][1][i + 1] for i in range(self.n - 1)])
+        import scipy.linalg
         return np.sort(scipy.linalg.eigvalsh_tridiagonal(diag, off, lapack_driver="sterf"))
 
     def _diameter(self) -> int:
@@ -469,6 +469,7 @@ class _Hierarchical(_MaxDegreeGraph):
         for (i, j), val in entries.items():
             if i >= j:
                 band[i - j, j] = val
+        import scipy.linalg
         quotient = scipy.linalg.eigvals_banded(band, lower=True)
         return np.sort(np.concatenate([quotient] + extra))
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import scipy.linalg
 
 _TOL = 1e-12        # row/column sums and symmetry are checked to this absolute tolerance
 
@@ -72,6 +71,7 @@ def _mean_variance_periodic(Ws: Sequence[np.ndarray], gammas: Sequence[float]) -
         Q = np.zeros((n, n))
         for W in Ws:
             Q = W @ (g * Q + np.eye(n)) @ W.T
+        import scipy.linalg
         Sigma = scipy.linalg.solve_discrete_lyapunov(g ** (P / 2) * Phi, Q)
         total = 0.0
         for W in Ws:

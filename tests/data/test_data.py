@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lsgd_hpc.data import datasets as D
+from lsgd_hpc.data.loaders import digits_arrays
 from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset,
                                     random_crop_flip, write_cifar10_python)
 
@@ -68,6 +69,24 @@ def test_digits_sizes_split_and_normalization(digits):
     assert xn.dtype == torch.float32
     assert abs(float(xn.mean())) < 1e-4 and abs(float(xn.std()) - 1.0) < 1e-3
     assert not digits.augment
+
+
+def test_digits_are_sklearns_with_its_stratified_split(digits):
+    """The digits read from scikit-learn's file without importing it, and the stored split,
+    are exactly load_digits() and train_test_split(test_size=0.2, random_state=0,
+    stratify=y)."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    x, y = load_digits(return_X_y=True)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    assert torch.equal(digits.x_train, torch.from_numpy((x_tr / 16.0).astype(np.float32))
+                       .reshape(-1, 1, 8, 8))
+    assert torch.equal(digits.x_test, torch.from_numpy((x_te / 16.0).astype(np.float32))
+                       .reshape(-1, 1, 8, 8))
+    assert torch.equal(digits.y_train, torch.from_numpy(y_tr).long())
+    assert torch.equal(digits.y_test, torch.from_numpy(y_te).long())
+    fx, fy = digits_arrays()
+    assert np.array_equal(fx, x) and np.array_equal(fy, y)
 
 
 def test_digits_split_is_stable_and_seed_independent(digits):
