@@ -213,18 +213,24 @@ def _end_survivor(exc) -> None:
     prints the same one line and ends with EXIT_UNRECOVERABLE after the exit handlers
     (metrics closed) and MPI_Finalize. An MPI_Abort from three survivors at once, under
     ``--with-ft ulfm``, let mpirun exit 0 now and then."""
-    import atexit
     from lsgd_hpc.comm.faults import EXIT_UNRECOVERABLE
     print(str(exc), file=sys.stderr, flush=True)
+    exit_as_interpreter(EXIT_UNRECOVERABLE)
+
+
+def exit_as_interpreter(code: int) -> None:
+    """End this process with ``code`` now, as the interpreter's own exit would: the exit
+    handlers (metrics closed, the session's own), MPI_Finalize, flushed output."""
+    import atexit
     try:
-        atexit._run_exitfuncs()                 # the metrics' close, the session's own
+        atexit._run_exitfuncs()
         mpi = sys.modules.get("mpi4py.MPI")
         if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
             mpi.Finalize()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_UNRECOVERABLE)
+        os._exit(code)
 
 
 def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="auto",

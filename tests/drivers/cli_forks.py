@@ -20,6 +20,7 @@ import yaml  # noqa: F401
 
 import lsgd_hpc.cli.config  # noqa: F401
 import lsgd_hpc.cli.train  # noqa: F401
+from lsgd_hpc.session import exit_as_interpreter
 
 assert "mpi4py.MPI" not in sys.modules, "MPI must not be initialised before a fork"
 
@@ -46,17 +47,7 @@ def run_child(req: dict, out_path: str, err_path: str) -> None:
     except BaseException:                   # noqa: BLE001 - as the interpreter would
         sys.excepthook(*sys.exc_info())
         code = 1
-    # what the interpreter does at exit: the exit handlers (metrics, trackers), MPI_Finalize
-    try:
-        import atexit
-        atexit._run_exitfuncs()
-        mpi = sys.modules.get("mpi4py.MPI")
-        if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    exit_as_interpreter(code)       # the exit handlers (metrics, trackers), MPI_Finalize
 
 
 def main() -> None:
