@@ -88,12 +88,18 @@ def read_tensorboard(run_dir):
 
 
 def read_mlflow(run_dir):
+    """A reader of the file store opts in to it, as `MLFLOW_ALLOW_FILE_STORE=true mlflow ui`
+    does (not through a tracker made earlier in this process, which sets it for itself)."""
+    from unittest import mock
+
     from mlflow.tracking import MlflowClient
-    client = MlflowClient(tracking_uri="file:" + os.path.join(run_dir, "mlruns"))
-    exp = client.get_experiment_by_name("lsgd_hpc")
-    (run,) = client.search_runs([exp.experiment_id])
-    got = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
-           for k in run.data.metrics}
+    with mock.patch.dict(os.environ, {"MLFLOW_ALLOW_FILE_STORE": "true"}):
+        client = MlflowClient(tracking_uri="file:" + os.path.join(run_dir, "mlruns"))
+        exp = client.get_experiment_by_name("lsgd_hpc")
+        (run,) = client.search_runs([exp.experiment_id])
+        got = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id,
+                                                                              k))
+               for k in run.data.metrics}
     return got, run
 
 
