@@ -257,12 +257,9 @@ class Trainer:
         """After lost ranks: the survivors share the whole training set from the next epoch
         boundary on (the dead ranks' shards are left out until then)."""
         self.batches.reshard(self.comm.rank, self.comm.size)
-        spe = self.batches.steps_per_epoch          # the epoch under way's
-        base = self.batches.sampler.base_step
-        boundary = base + -(-(event.step - base) // spe) * spe
         if self.comm.rank == 0:
             print(f"data: the {self.comm.size} ranks left share the training set from step "
-                  f"{boundary} (the next epoch) on", flush=True)
+                  f"{self.batches.next_boundary(event.step)} (the next epoch) on", flush=True)
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:

@@ -73,16 +73,22 @@ class ShardedSampler(torch.utils.data.Sampler):
         e.g. from ``comm.on_failure``."""
         self._pending = (comm.rank, comm.size)
 
-    def _apply_pending(self, step: int, epoch: int) -> None:
-        """At the epoch boundary ``step`` (the start of ``epoch``): a waiting reshard begins."""
-        self._shard(*self._pending)
-        self._pending = None
-        self.base_step, self.base_epoch = step, epoch
-
-    def _locate(self, step: int) -> Tuple[int, int]:
-        """(epoch, batch within it) of a global step."""
-        epoch, start = divmod(max(0, step - self.base_step), self.steps_per_epoch)
+    def _locate(self, step: int, steps_per_epoch: Optional[int] = None) -> Tuple[int, int]:
+        """(epoch, batch within it) of a global step (epochs of ``steps_per_epoch`` steps,
+        by default this sampler's own)."""
+        epoch, start = divmod(max(0, step - self.base_step),
+                              steps_per_epoch or self.steps_per_epoch)
         return self.base_epoch + epoch, start
+
+    def _begin(self, step: int, steps_per_epoch: Optional[int] = None) -> Tuple[int, int]:
+        """``_locate(step)`` for an iteration that starts there: at an epoch boundary a
+        waiting reshard begins."""
+        epoch, start = self._locate(step, steps_per_epoch)
+        if self._pending is not None and start == 0:
+            self._shard(*self._pending)
+            self._pending = None
+            self.base_step, self.base_epoch = step, epoch
+        return epoch, start
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self._locate(self.step)[1]
@@ -106,9 +112,7 @@ class ShardedSampler(torch.utils.data.Sampler):
         return perm[self.rank:total:self.size]
 
     def __iter__(self) -> Iterator[List[int]]:
-        epoch, start = self._locate(self.step)
-        if self._pending is not None and start == 0:      # an epoch boundary: reshard now
-            self._apply_pending(self.step, epoch)
+        epoch, start = self._begin(self.step)              # an epoch boundary: reshard now
         idx = self.indices(epoch)
         b, per_epoch, base = self.batch_size, self.steps_per_epoch, self.base_step
         for i in range(start, per_epoch):
@@ -228,12 +232,13 @@ class ShardedBatches:
     def position(self, step: int) -> Tuple[int, int]:
         """(epoch, batch within it) of the global step ``step``, counted from where the
         current sharding began; at an epoch boundary a waiting reshard begins here."""
-        s = self.sampler
-        epoch, start = divmod(max(0, step - s.base_step), self.steps_per_epoch)
-        epoch += s.base_epoch
-        if s._pending is not None and start == 0:
-            s._apply_pending(step, epoch)
-        return epoch, start
+        return self.sampler._begin(step, self.steps_per_epoch)
+
+    def next_boundary(self, step: int) -> int:
+        """The first epoch boundary at or after global step ``step`` (where a reshard that
+        waits begins)."""
+        start = self.sampler._locate(step, self.steps_per_epoch)[1]
+        return step if start == 0 else step - start + self.steps_per_epoch
 
     def from_step(self, step: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         """The batches from global step ``step`` to the end of its epoch."""

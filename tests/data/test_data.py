@@ -175,6 +175,7 @@ def test_survivors_reshard_at_the_next_epoch_and_resume_exactly(digits):
         s = old[r]
         assert s.position(fail) == (1, 3)
         s.reshard(new_rank, 3)
+        assert s.next_boundary(fail) == 2 * spe and s.next_boundary(2 * spe) == 2 * spe
         before = _ids(s.from_step(fail))            # the rest of epoch 1: the old shard
         assert before == _ids(ShardedBatches(digits, r, world, b, seed=2).batches(1, 3))
         assert s.steps_per_epoch == spe and s.world_size == world
