@@ -552,12 +552,11 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
                           "ranks: mpi4py is built against another MPI than this mpirun's; "
                           "use the mpirun of the MPI that mpi4py was built with")
     if cfg.resume:
-        from lsgd_hpc.runtime.checkpoint import latest_checkpoint
+        from lsgd_hpc.runtime.checkpoint import latest_checkpoint, resume_problem
         pointer = latest_checkpoint(cfg.run_dir)
-        if pointer is not None and int(pointer["world_size"]) != world_size:
-            raise ConfigError("--resume", f"the checkpoint in {cfg.run_dir} was written by "
-                                          f"{pointer['world_size']} ranks; this job has "
-                                          f"{world_size} (resume with the same rank count)")
+        problem = pointer and resume_problem(cfg.run_dir, pointer, world_size)
+        if problem:
+            raise ConfigError("--resume", problem)
     for rank, _, _ in failures_of(cfg):
         if rank != "leader" and rank >= world_size:
             raise ConfigError("--inject-failure", f"rank {rank} is not in this job of "

@@ -150,6 +150,31 @@ class ShardedSampler(torch.utils.data.Sampler):
                              if state.get(k) != mine[k])
             raise ValueError(f"ShardedSampler: the checkpoint's sharding differs ({diff})")
 
+    def load_rejoined(self, state: Dict[str, int], rejoin) -> None:
+        """A full-size resume of a survivors' checkpoint (this sampler is rank r of the
+        job's first size; ``state`` is this rank's own, or the lowest survivor's when r was
+        lost; ``rejoin`` a runtime.checkpoint.Rejoin). When the epoch under way is still
+        sharded over the full size (the ranks were lost in it), every rank goes on with its
+        own shard of it, the rejoining ranks too. Otherwise (the survivors had resharded) a
+        new epoch, sharded over the full size, begins at the checkpoint's step, and the rest
+        of the survivors' epoch is skipped."""
+        mine = {k: self.state_dict()[k] for k in ("n", "batch_size", "seed", "shuffle")}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            diff = ", ".join(f"{k} {theirs[k]} -> {mine[k]}" for k in mine
+                             if theirs[k] != mine[k])
+            raise ValueError(f"ShardedSampler: the checkpoint's sharding differs ({diff})")
+        rank, size = self.rank, self.size
+        self._pending = None
+        self.base_step = int(state.get("base_step", 0))
+        self.base_epoch = int(state.get("base_epoch", 0))
+        if int(state["size"]) == size:
+            return                     # the epoch's full-size shards: each rank its own
+        self._shard(0, int(state["size"]))           # the survivors' epochs, to find the step
+        epoch, start = self._locate(rejoin.step)
+        self._shard(rank, size)
+        self.base_step, self.base_epoch = rejoin.step, epoch + (1 if start else 0)
+
 
 class ShardedBatches:
     """This rank's share of every epoch, as in torch's DistributedSampler, plus augmentation:

@@ -510,6 +510,12 @@ class Method:
         from lsgd_hpc.methods.recovery import restore
         restore(self, ctx)
 
+    def _rejoin(self, info) -> str:
+        """A full-size resume of a survivors' checkpoint (Checkpointer.restore): the lost
+        ranks take their parameters (methods/recovery.py, ``rejoin``); collective."""
+        from lsgd_hpc.methods.recovery import rejoin
+        return rejoin(self, info)
+
     def close(self) -> None:
         """Finish what is in flight and release hooks (the communicators stay the user's).
         ``step`` is refused afterwards; closing twice does nothing."""

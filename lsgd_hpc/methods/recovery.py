@@ -52,7 +52,7 @@ import torch
 
 from lsgd_hpc.comm.faults import injection_point, is_process_failure  # noqa: F401
 
-__all__ = ["attach", "prepare", "restore", "guarded", "refusal", "REFUSED"]
+__all__ = ["attach", "prepare", "restore", "rejoin", "guarded", "refusal", "REFUSED"]
 
 #: methods that refuse on_failure="shrink", and why (one line each)
 REFUSED = {
@@ -162,6 +162,35 @@ def restore(method, ctx) -> None:
     ctx.step = K
 
 
+def rejoin(method, info) -> str:
+    """Collective, at a full-size resume of a survivors' checkpoint (Checkpointer.restore,
+    every object already loaded; ``info`` a runtime.checkpoint.Rejoin): the ranks that were
+    lost take the parameters of the method's kind, and the shared state is checked equal on
+    every rank. Returns what the rejoining ranks took, for the log line."""
+    world = method.comm.world
+    joined = set(info.joined)
+    source = min(r for r in range(world.size) if r not in joined)
+    handler = _HANDLERS.get(method.rule.name, _Handler())
+    how = handler.rejoin(method, world.rank in joined, source)
+    shared = handler.shared(method)
+    if shared:
+        digests = world.allgather_object(_digest(shared))
+        if len(set(digests)) > 1:
+            raise RuntimeError(f"{type(method).__name__}: the shared state differs after the "
+                               f"lost ranks rejoined ({len(set(digests))} versions)")
+    return how
+
+
+def _take_from(method, source: int, joined: bool, n: Optional[int] = None) -> None:
+    """The rejoining ranks take the first ``n`` values (all: parameters and buffers) of
+    ``source``'s flat vector."""
+    flat = method.flat.flat
+    buf = flat.detach().clone() if method.comm.world.rank == source else torch.empty_like(flat)
+    method.comm.world.broadcast_(buf, source)
+    if joined:
+        flat[:n].copy_(buf[:n])
+
+
 def _refresh_groups(method) -> None:
     """A method that sends in low precision holds wrappers of the node communicators: point
     them at the rebuilt ones (in place, so the rule's reference stays valid)."""
@@ -246,6 +275,12 @@ class _Handler:
         """What must be equal on every survivor afterwards (checked by a digest)."""
         return {}
 
+    def rejoin(self, method, joined: bool, source: int) -> str:
+        """A full-size resume (module function ``rejoin``): give the rejoining ranks (those
+        with ``joined``) their parameters; collective. Default: the lowest survivor's."""
+        _take_from(method, source, joined)
+        return f"rank {source}'s parameters and a fresh optimizer state"
+
 
 class _Allreduce(_Handler):
     def restore(self, method, ctx, reports, source):
@@ -257,6 +292,10 @@ class _Allreduce(_Handler):
     def shared(self, method):
         return {"flat": method.flat.flat, "optimizer": method.optimizer.state_dict()["state"]}
 
+    def rejoin(self, method, joined, source):
+        self.restore(method, None, [], source)          # the replica, optimizer state too
+        return f"the replica of rank {source} (parameters and optimizer state)"
+
 
 class _EASGD(_Handler):
     def restore(self, method, ctx, reports, source):
@@ -265,6 +304,11 @@ class _EASGD(_Handler):
 
     def shared(self, method):
         return {"center": method.rule.center}
+
+    def rejoin(self, method, joined, source):
+        if joined:
+            method.flat.flat.copy_(method.rule.center)
+        return "the centre and a fresh optimizer state"
 
 
 class _DiLoCo(_Handler):
@@ -291,6 +335,12 @@ class _DiLoCo(_Handler):
         return {"prev": rule.prev.data, "outer": rule.outer_opt.state_dict()["state"],
                 "outer_steps": rule.outer_steps}
 
+    def rejoin(self, method, joined, source):
+        rule = method.rule
+        if joined:            # its inner phase starts at x_prev (buffers: the survivor's)
+            method.flat.flat[:rule.n_params].copy_(rule.prev.data)
+        return "x_prev (the last outer step's parameters) and a fresh inner optimizer state"
+
 
 class _SlowMo(_Handler):
     def restore(self, method, ctx, reports, source):
@@ -308,6 +358,11 @@ class _SlowMo(_Handler):
 
     def shared(self, method):
         return {"old": method.rule.old, "u": method.rule.u}
+
+    def rejoin(self, method, joined, source):
+        if joined:
+            method.flat.params.copy_(method.rule.old)
+        return "x_old (the last slow step's parameters) and a fresh optimizer state"
 
 
 class _LocalSGD(_Handler):
@@ -433,6 +488,24 @@ class _Leader(_Handler):
                 rule.last_global = Election(now, now, last[1])
         groups = rule.groups
         rule.multi_level = 1 < groups.n_nodes < groups.world.size
+
+    def rejoin(self, method, joined, source):
+        """The rejoining ranks take the global leader's parameters (the survivor with the best
+        score: the window mean of its last losses, restored from its checkpoint; theirs is
+        +inf), which is also their copy of the global leader."""
+        from lsgd_hpc.comm.base import Election
+        from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL
+        rule, world = method.rule, method.comm.world
+        if joined:
+            rule.losses.clear()
+        el = world.elect(rule.score())
+        leader = el.world_rank if math.isfinite(el.score) else source
+        _take_from(method, leader, joined)
+        if joined:
+            rule.copies[GLOBAL].copy_(method.flat.flat[:rule.copies[GLOBAL].numel()])
+            rule.have_copy[GLOBAL], rule.have_copy[LOCAL] = True, False
+        rule.last_global = Election(leader, leader, el.score)
+        return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
 
 
 _HANDLERS = {"allreduce": _Allreduce(), "easgd": _EASGD(), "diloco": _DiLoCo(),

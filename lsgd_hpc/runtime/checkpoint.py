@@ -5,6 +5,11 @@ format), ``stepNNNNNNNNN/manifest.json`` (written by rank 0 once every rank has 
 world size, every file's size) and ``latest.json`` (a copy of the newest manifest). The
 newest ``KEEP`` complete sets stay on disk.
 
+A set written by the survivors of lost ranks (``on_failure="shrink"``) also records who wrote
+it: ``ranks`` (their ranks as numbered when the job started, one per file) and
+``initial_size`` (that job's size). It is resumed by a job of the full size, in which the lost
+ranks rejoin (see :meth:`Checkpointer.restore`).
+
 Resuming takes the newest set that is intact: every rank's file present, of the size the
 manifest recorded, and ending in a zip end-of-central-directory record (a truncated or
 half-copied file fails both). When the newest set is damaged -- a file deleted, truncated by a
@@ -14,15 +19,17 @@ previous complete set, and says which newer steps it skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Optional
 
 import torch
 
-__all__ = ["Checkpointer", "save_rank", "commit_set", "latest_checkpoint", "load_rank",
-           "atomic_write"]
+__all__ = ["Checkpointer", "Rejoin", "save_rank", "commit_set", "latest_checkpoint",
+           "load_rank", "atomic_write", "resume_problem"]
 
 POINTER = "latest.json"
 MANIFEST = "manifest.json"
@@ -88,9 +95,11 @@ def _read_json(path: str) -> Optional[dict]:
         return None
 
 
-def commit_set(run_dir: str, step: int, world_size: int) -> None:
+def commit_set(run_dir: str, step: int, world_size: int, ranks: Optional[list] = None,
+               initial_size: Optional[int] = None) -> None:
     """Rank 0, after every rank has saved: record the set's manifest, point ``latest.json``
-    at it, and drop all but the newest ``KEEP`` complete sets."""
+    at it, and drop all but the newest ``KEEP`` complete sets. ``ranks``/``initial_size``:
+    a set of survivors (their initial ranks, file by file, and the job's first size)."""
     folder = os.path.join(_dir(run_dir), _set_name(step))
     missing = [r for r in range(world_size)
                if not os.path.isfile(_rank_path(run_dir, step, r))]
@@ -99,6 +108,11 @@ def commit_set(run_dir: str, step: int, world_size: int) -> None:
     sizes = [os.path.getsize(_rank_path(run_dir, step, r)) for r in range(world_size)]
     manifest = {"step": step, "world_size": world_size, "folder": _set_name(step),
                 "sizes": sizes}
+    if ranks is not None:
+        if len(ranks) != world_size or initial_size is None:
+            raise ValueError(f"checkpoint step {step}: {len(ranks)} writer ranks for "
+                             f"{world_size} files, initial size {initial_size}")
+        manifest.update(ranks=[int(r) for r in ranks], initial_size=int(initial_size))
     _write_json(os.path.join(folder, MANIFEST), manifest)
     _write_json(os.path.join(_dir(run_dir), POINTER), manifest)
     # Sets after this step belong to a timeline abandoned by resuming from an older set.
@@ -158,11 +172,32 @@ def latest_checkpoint(run_dir: str) -> Optional[dict]:
         if _intact(run_dir, c):
             out = {"step": c["step"], "world_size": c["world_size"],
                    "folder": c.get("folder", _set_name(c["step"]))}
+            if c.get("ranks") is not None:          # written by the survivors of lost ranks
+                out.update(ranks=[int(r) for r in c["ranks"]],
+                           initial_size=int(c["initial_size"]))
             if skipped:
                 out["skipped"] = skipped
             return out
         skipped.append(c["step"])
     return None
+
+
+def resume_problem(run_dir: str, pointer: dict, size: int) -> Optional[str]:
+    """Why a job of ``size`` ranks cannot resume the set ``pointer`` (latest_checkpoint's),
+    or None. A set written by ``world_size`` ranks is resumed by that many; a set of
+    survivors only by a job of the size the lost ranks' job started with (they rejoin)."""
+    written = int(pointer["world_size"])
+    if pointer.get("ranks") is None:
+        if size == written:
+            return None
+        return (f"the checkpoint in {run_dir} was written by {written} ranks; this job has "
+                f"{size} (resume with the same rank count)")
+    full = int(pointer["initial_size"])
+    if size == full:
+        return None
+    return (f"the checkpoint in {run_dir} was written by the {written} ranks that survived "
+            f"the loss of {full - written} of {full}; resume it with {full} ranks (the lost "
+            f"ranks rejoin), this job has {size}")
 
 
 def load_rank(run_dir: str, step: int, rank: int) -> dict:
@@ -182,6 +217,8 @@ class Checkpointer:
         self.run_dir, self.comm, self.objects = run_dir, comm, objects
         #: steps of newer sets that restore() found damaged or incomplete and passed over
         self.skipped: list = []
+        #: after restore() of a survivors' set at full size: the ranks that rejoined
+        self.rejoined: list = []
         bad = [k for k, v in objects.items()
                if not (hasattr(v, "state_dict") and hasattr(v, "load_state_dict"))]
         if bad:
@@ -215,7 +252,12 @@ class Checkpointer:
             metrics.flush()           # rows up to this step are on disk before the pointer
         self.comm.barrier()
         if self.comm.rank == 0:
-            commit_set(self.run_dir, label, self.comm.size)
+            # after lost ranks: who wrote which file (ranks as numbered at the start)
+            full = getattr(self.comm, "initial_size", self.comm.size)
+            survivors = full != self.comm.size
+            commit_set(self.run_dir, label, self.comm.size,
+                       ranks=list(self.comm.initial_ranks) if survivors else None,
+                       initial_size=full if survivors else None)
         self.comm.barrier()
         if metrics is not None:
             metrics.checkpoint_seconds += time.perf_counter() - t0
@@ -223,7 +265,15 @@ class Checkpointer:
 
     def restore(self) -> Optional[int]:
         """Collective: load the newest complete set, if any; returns its step label (None:
-        nothing to resume, a fresh start). Ranks that disagree on it stop with ValueError."""
+        nothing to resume, a fresh start). Ranks that disagree on it stop with ValueError.
+
+        A set written by the survivors of lost ranks is resumed at the job's full size: a
+        survivor loads its own file; a rank that was lost *rejoins*: it loads the lowest
+        survivor's file, with a fresh optimizer state, and the method (when one is named)
+        then gives it the parameters of its kind -- the global leader's (LeaderSGD), the
+        replica with its optimizer state (AllreduceSGD), the centre (EASGD), x_prev (DiLoCo),
+        x_old (SlowMo), the lowest survivor's (local SGD, gossip). ``rejoined`` lists those
+        ranks afterwards. See docs/library.md, "When ranks are lost"."""
         pointer = latest_checkpoint(self.run_dir)
         seen = self.comm.allgather_object(None if pointer is None else pointer["step"])
         if len(set(seen)) > 1:
@@ -231,22 +281,78 @@ class Checkpointer:
                              f"sets {sorted(set(map(str, seen)))}; is the folder shared?")
         if pointer is None:
             return None
-        if int(pointer["world_size"]) != self.comm.size:
-            raise ValueError(f"checkpoint in {self.run_dir} was written by "
-                             f"{pointer['world_size']} ranks, this job has {self.comm.size}")
+        problem = resume_problem(self.run_dir, pointer, self.comm.size)
+        if problem:
+            raise ValueError(problem)
         self.skipped = list(pointer.get("skipped", []))
-        state = load_rank(self.run_dir, int(pointer["step"]), self.comm.rank)
+        step = int(pointer["step"])
+        writers = pointer.get("ranks")
+        rejoin = None
+        if writers is None:
+            state = load_rank(self.run_dir, step, self.comm.rank)
+        else:
+            me = self.comm.rank
+            rejoin = Rejoin(step, list(writers),
+                            [r for r in range(self.comm.size) if r not in writers],
+                            me in writers)
+            state = load_rank(self.run_dir, step, writers.index(me) if rejoin.own else 0)
         missing = sorted(set(self.objects) - set(state["objects"]))
         if missing:
             raise ValueError(f"checkpoint in {self.run_dir} (step {pointer['step']}) holds no "
                              f"{', '.join(missing)} (it holds {', '.join(state['objects'])})")
         for k, v in self.objects.items():
-            v.load_state_dict(state["objects"][k])
-        torch.set_rng_state(state["torch_rng"])
-        if "cuda_rng" in state and self.comm.device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"], self.comm.device)
+            if rejoin is None:
+                v.load_state_dict(state["objects"][k])
+            else:
+                _load_rejoined(v, state["objects"][k], rejoin)
+        if rejoin is None or rejoin.own:
+            torch.set_rng_state(state["torch_rng"])
+            if "cuda_rng" in state and self.comm.device.type == "cuda":
+                torch.cuda.set_rng_state(state["cuda_rng"], self.comm.device)
+        else:                   # a stream of its own, not a copy of the survivor's
+            g = torch.Generator()
+            g.set_state(state["torch_rng"])
+            torch.manual_seed(int(torch.randint(2 ** 62, (1,), generator=g)) + self.comm.rank)
         self.comm.stats.load_state_dict(state["comm_stats"])
         sampler, method = self.objects.get("sampler"), self.objects.get("method")
+        self.rejoined = [] if rejoin is None else list(rejoin.joined)
+        if rejoin is not None and method is not None:
+            how = method._rejoin(rejoin)
+            if self.comm.rank == 0:
+                print(f"[lsgd_hpc] resumed the survivors' checkpoint of step {step} at the "
+                      f"full {self.comm.size} ranks: rank(s) {_ranks(rejoin.joined)} rejoin "
+                      f"with {how}", file=sys.stderr, flush=True)
         if sampler is not None and method is not None:
             sampler.set_step(method.steps)
-        return int(pointer["step"])
+        return step
+
+
+@dataclasses.dataclass
+class Rejoin:
+    """A full-size resume of a set written by survivors (Checkpointer.restore): the set's
+    step, the ranks that wrote it (as numbered at the start, file by file), the ranks that
+    rejoin, and whether this rank wrote a file of its own (False: it rejoins)."""
+
+    step: int
+    writers: list
+    joined: list
+    own: bool
+
+
+def _ranks(ranks) -> str:
+    from lsgd_hpc.comm.faults import format_ranks
+    return format_ranks(ranks)
+
+
+def _load_rejoined(obj, state, rejoin: Rejoin) -> None:
+    """One object of a full-size resume: an object that knows (``load_rejoined``: the
+    sampler, the metrics writer, the method) loads itself; otherwise a survivor loads its own
+    state and a rejoining rank the lowest survivor's (an optimizer without its per-parameter
+    state: a fresh momentum, the survivor's hyperparameters)."""
+    loader = getattr(obj, "load_rejoined", None)
+    if loader is not None:
+        loader(state, rejoin)
+    elif not rejoin.own and isinstance(obj, torch.optim.Optimizer):
+        obj.load_state_dict(dict(state, state={}))
+    else:
+        obj.load_state_dict(state)

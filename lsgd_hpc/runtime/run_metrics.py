@@ -121,12 +121,33 @@ class RunMetrics(MetricsWriter):
 
     def load_state_dict(self, state: dict) -> None:
         self.load_existing(state["rows"])
+        self._load_clocks(state)
+
+    def _load_clocks(self, state: dict) -> None:
         self.t0 = time.perf_counter()
         self.elapsed0 = float(state["wall"])
         self.eval_seconds = float(state["eval"])
         self.checkpoint_seconds = float(state["checkpoint"])
         self.metrics_seconds = float(state["metrics"])
         self.compute_seconds = float(state["compute"])
+
+    def load_rejoined(self, state: dict, rejoin) -> None:
+        """A full-size resume of a survivors' checkpoint (runtime.checkpoint.Rejoin): a
+        survivor resumes its own rows; a rank that was lost keeps the rows of its file up to
+        the set's step (those it flushed before it died; the steps it missed stay a gap) and
+        takes the clocks of the lowest survivor's ``state``."""
+        if rejoin.own:
+            self.load_state_dict(state)
+            return
+        counts = {}
+        if os.path.exists(self.path):
+            import h5py
+            with h5py.File(self.path, "r", locking=False) as f:
+                counts = {g: int((f[g]["step"][:] <= rejoin.step).sum())
+                          for g in self.rows if g in f and "step" in f[g]}
+        if counts:
+            self.load_existing(counts)
+        self._load_clocks(state)
 
 
 def _options_of(method) -> dict:

@@ -61,7 +61,11 @@ def test_a_lost_rank_and_the_survivors_finish(tmp_path, capsys, algorithm, kill)
 
 @pytest.mark.mpi
 def test_a_whole_node_lost_lsgd_goes_on_single_node(tmp_path):
-    proc, run_dir = train(tmp_path, "--on-failure", "shrink", "--inject-failure", "2:12,3:12")
+    """Node 1's two ranks die at step 12; node 0 finishes the 40 steps alone (checkpoints at
+    20 and 40, of the 2 survivors). Then the job at its full 4 ranks resumes that set to
+    step 50: ranks 2 and 3 rejoin with the global leader's parameters."""
+    proc, run_dir = train(tmp_path, "--on-failure", "shrink", "--inject-failure", "2:12,3:12",
+                          "--checkpoint-every", "20")
     out = proc.stdout + proc.stderr[-3000:]
     assert f"done: {STEPS} steps" in proc.stdout, out
     # the survivors share the training set from the next epoch boundary on
@@ -81,6 +85,35 @@ def test_a_whole_node_lost_lsgd_goes_on_single_node(tmp_path):
         # twice the samples per rank: twice the steps per epoch after the boundary
         slope = (epoch[STEPS] - epoch[boundary]) / (STEPS - boundary)
         assert slope == pytest.approx(1 / (2 * spe), rel=0.1), (slope, spe)
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert (latest["step"], latest["ranks"], latest["initial_size"]) == (STEPS, [0, 1], 4)
+
+    # the requeued job at full size; a job of the survivors' 2 ranks is refused first
+    two = run_mpi(2, [sys.executable, "-m", "lsgd_hpc.train", "--ranks-per-node", "2",
+                      "--run-dir", str(run_dir), "--resume"], timeout=TIMEOUT, check=False,
+                  cwd=tmp_path)
+    lines = error_lines(two.stderr)
+    assert two.returncode == 2 and len(lines) == 1, two.stderr[-2000:]      # (from rank 0)
+    assert "resume it with 4 ranks (the lost ranks rejoin)" in lines[0]
+    again, _ = train(tmp_path, "--resume", "--max-steps", str(STEPS + 10), mpi_args=[])
+    out = again.stdout + again.stderr[-3000:]
+    assert f"done: {STEPS + 10} steps" in again.stdout, out
+    assert re.search(rf"checkpoint of step {STEPS} at the full 4 ranks: rank\(s\) 2,3 rejoin "
+                     r"with the global leader's parameters \(rank [01]\)", again.stderr), out
+    rows = {}
+    for r in range(4):
+        with h5py.File(run_dir / "metrics" / f"rank{r:05d}.h5", "r") as f:
+            rows[r] = dict(zip(f["train"]["step"][:].tolist(), f["train"]["epoch"][:].tolist()))
+    for r in (2, 3):    # the rows they flushed before they died (none here), then from 41 on
+        assert all(s <= 12 for s in rows[r] if s <= STEPS)
+        assert sorted(s for s in rows[r] if s > 12) == list(range(STEPS + 1, STEPS + 11))
+    # a new epoch over the 4 ranks begins at the resumed step (the survivors' epoch under
+    # way is cut short), the same on every rank
+    assert len({json.dumps({s: v[s] for s in range(STEPS + 1, STEPS + 11)})
+                for v in rows.values()}) == 1
+    first = rows[0][STEPS + 1] - 1 / spe
+    assert first == pytest.approx(round(first)) and first >= rows[0][STEPS] - 1e-9
+    assert rows[0][STEPS + 10] - rows[0][STEPS + 1] == pytest.approx(9 / spe)
 
 
 @pytest.mark.mpi

@@ -66,11 +66,28 @@ def faults_rows(run_dir, rank):
 SHARED = {"allreduce", "easgd", "diloco", "slowmo", "local-sgd"}
 
 
+METHODS = ["lsgd", "allreduce", "easgd", "local-sgd", "diloco", "slowmo", "gossip"]
+
+
+@pytest.fixture(scope="module")
+def lost_rank_runs(tmp_path_factory):
+    """Each method's job that loses rank 1 at step 5, with a checkpoint every 4 steps (sets
+    of the 3 survivors at steps 8, 12 and 16), run once: the test of its survivors and the
+    full-size resume of its last set read it."""
+    runs = {}
+
+    def get(method):
+        if method not in runs:
+            runs[method] = run_ft(tmp_path_factory.mktemp(method), method, "--kill", "1:5",
+                                  "--checkpoint-every", "4")
+        return runs[method]
+    return get
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("method", ["lsgd", "allreduce", "easgd", "local-sgd", "diloco",
-                                    "slowmo", "gossip"])
-def test_every_method_survives_a_lost_rank(tmp_path, capsys, method):
-    proc, res, run_dir = run_ft(tmp_path, method, "--kill", "1:5")
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_survives_a_lost_rank(lost_rank_runs, capsys, method):
+    proc, res, run_dir = lost_rank_runs(method)
     check_survivors(proc, res, [1])
     if method in SHARED:
         assert len({r["digest"] for r in res}) == 1, [r["digest"] for r in res]
@@ -95,6 +112,60 @@ def test_every_method_survives_a_lost_rank(tmp_path, capsys, method):
     printed = capsys.readouterr().out
     assert "failure: rank(s) 1 lost; 3 rank(s) went on" in printed
     assert "lost (recovery at step" in printed
+
+
+@pytest.mark.mpi
+def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, tmp_path):
+    """A job at the full 4 ranks resumes each method's last set (step 16, written by initial
+    ranks 0, 2 and 3; one job, the runs in turn): rank 1 rejoins with the parameters of the
+    method's kind and a fresh optimizer state, and every rank finishes 4 more steps with the
+    method's shared state equal everywhere."""
+    runs = {m: lost_rank_runs(m)[2] for m in METHODS}
+    for run_dir in runs.values():
+        latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+        assert (latest["step"], latest["ranks"], latest["initial_size"]) == (16, [0, 2, 3], 4)
+    proc = run_mpi(4, [sys.executable, DRIVER, ",".join(runs),
+                       ",".join(str(d) for d in runs.values()), "--steps", str(STEPS + 4),
+                       "--resume"], timeout=TIMEOUT, mpi_args=ULFM)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = {}
+    for r in _results(proc):
+        res.setdefault(r["method"], {})[r["initial_rank"]] = r
+    assert sorted(res) == sorted(METHODS), out
+    lines = [ln for ln in proc.stderr.splitlines() if "at the full 4 ranks: rank(s) 1 rejoin" in ln]
+    assert len(lines) == len(METHODS), out
+    for method, by_rank in res.items():
+        assert sorted(by_rank) == [0, 1, 2, 3], (method, out)
+        after = {r: v["after_restore"] for r, v in by_rank.items()}
+        assert {a["step"] for a in after.values()} == {16}
+        assert all(a["rejoined"] == [1] for a in after.values())
+        assert {v["steps"] for v in by_rank.values()} == {STEPS + 4}
+        assert all(v["finite"] for v in by_rank.values())
+        if method in SHARED:
+            assert len({v["digest"] for v in by_rank.values()}) == 1, method
+        # the survivors keep their momentum; rank 1's optimizer starts fresh (a replica of
+        # allreduce SGD takes rank 0's, which keeps the replicas bit-identical)
+        assert all(after[r]["opt_state"] > 0 for r in (0, 2, 3)), method
+        assert after[1]["opt_state"] == (after[0]["opt_state"] if method == "allreduce" else 0)
+        flat1 = after[1]["flat"]
+        if method == "lsgd":            # the global leader's parameters (a survivor's)
+            leader = after[1]["leader"]
+            assert leader in (0, 2, 3) and {a["leader"] for a in after.values()} == {leader}
+            assert flat1 == after[leader]["flat"], method
+        elif method == "allreduce":
+            assert {a["flat"] for a in after.values()} == {flat1}
+        elif method == "easgd":
+            assert flat1 == after[0]["center"] and len({a["center"] for a in after.values()}) == 1
+        elif method == "diloco":
+            assert after[1]["params"] == after[0]["prev"]
+        elif method == "slowmo":
+            assert after[1]["params"] == after[0]["old"]
+        else:                           # local SGD, gossip: the lowest survivor's
+            assert flat1 == after[0]["flat"], method
+        # rank 1's metrics: its rows up to its death (step 5), then from step 17 on
+        with h5py.File(runs[method] / "metrics" / "rank00001.h5", "r") as f:
+            steps = f["train"]["step"][:].tolist()
+        assert steps[-4:] == [17, 18, 19, 20] and max(steps[:-4]) <= 5, (method, steps)
 
 
 @pytest.mark.mpi

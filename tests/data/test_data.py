@@ -202,6 +202,54 @@ def test_survivors_reshard_at_the_next_epoch_and_resume_exactly(digits):
                 rank=0, next_rank=0, next_size=3))
 
 
+def test_a_full_size_resume_of_the_survivors_sampler(digits):
+    """The set of 3 survivors (rank 1 of 4 lost) resumed by a 4-rank job. While the epoch of
+    the loss is under way its 4-rank shards hold: every rank, the rejoined rank 1 too, goes
+    on with its own shard of it. After the survivors resharded, a new 4-rank epoch begins
+    at the set's step (the rest of the survivors' epoch is skipped), on every rank alike."""
+    from lsgd_hpc.runtime.checkpoint import Rejoin
+    b, world, survivors = 16, 4, [0, 2, 3]
+    old = [ShardedBatches(digits, r, world, b, seed=2) for r in range(world)]
+    spe = old[0].steps_per_epoch
+    for new_rank, r in enumerate(survivors):
+        old[r].reshard(new_rank, 3)
+    # (a) the set of step spe + 3, mid-epoch 1 (the reshard still waits)
+    at = spe + 3
+    states = {r: old[r].sampler.state_dict() for r in survivors}
+    for r in range(world):
+        joined = r not in survivors
+        full = ShardedBatches(digits, r, world, b, seed=2)
+        full.sampler.load_rejoined(states[0 if joined else r],
+                                   Rejoin(at, survivors, [1], not joined))
+        assert _ids(full.from_step(at)) == _ids(ShardedBatches(digits, r, world, b,
+                                                               seed=2).batches(1, 3))
+        assert full.epoch_of(2 * spe) == 2 and full.steps_per_epoch == spe
+    # (b) the set of step 2 * spe + 5: epoch 2 sharded over the 3 survivors
+    at = 2 * spe + 5
+    for r in survivors:
+        old[r].position(2 * spe)                     # the survivors reshard at the boundary
+    states = {r: old[r].sampler.state_dict() for r in survivors}
+    assert states[0]["size"] == 3
+    epochs = set()
+    for r in range(world):
+        joined = r not in survivors
+        full = ShardedBatches(digits, r, world, b, seed=2)
+        full.sampler.load_rejoined(states[0 if joined else r],
+                                   Rejoin(at, survivors, [1], not joined))
+        assert full.position(at) == (3, 0) and full.epoch_of(at) == 3
+        assert _ids(full.from_step(at)) == _ids(ShardedBatches(digits, r, world, b,
+                                                               seed=2).batches(3, 0))
+        # its state is a plain 4-rank sampler's from then on
+        assert full.sampler.state_dict() == dict(
+            ShardedBatches(digits, r, world, b, seed=2).sampler.state_dict(),
+            base_step=at, base_epoch=3)
+        epochs.add(full.epoch_of(at + spe + 1))
+    assert len(epochs) == 1 and epochs.pop() == pytest.approx(4 + 1 / spe)
+    with pytest.raises(ValueError, match="sharding differs .*seed 2 -> 5"):
+        ShardedBatches(digits, 1, world, b, seed=5).sampler.load_rejoined(
+            states[0], Rejoin(at, survivors, [1], False))
+
+
 def test_batch_too_large_names_batch_size(digits):
     with pytest.raises(DataError, match="--batch-size"):
         ShardedBatches(digits, 0, 4, 400, seed=0)   # 360 samples per rank

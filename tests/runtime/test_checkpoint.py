@@ -47,6 +47,25 @@ def test_commit_writes_a_manifest_and_keeps_the_newest_two_sets(tmp_path):
     assert ck.load_rank(str(tmp_path), 30, 1)["rank"] == 1
 
 
+def test_a_survivors_set_names_its_writers_and_resumes_at_full_size_only(tmp_path):
+    for r in range(3):
+        ck.save_rank(str(tmp_path), 8, r, {"rank": r})
+    ck.commit_set(str(tmp_path), 8, 3, ranks=[0, 2, 3], initial_size=4)
+    latest = ck.latest_checkpoint(str(tmp_path))
+    assert latest == {"step": 8, "world_size": 3, "folder": "step000000008",
+                      "ranks": [0, 2, 3], "initial_size": 4}
+    assert ck.resume_problem("RUN", latest, 4) is None
+    for size in (3, 2, 5):
+        assert ck.resume_problem("RUN", latest, size) == (
+            "the checkpoint in RUN was written by the 3 ranks that survived the loss of 1 of "
+            f"4; resume it with 4 ranks (the lost ranks rejoin), this job has {size}")
+    plain = {"step": 8, "world_size": 2}
+    assert ck.resume_problem("RUN", plain, 2) is None
+    assert "written by 2 ranks; this job has 3" in ck.resume_problem("RUN", plain, 3)
+    with pytest.raises(ValueError):
+        ck.commit_set(str(tmp_path), 8, 3, ranks=[0, 2], initial_size=4)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "delete", "garbage_appended", "zeroed_tail"])
 def test_damaged_newest_set_falls_back_to_the_previous(tmp_path, damage):
     for step in (10, 20):
