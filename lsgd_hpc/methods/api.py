@@ -182,7 +182,7 @@ class Method:
         self.check_usage(opts, model, optimizer)
         from lsgd_hpc.methods import recovery
         if getattr(comm, "_ft", None) is not None:              # on_failure="shrink"
-            problem = recovery.refusal(self.name, opts, worker_ranks, comm_dtype)
+            problem = recovery.refusal(self.name, opts, worker_ranks)
             if problem:
                 raise ValueError(problem)
         # Every rank checks its own model; all agree before anything else, so a model one

@@ -64,7 +64,7 @@ REFUSED = {
 }
 
 
-def refusal(name: str, options: dict, worker_ranks=1, comm_dtype: str = "fp32"):
+def refusal(name: str, options: dict, worker_ranks=1):
     """Why a method built with these options cannot recover from lost ranks, or None: the
     state that is not restored yet after a shrink is refused up front, on every rank."""
     if name in REFUSED:
@@ -77,9 +77,6 @@ def refusal(name: str, options: dict, worker_ranks=1, comm_dtype: str = "fp32"):
         why = "pull_delay > 0 (a delayed leader broadcast in flight is not restored)"
     elif options.get("fragments", 1) != 1:
         why = "fragments > 1 (Streaming DiLoCo's fragment allreduces in flight are not restored)"
-    elif comm_dtype in ("int8", "fp8"):
-        why = (f"comm_dtype {comm_dtype} (its chunks and error-feedback residuals are cut by "
-               "the world size)")
     if why is None:
         return None
     return (f"on_failure='shrink' does not support {why} yet; leave it out, or use "
@@ -171,6 +168,8 @@ def rejoin(method, info) -> str:
     joined = set(info.joined)
     source = min(r for r in range(world.size) if r not in joined)
     handler = _HANDLERS.get(method.rule.name, _Handler())
+    if world.rank in joined and method.wire is not None:
+        method.wire.load_state_dict({})       # error feedback: no residual of its own yet
     how = handler.rejoin(method, world.rank in joined, source)
     shared = handler.shared(method)
     if shared:

@@ -172,7 +172,7 @@ def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, t
 def test_lsgd_loses_a_whole_node_and_goes_on_single_node(tmp_path):
     """Both ranks of node 1 at once, with bf16 pulls: the survivors are one node, LSGD runs
     single-level from then on."""
-    proc, res, run_dir = run_ft(tmp_path, "lsgd", "--kill", "2:5,3:5", "-o",
+    proc, res, run_dir = run_ft(tmp_path, "lsgd", "--kill", "2:5,3:5", "--hidden", "64", "-o",
                                 "comm_dtype=\"bf16\"")
     check_survivors(proc, res, [2, 3])
     # the node is named where its last rank was found gone (one event, or two)
@@ -182,6 +182,18 @@ def test_lsgd_loses_a_whole_node_and_goes_on_single_node(tmp_path):
     assert {r["n_nodes"] for r in res} == {1}
     assert {r["multi_level"] for r in res} == {False}
     assert sorted(r["local_rank"] for r in res) == [0, 1]
+
+
+@pytest.mark.mpi
+def test_int8_with_error_feedback_survives_a_lost_rank(tmp_path):
+    """DiLoCo's outer allreduce in int8 (chunks by the world size, residuals per rank): rank
+    2 lost, the 3 survivors' outer state equal, every value finite, the residuals still fed
+    back (non-zero) afterwards."""
+    proc, res, run_dir = run_ft(tmp_path, "diloco", "--kill", "2:7", "--hidden", "64", "-o",
+                                'comm_dtype="int8"', "-o", "error_feedback=true")
+    check_survivors(proc, res, [2])
+    assert len({r["digest"] for r in res}) == 1
+    assert all(r["residual_norm"] > 0 for r in res), res
 
 
 @pytest.mark.mpi

@@ -9,6 +9,8 @@ outside, then every survivor prints one ``FTRESULT {json}`` line with what the t
                   there (the test SIGKILLs it from outside)
 --steps N         the step budget (max_steps)
 --rpn K           ranks per node
+--hidden H        the MLP's hidden width (16: 244 values, under the 256 from which
+                  comm_dtype bf16/int8/fp8 applies; 64 or more to exercise it)
 --resume          restore the newest checkpoint set of RUN_DIR first (a full-size resume of a
                   survivors' set: the lost ranks rejoin); FTRESULT then also holds what each
                   rank held right after it ("after_restore"). METHOD and RUN_DIR may then be
@@ -84,7 +86,7 @@ def restored(name, method, opt, ckpt):
 def run(name, run_dir, comm, args, park):
     me = comm.initial_rank
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(10, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     g = torch.Generator().manual_seed(100 + me)
     data_x = torch.randn(256, 10, generator=g)
@@ -140,6 +142,9 @@ def run(name, run_dir, comm, args, park):
             "lost": list(comm.lost_ranks), "after_restore": after_restore,
             "finite": bool(torch.isfinite(method.flat.flat).all()),
             "loss": float(loss.item()) if math.isfinite(loss.item()) else None}
+    if method.wire is not None and method.error_feedback:
+        info["residual_norm"] = sum(float(e.norm()) for e in
+                                    method.wire.world.shared.residuals.values())
     if name == "gossip":
         info["topology_n"] = rule.topology.n
     if name == "lsgd":
@@ -162,6 +167,7 @@ def main():
     p.add_argument("--park", default="")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--rpn", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--min-ranks", type=int, default=1)
     p.add_argument("--option", "-o", action="append", default=[])
     p.add_argument("--checkpoint-every", type=int, default=0)

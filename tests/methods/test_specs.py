@@ -189,3 +189,17 @@ def test_streaming_and_pull_delay_flags_parse_and_refuse():
                                           r"level in flight\), got 4 vs 4"):
         parse_config(["--pull-delay", "4"], env={})              # tau_local 4: digits preset
     assert "pull_delay" not in SPECS["lsgd-async"].defaults      # synchronous LSGD only
+
+
+@pytest.mark.parametrize("name,options,workers,why", [
+    ("lsgd", {"pull_delay": 2}, 1, "pull_delay > 0"),
+    ("diloco", {"fragments": 2}, 1, "fragments > 1"),
+    ("diloco", {}, "node", "worker_ranks != 1"),
+    ("lsgd-async", {}, 1, "AsyncLeaderSGD does not support on_failure='shrink'"),
+])
+def test_what_shrink_refuses_is_named(name, options, workers, why):
+    from lsgd_hpc.methods.recovery import refusal
+    assert why in refusal(name, options, workers)
+    # what it restores: the rest, int8 with error feedback included
+    assert refusal("lsgd", {"pull_delay": 0}, 1) is None
+    assert refusal("diloco", {"fragments": 1}, 1) is None
