@@ -350,6 +350,20 @@ def load_yaml(path: str) -> Dict[str, Any]:
     return out
 
 
+def _foreign_flags(algorithm: str, given: Mapping[str, Any]):
+    """``(flag, reason)`` for the first command-line option of another method than
+    ``algorithm`` (it would be ignored), or None. A --config file may hold several methods'
+    options (each run takes its own algorithm's)."""
+    mine = {o.name for o in SPECS[algorithm].options if o.cli}
+    for name in given:
+        owners = [a for a in ALGORITHMS
+                  if name in {o.name for o in SPECS[a].options if o.cli}]
+        if owners and name not in mine:
+            return (SPECS[owners[0]].option(name).flag,
+                    f"is an option of {', '.join(owners)}, not of --algorithm {algorithm}")
+    return None
+
+
 def resolve_method_options(algorithm: str, dataset: str, given: Mapping[str, Any],
                            no_preset: bool = False):
     """``(options, preset)``: the method's command-line options (its library defaults, the
@@ -378,6 +392,9 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = Non
     if algorithm not in SPECS:
         raise ConfigError("--algorithm", f"must be one of {', '.join(ALGORITHMS)}, "
                                          f"got {algorithm!r}")
+    foreign = _foreign_flags(algorithm, args)
+    if foreign:
+        raise ConfigError(*foreign)
     for name in list(values):
         values[name] = _parse_value(name, values[name], algorithm)
     dataset = values.get("dataset", "digits")

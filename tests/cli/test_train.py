@@ -209,8 +209,7 @@ def test_lsgd_default_run_and_determinism(all_runs, tmp_path):
     """`python -m lsgd_hpc.train` as a user runs it; same seed and size -> same results."""
     run_dir = tmp_path / "lsgd"
     proc = run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run_dir),
-                       "--ranks-per-node", "2", "--local-steps", "8", "--seed", "3"],
-                   timeout=300)
+                       "--ranks-per-node", "2", "--seed", "3"], timeout=300)
     assert "step" in proc.stdout and "leader" in proc.stdout and "ETA" in proc.stdout
     assert "\r" not in proc.stdout
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -230,8 +229,8 @@ def test_horovod_backend_same_leaders_and_accuracies(all_runs, tmp_path):
     """--backend horovod, same seed, 4 ranks as 2 nodes: the same elections and results."""
     run_dir = tmp_path / "hvd"
     run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--backend", "horovod",
-                "--run-dir", str(run_dir), "--ranks-per-node", "2", "--local-steps", "8",
-                "--seed", "3"], timeout=400)
+                "--run-dir", str(run_dir), "--ranks-per-node", "2", "--seed", "3"],
+            timeout=400)
     hvd = read(run_dir, 4)
     for a, b in zip(all_runs["lsgd"], hvd):
         assert np.array_equal(a["leader"]["leader_rank"], b["leader"]["leader_rank"])

@@ -1,7 +1,9 @@
 """Run lsgd_hpc.train.main in one MPI job several times, with optional fault injection.
 
     mpirun -np N python tests/parallel/train_driver.py RUN_DIR_PREFIX ALG[,ALG...] -- [train options]
-Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of them);
+Each algorithm trains into RUN_DIR_PREFIX-ALG (one interpreter start for all of them), with
+the train options that are not another method's (the trainer refuses those: shared lists such
+as "--local-steps 4 --tau-local 4" give each algorithm its own);
 ALG@TOPOLOGY (gossip@torus) adds --topology TOPOLOGY and trains into RUN_DIR_PREFIX-ALG-TOPOLOGY.
 LSGD_FAULT="kind:rank:step" makes that rank, after that step, raise (kind=raise), die by
 SIGKILL (kill) or send itself SIGTERM (sigterm, a preemption at a known step).
@@ -50,6 +52,28 @@ def slow_evaluation(seconds: float) -> None:
     Evaluator.loss_accuracy = loss_accuracy
 
 
+def own_options(alg: str, args: list) -> list:
+    """``args`` without the options of methods other than ``alg`` (and their values)."""
+    from lsgd_hpc.methods.registry import SPECS
+    mine = {o.flag for o in SPECS[alg].options if o.cli}
+    foreign = {}                                # flag -> takes no value
+    for spec in SPECS.values():
+        for o in spec.options:
+            if o.cli and o.flag not in mine:
+                foreign[o.flag] = o.kind == "bool"
+                if o.kind == "bool":
+                    foreign["--no-" + o.flag[2:]] = True
+    out, i = [], 0
+    while i < len(args):
+        flag = args[i].split("=", 1)[0]
+        if flag in foreign:
+            i += 1 if foreign[flag] or "=" in args[i] else 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out
+
+
 def main() -> int:
     prefix, algs = sys.argv[1], sys.argv[2].split(",")
     extra = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else []
@@ -63,7 +87,7 @@ def main() -> int:
         alg, _, topo = spec.partition("@")
         opts = ["--topology", topo] if topo else []
         rc = train.main(["--algorithm", alg, *opts, "--run-dir",
-                         f"{prefix}-{spec.replace('@', '-')}", *extra])
+                         f"{prefix}-{spec.replace('@', '-')}", *own_options(alg, extra)])
         if rc != 0:
             return rc
     return 0
