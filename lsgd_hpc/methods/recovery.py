@@ -26,8 +26,12 @@ was cut off) and :func:`restore` (collective over the new world):
    survivor of its group or on none -- the survivors report whether they hold a complete copy
    of the leader (they finished its broadcast, or are that leader); if one does, it is
    re-broadcast from the lowest such rank and the others pull; if none does (the leader died
-   before anyone had its copy), nobody pulled. A dead rank is never elected again: the new
-   world does not hold it. GossipSGD rebuilds its topology over the survivors (a ring when
+   before anyone had its copy), nobody pulled. With ``pull_delay`` the broadcasts in flight
+   are treated alike (completed from the lowest survivor of the group that holds the whole
+   copy -- it received it, led it or pulled it already -- and pulled at their step, or at
+   once when the agreed step has passed it; dropped on all when none holds it or a member
+   never started it), and the delayed broadcasts' own communicators are rebuilt. A dead
+   rank is never elected again: the new world does not hold it. GossipSGD rebuilds its topology over the survivors (a ring when
    the topology cannot be built at the new size), with a warning from the lowest survivor.
 4. **Control.** A stop already agreed on one survivor is taken on all; a stop agreement in
    flight is dropped (flags raised since are posted again); ``done`` and
@@ -73,8 +77,6 @@ def refusal(name: str, options: dict, worker_ranks=1):
     if worker_ranks != 1:
         why = ("worker_ranks != 1 (a worker that lost one of its ranks would have to be "
                "rebuilt from the survivors of its node)")
-    elif options.get("pull_delay", 0):
-        why = "pull_delay > 0 (a delayed leader broadcast in flight is not restored)"
     elif options.get("fragments", 1) != 1:
         why = "fragments > 1 (Streaming DiLoCo's fragment allreduces in flight are not restored)"
     if why is None:
@@ -255,6 +257,17 @@ def _digest(obj) -> str:
     return h.hexdigest()
 
 
+def _broadcast_copy(world, source: torch.Tensor, root: int, into) -> None:
+    """``source`` of ``root`` into ``into`` (None: not wanted here) on every member, exact,
+    through a buffer of its own on every rank: the members then all run the same agreement
+    check (a buffer registered with agree_buffers skips it, and which buffer holds what after
+    a failure differs from rank to rank)."""
+    buf = source.detach().clone() if world.rank == root else torch.empty_like(source)
+    world.broadcast_(buf, root)
+    if into is not None and world.rank != root:
+        into.copy_(buf)
+
+
 def _source_state(method, world, source: int, state_of, load) -> None:
     """Broadcast ``state_of()`` from ``source``; every other rank calls ``load(state)``."""
     state = broadcast_object(world, state_of() if world.rank == source else None, source)
@@ -430,21 +443,30 @@ class _Leader(_Handler):
         self_state = {"last_global": None if last is None else
                       (ctx.initial_of(last.world_rank), last.score)}
         method._ft_leader = self_state
+        # pull_delay: the broadcasts in flight, as (level, pulls landed before it, node,
+        # pull step, this rank holds the whole copy: the broadcast completed or it is the
+        # leader); whether one completed is not asked of the broken communicators
+        delayed = []
+        if rule.pull_delay:
+            rule.progress_failure = None        # (the failure this recovery is about)
+        for level, (pull_step, request, is_leader) in sorted(getattr(rule, "delayed",
+                                                                     {}).items()):
+            delayed.append((int(level), int(rule.pulls_done[level]),
+                            str(node) if level == LOCAL else "", int(pull_step),
+                            bool(request is None or is_leader)))
         return {"pending": pending, "done": {int(k): int(v) for k, v in rule.pulls_done.items()},
-                "node": str(node)}
+                "node": str(node), "delayed": delayed}
 
     def restore(self, method, ctx, reports, source):
         from lsgd_hpc.comm.base import Election
-        from lsgd_hpc.methods.rules.lsgd import LOCAL
+        from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL
         rule, world = method.rule, method.comm.world
-        me = world.rank
         mine = method._ft_report["rule"]          # updated in place: a rerun sees what was done
         pulls: Dict[tuple, list] = {}
         for r, rep in enumerate(reports):
             p = rep["rule"]["pending"]
             if p is not None:
                 pulls.setdefault(p[:3], []).append(r)
-        scratch = None
         for key in sorted(pulls):
             level, count, node = key
             holders = []
@@ -459,14 +481,8 @@ class _Leader(_Handler):
                     holders.append(r)
             in_it = mine["pending"] is not None and mine["pending"][:3] == key
             if holders:
-                root = min(holders)
-                if in_it or me in holders:
-                    buf = rule.copies[level]
-                else:
-                    if scratch is None or scratch.numel() != rule.copies[level].numel():
-                        scratch = torch.empty_like(rule.copies[level])
-                    buf = scratch
-                world.broadcast_(buf, root)                 # exact
+                _broadcast_copy(world, rule.copies[level], min(holders),
+                                rule.copies[level] if in_it else None)
                 if in_it:
                     if not mine["pending"][3]:
                         rule.apply_pull(level, rule.pull_local if level == LOCAL
@@ -479,6 +495,8 @@ class _Leader(_Handler):
                 mine["pending"] = None                       # done, should the restore rerun
                 if holders:
                     mine["done"][level] = count + 1
+        if rule.pull_delay:
+            self._restore_delayed(method, reports)
         last = method._ft_leader["last_global"]
         rule.last_global = None
         if last is not None:
@@ -487,6 +505,54 @@ class _Leader(_Handler):
                 rule.last_global = Election(now, now, last[1])
         groups = rule.groups
         rule.multi_level = 1 < groups.n_nodes < groups.world.size
+        if rule.pull_delay:           # the delayed broadcasts' own communicators, rebuilt
+            rule.delay_node = {GLOBAL: groups.node.dup()}
+            if rule.multi_level:
+                rule.delay_node[LOCAL] = groups.node.dup()
+            rule.delay_roots = groups.roots.dup() if groups.roots is not None else None
+
+    def _restore_delayed(self, method, reports) -> None:
+        """pull_delay: each broadcast in flight is completed on every survivor of its group
+        (re-broadcast from the lowest that holds the whole copy: it completed, it is the
+        leader, or it already pulled it) or dropped on all (nobody holds it: nobody pulls).
+        A completed one lands now when its pull step is behind the agreed step, else at it."""
+        from lsgd_hpc.methods.rules.lsgd import LOCAL
+        rule, world = method.rule, method.comm.world
+        mine = method._ft_report["rule"]
+        K = max(r["steps"] for r in reports)
+        keys = sorted({d[:4] for rep in reports for d in rep["rule"]["delayed"]})
+        for level, count, node, pull_step in keys:
+            key = (level, count, node, pull_step)
+            holders, started, landed, group = [], 0, False, 0
+            for r, rep in enumerate(reports):
+                rr = rep["rule"]
+                if level == LOCAL and rr["node"] != node:
+                    continue
+                group += 1
+                mine_r = [d for d in rr["delayed"] if d[:4] == key]
+                landed_r = rr["done"].get(level, 0) == count + 1
+                started += bool(mine_r) or landed_r
+                landed = landed or landed_r
+                if landed_r or (mine_r and mine_r[0][4]):
+                    holders.append(r)
+            if started < group and not landed:
+                # a member whose election of it failed never started it: nobody pulls
+                holders = []
+            in_it = any(d[:4] == key for d in mine["delayed"])
+            if holders:
+                root = min(holders)
+                # the root's whole copy: the one in flight, or the one it pulled already
+                source = rule.incoming[level] if in_it else rule.copies[level]
+                _broadcast_copy(world, source, root, rule.incoming[level] if in_it else None)
+            if in_it:
+                mine["delayed"] = [d for d in mine["delayed"] if d[:4] != key]
+                if not holders:
+                    rule.delayed.pop(level, None)          # nobody holds it: nobody pulls
+                    continue
+                rule.delayed[level] = [pull_step, None, False]
+                if pull_step <= K:                          # its step is behind: land now
+                    rule._land(level)
+                mine["done"][level] = rule.pulls_done[level]
 
     def rejoin(self, method, joined, source):
         """The rejoining ranks take the global leader's parameters (the survivor with the best
@@ -503,6 +569,8 @@ class _Leader(_Handler):
         if joined:
             rule.copies[GLOBAL].copy_(method.flat.flat[:rule.copies[GLOBAL].numel()])
             rule.have_copy[GLOBAL], rule.have_copy[LOCAL] = True, False
+            if rule.pull_delay:           # a local leader's copy in the survivor's state is
+                rule.delayed.pop(LOCAL, None)     # its node's: not necessarily this rank's
         rule.last_global = Election(leader, leader, el.score)
         return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
 

@@ -197,6 +197,24 @@ def test_int8_with_error_feedback_survives_a_lost_rank(tmp_path):
 
 
 @pytest.mark.mpi
+def test_lsgd_pull_delay_survives_a_lost_rank(tmp_path):
+    """--pull-delay 1: the leaders' broadcasts run behind a step of compute, on communicators
+    of their own, when rank 1 dies. A broadcast in flight is completed on every survivor of
+    its group or dropped on all: the survivors of a node have pulled as often as each other,
+    every survivor as often globally, and the delayed broadcasts go on after the recovery."""
+    proc, res, run_dir = run_ft(tmp_path, "lsgd", "--kill", "1:5", "--hidden", "64", "-o",
+                                "pull_delay=1")
+    check_survivors(proc, res, [1])
+    assert len({r["pulls_done"]["0"] for r in res}) == 1          # global pulls
+    node1 = [r["pulls_done"]["1"] for r in res if r["node_index"] == 1]
+    assert len(node1) == 2 and len(set(node1)) == 1
+    step = res[0]["events"][0]["step"]
+    # global pulls land one step after the elections at 4, 8, 12 (16's would land at 17);
+    # one elected at the failure's step may be lost with it, none after it
+    assert res[0]["pulls_done"]["0"] >= 1 + (STEPS - 1 - step) // 4, (step, res[0])
+
+
+@pytest.mark.mpi
 def test_lsgd_leader_killed_between_election_and_broadcast(tmp_path):
     """The global leader of step 8 dies after its election, before its broadcast: nobody has
     its copy, so nobody pulled (on every survivor), and it is never elected again."""

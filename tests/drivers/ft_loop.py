@@ -175,6 +175,10 @@ def main():
     args = p.parse_args()
 
     torch.set_num_threads(1)
+    if os.environ.get("FT_DUMP_ON_USR2"):           # debugging a hang: kill -USR2 each rank
+        import faulthandler
+        import signal
+        faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         comm = lsgd_hpc.init(backend="mpi", ranks_per_node=args.rpn, device="cpu",
                              on_failure="shrink", min_ranks=args.min_ranks)

@@ -9,7 +9,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from lsgd_hpc.comm import Election, FlatParams, NodeGroups
-from lsgd_hpc.comm.faults import injection_point
+from lsgd_hpc.comm.faults import injection_point, is_process_failure
 from lsgd_hpc.comm.hierarchy import HierarchicalBroadcast
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
@@ -109,8 +109,10 @@ class LeaderRule(Rule):
             # what a broadcast in flight writes into (the copies stay readable meanwhile)
             self.incoming = {LOCAL: torch.empty_like(self.sent),
                              GLOBAL: torch.empty_like(self.sent)}
-            #: level -> [step to pull at, request or None (completed)]
+            #: level -> [step to pull at, request or None (completed), is the leader]
             self.delayed: Dict[int, list] = {}
+            #: a rank failure that progress() met in a gradient hook (raised in the next step)
+            self.progress_failure: Optional[BaseException] = None
             # communicators of the delayed broadcasts' own (every rank creates them in this
             # order: node, node, roots), so that they never interleave with other collectives
             self.delay_node = {GLOBAL: groups.node.dup()}
@@ -184,12 +186,22 @@ class LeaderRule(Rule):
         return bool(self.pull_delay)
 
     def progress(self) -> None:
-        for pending in (self.delayed.values() if self.pull_delay else ()):
-            if pending is not None and pending[1] is not None:
-                pending[1].test()
+        try:
+            for pending in (self.delayed.values() if self.pull_delay else ()):
+                if pending is not None and pending[1] is not None:
+                    pending[1].test()
+        except Exception as exc:                  # noqa: BLE001
+            # (from a gradient hook, outside the method's step: a rank failure found here
+            # is raised again inside the next step, where the recovery runs)
+            if not is_process_failure(exc):
+                raise
+            self.progress_failure = exc
 
     def _after_step_delayed(self, step: int, loss: float) -> None:
         self.losses.append(float(loss))
+        if self.progress_failure is not None:
+            exc, self.progress_failure = self.progress_failure, None
+            raise exc
         landed = set()
         for level in (LOCAL, GLOBAL):
             pending = self.delayed.get(level)
@@ -209,6 +221,7 @@ class LeaderRule(Rule):
             el = self.groups.world.elect(score)
             self.last_global = el
             self._log(step, GLOBAL, el, score)
+            injection_point("elected", step, leader=el.world_rank == self.world.world_rank)
             self._start(GLOBAL, step, el, lambda t: HierarchicalBroadcast(
                 self.delay_node[GLOBAL], self.delay_roots, self.groups.node_of, t,
                 el.world_rank, self.groups.world.world_ranks))
@@ -219,16 +232,22 @@ class LeaderRule(Rule):
                 self._proximal(GLOBAL, self.pull_global / self.tau_global)
 
     def _start(self, level: int, step: int, el: Election, post) -> None:
-        """The leader's x of this step into the level's incoming buffer, its broadcast posted."""
-        if self.world.world_rank == el.world_rank:
+        """The leader's x of this step into the level's incoming buffer, its broadcast posted.
+        ``delayed[level]``: [step to pull at, request (None: completed), is the leader]."""
+        is_leader = self.world.world_rank == el.world_rank
+        if is_leader:
             self.incoming[level].copy_(self.sent)
-        self.delayed[level] = [step + self.pull_delay, post(self.incoming[level])]
+        self.delayed[level] = [step + self.pull_delay, None, is_leader]
+        self.delayed[level][1] = post(self.incoming[level])
 
     def _land(self, level: int) -> None:
         """The pull of a delayed broadcast: x <- x - c (x - x_L(s)), on every worker."""
-        _, request = self.delayed.pop(level)
-        if request is not None:
-            request.wait()
+        pending = self.delayed[level]
+        if pending[1] is not None:
+            pending[1].wait()
+            pending[1] = None
+        del self.delayed[level]                  # (kept until complete: a failure may cut it)
+        self.pulls_done[level] += 1
         xl = self.incoming[level]
         # the copy that landed is the level's copy now (proximal pulls, checkpoints)
         self.copies[level], self.incoming[level] = xl, self.copies[level]
@@ -283,4 +302,4 @@ class LeaderRule(Rule):
                 got = state.get(f"{name}_delayed")
                 if got is not None:
                     self.incoming[level].copy_(got["copy"])
-                    self.delayed[level] = [int(got["pull_step"]), None]
+                    self.delayed[level] = [int(got["pull_step"]), None, False]
