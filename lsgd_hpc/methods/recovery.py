@@ -20,7 +20,9 @@ was cut off) and :func:`restore` (collective over the new world):
    checked (a digest allgather): AllreduceSGD the parameters, buffers and optimizer state
    (replicas bit-identical again); EASGD the centre; DiLoCo x_prev, the outer optimizer's
    momentum and its count (a survivor that missed the source's last outer step restarts its
-   inner phase from x_prev); SlowMo x_old and u; local SGD its period state (T, the position
+   inner phase from x_prev; Streaming DiLoCo: every fragment's outer optimizer, a missed
+   fragment restarts from x_prev_f, and the fragment allreduce the source had in flight is
+   redone over the survivors from each one's saved contribution); SlowMo x_old and u; local SGD its period state (T, the position
    in the period, the estimator's state; an averaging that was cut off is skipped).
    LeaderSGD keeps no shared state: a pull cut off by the failure is finished on every
    survivor of its group or on none -- the survivors report whether they hold a complete copy
@@ -77,8 +79,6 @@ def refusal(name: str, options: dict, worker_ranks=1):
     if worker_ranks != 1:
         why = ("worker_ranks != 1 (a worker that lost one of its ranks would have to be "
                "rebuilt from the survivors of its node)")
-    elif options.get("fragments", 1) != 1:
-        why = "fragments > 1 (Streaming DiLoCo's fragment allreduces in flight are not restored)"
     if why is None:
         return None
     return (f"on_failure='shrink' does not support {why} yet; leave it out, or use "
@@ -93,6 +93,9 @@ def attach(method) -> None:
         return
     if method.name in REFUSED:
         raise ValueError(REFUSED[method.name])
+    rule = method.rule
+    if getattr(rule, "streaming", False):     # Streaming DiLoCo: what the survivors redo
+        rule.contribution = torch.empty_like(rule.scratch)
     ft.register(method)
 
 
@@ -324,28 +327,78 @@ class _EASGD(_Handler):
 
 
 class _DiLoCo(_Handler):
+    def prepare(self, method, ctx, complete):
+        rule = method.rule
+        if not rule.streaming:
+            return None
+        rule.progress_failure = None            # (the failure this recovery is about)
+        flight = rule._inflight
+        rule._inflight = None                   # its request died with the old world
+        return {"outer_steps": rule.outer_steps,
+                "inflight": None if flight is None else (int(flight[0]), int(flight[1]))}
+
     def restore(self, method, ctx, reports, source):
         rule = method.rule
 
         def state():
-            return {"prev": rule.prev.data.clone(), "outer": rule.outer_opt.state_dict(),
+            outer = ([fr.opt.state_dict() for fr in rule.fragments] if rule.streaming
+                     else rule.outer_opt.state_dict())
+            return {"prev": rule.prev.data.clone(), "outer": outer,
                     "outer_steps": rule.outer_steps, "norm": rule.last_grad_norm}
 
         def load(s):
             behind = rule.outer_steps < int(s["outer_steps"])
+            missed = range(rule.outer_steps + 1, int(s["outer_steps"]) + 1)
             rule.prev.data.copy_(s["prev"])
-            rule.outer_opt.load_state_dict(s["outer"])
+            if rule.streaming:
+                for fr, o in zip(rule.fragments, s["outer"]):
+                    fr.opt.load_state_dict(o)
+            else:
+                rule.outer_opt.load_state_dict(s["outer"])
             rule.outer_steps = int(s["outer_steps"])
             rule.last_grad_norm = float(s["norm"])
             rule._anchor_pending = False
-            if behind:          # the outer step this rank missed: start its inner phase there
+            if behind and not rule.streaming:
+                # the outer step this rank missed: start its inner phase there
                 method.flat.flat[:rule.n_params].copy_(rule.prev.data)
+            elif behind:
+                # the fragments whose outer steps it missed (outer step k syncs fragment
+                # (k - 1) mod P): their parameters start again from x_prev_f
+                for f in sorted({(k - 1) % rule.P for k in missed}):
+                    for a, b in rule.fragments[f].params:
+                        method.flat.flat[a:b].copy_(rule.prev.data[a:b])
         _source_state(method, method.comm.world, source, state, load)
+        if rule.streaming:
+            self._restore_inflight(method, reports, source)
+
+    @staticmethod
+    def _restore_inflight(method, reports, source) -> None:
+        """Streaming DiLoCo: the fragment allreduce the source had in flight is done again
+        over the survivors (each from its saved contribution; one that had not started it
+        yet contributes now), and lands at its sync step -- at once when the survivors have
+        passed it. None in flight on the source: none anywhere."""
+        rule, world = method.rule, method.comm.world
+        if rule.stream_comm is not None:           # the allreduces' own communicator, rebuilt
+            rule.stream_comm = rule.world.dup()
+        key = reports[source]["rule"]["inflight"]
+        if key is None:
+            return
+        f, due = key
+        buf = rule.scratch[:rule.fragments[f].size]
+        if method._ft_report["rule"]["inflight"] == tuple(key):
+            buf.copy_(rule.contribution[:buf.numel()])
+        else:
+            rule.contribute(f, buf)
+        rule.world.allreduce_(buf, "mean")          # (the registered prefix, on every rank)
+        rule._inflight = [f, due, None]
+        if due <= max(r["steps"] for r in reports):
+            rule._sync(f, due)
 
     def shared(self, method):
         rule = method.rule
-        return {"prev": rule.prev.data, "outer": rule.outer_opt.state_dict()["state"],
-                "outer_steps": rule.outer_steps}
+        outer = ([fr.opt.state_dict()["state"] for fr in rule.fragments] if rule.streaming
+                 else rule.outer_opt.state_dict()["state"])
+        return {"prev": rule.prev.data, "outer": outer, "outer_steps": rule.outer_steps}
 
     def rejoin(self, method, joined, source):
         rule = method.rule

@@ -197,6 +197,19 @@ def test_int8_with_error_feedback_survives_a_lost_rank(tmp_path):
 
 
 @pytest.mark.mpi
+def test_streaming_diloco_survives_a_lost_rank(tmp_path):
+    """Streaming DiLoCo, 2 fragments, H 4, the fragment allreduce one step behind (tau 1):
+    rank 1 dies at step 5 with a fragment's allreduce in flight. The survivors redo it over
+    themselves from their saved contributions, so no outer step is lost (16 / (4 / 2) = 8),
+    and x_prev, every fragment's outer momentum and the count agree."""
+    proc, res, run_dir = run_ft(tmp_path, "diloco", "--kill", "1:5", "-o", "local_steps=4",
+                                "-o", "fragments=2", "-o", "fragment_sync_delay=1")
+    check_survivors(proc, res, [1])
+    assert len({r["digest"] for r in res}) == 1
+    assert {r["outer_steps"] for r in res} == {STEPS // 2}
+
+
+@pytest.mark.mpi
 def test_lsgd_pull_delay_survives_a_lost_rank(tmp_path):
     """--pull-delay 1: the leaders' broadcasts run behind a step of compute, on communicators
     of their own, when rank 1 dies. A broadcast in flight is completed on every survivor of

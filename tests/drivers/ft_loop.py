@@ -57,8 +57,9 @@ def shared_state(name, method, opt):
     if name == "easgd":
         return {"center": rule.center}
     if name == "diloco":
-        return {"prev": rule.prev.data, "outer": rule.outer_opt.state_dict()["state"],
-                "outer_steps": rule.outer_steps}
+        outer = ([fr.opt.state_dict()["state"] for fr in rule.fragments] if rule.streaming
+                 else rule.outer_opt.state_dict()["state"])
+        return {"prev": rule.prev.data, "outer": outer, "outer_steps": rule.outer_steps}
     if name == "slowmo":
         return {"old": rule.old, "u": rule.u}
     if name == "local-sgd":
@@ -145,6 +146,8 @@ def run(name, run_dir, comm, args, park):
     if method.wire is not None and method.error_feedback:
         info["residual_norm"] = sum(float(e.norm()) for e in
                                     method.wire.world.shared.residuals.values())
+    if name == "diloco":
+        info["outer_steps"] = rule.outer_steps
     if name == "gossip":
         info["topology_n"] = rule.topology.n
     if name == "lsgd":

@@ -192,7 +192,6 @@ def test_streaming_and_pull_delay_flags_parse_and_refuse():
 
 
 @pytest.mark.parametrize("name,options,workers,why", [
-    ("diloco", {"fragments": 2}, 1, "fragments > 1"),
     ("diloco", {}, "node", "worker_ranks != 1"),
     ("lsgd-async", {}, 1, "AsyncLeaderSGD does not support on_failure='shrink'"),
 ])
@@ -201,4 +200,4 @@ def test_what_shrink_refuses_is_named(name, options, workers, why):
     assert why in refusal(name, options, workers)
     # what it restores: the rest, int8 with error feedback included
     assert refusal("lsgd", {"pull_delay": 2}, 1) is None
-    assert refusal("diloco", {"fragments": 1}, 1) is None
+    assert refusal("diloco", {"fragments": 2}, 1) is None

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
+from lsgd_hpc.comm.faults import is_process_failure
 from lsgd_hpc.methods.rules.base import Rule, MetricsSink
 
 __all__ = ["DiLoCoRule", "split_tensors", "fragment_tensors"]
@@ -191,6 +192,11 @@ class DiLoCoRule(Rule):
         self.stream_comm = self.world.dup() if self.delay > 0 else None
         #: [fragment, sync step, request or None (completed)] of the allreduce in flight
         self._inflight: Optional[list] = None
+        #: on_failure="shrink" (methods/recovery.py sets it): a copy of this rank's
+        #: contribution to the allreduce in flight, which the survivors redo
+        self.contribution: Optional[torch.Tensor] = None
+        #: a rank failure that progress() met in a gradient hook (raised in the next step)
+        self.progress_failure: Optional[BaseException] = None
 
     def _outer_optimizer(self, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum,
@@ -250,8 +256,15 @@ class DiLoCoRule(Rule):
         return self.streaming and self.stream_comm is not None
 
     def progress(self) -> None:
-        if self._inflight is not None and self._inflight[2] is not None:
-            self._inflight[2].test()
+        try:
+            if self._inflight is not None and self._inflight[2] is not None:
+                self._inflight[2].test()
+        except Exception as exc:                  # noqa: BLE001
+            # (from a gradient hook, outside the method's step: raised again inside the
+            # next step, where the recovery runs)
+            if not is_process_failure(exc):
+                raise
+            self.progress_failure = exc
 
     def fragment_at(self, sync_step: int) -> int:
         """The fragment that syncs at ``sync_step`` (a multiple of H / P)."""
@@ -259,6 +272,9 @@ class DiLoCoRule(Rule):
 
     def _stream_step(self, step: int) -> None:
         self._anchor_pending = False
+        if self.progress_failure is not None:
+            exc, self.progress_failure = self.progress_failure, None
+            raise exc
         if self._inflight is not None and self._inflight[2] is not None:
             self._inflight[2].test()                     # let MPI progress it
         if (step + self.delay) % self.period == 0:
@@ -266,8 +282,10 @@ class DiLoCoRule(Rule):
         if step % self.period == 0:
             self._sync(self.fragment_at(step), step)
 
-    def _start(self, f: int, sync_step: int) -> None:
-        fr, x, buf = self.fragments[f], self.flat.flat, self.scratch[:self.fragments[f].size]
+    def contribute(self, f: int, buf: torch.Tensor) -> None:
+        """This rank's message of fragment ``f`` into ``buf``: x_prev_f - x_f, then the
+        fragment's buffers (BatchNorm statistics)."""
+        fr, x = self.fragments[f], self.flat.flat
         o = 0
         for a, b in fr.params:
             torch.sub(self.prev.data[a:b], x[a:b], out=buf[o:o + b - a])   # x_prev_f - x_f
@@ -275,9 +293,15 @@ class DiLoCoRule(Rule):
         for a, b in fr.buffers:
             buf[o:o + b - a].copy_(x[a:b])
             o += b - a
+
+    def _start(self, f: int, sync_step: int) -> None:
+        buf = self.scratch[:self.fragments[f].size]
+        self.contribute(f, buf)
+        if self.contribution is not None:
+            self.contribution[:buf.numel()].copy_(buf)
         if self.stream_comm is None:
+            self._inflight = [f, sync_step, None]        # (in flight while it runs)
             self.world.allreduce_(buf, "mean")
-            self._inflight = [f, sync_step, None]
         else:
             self._inflight = [f, sync_step, self.stream_comm.iallreduce_(buf, "mean",
                                                                          agreed=True)]
