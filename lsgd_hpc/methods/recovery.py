@@ -22,8 +22,9 @@ was cut off) and :func:`restore` (collective over the new world):
    momentum and its count (a survivor that missed the source's last outer step restarts its
    inner phase from x_prev; Streaming DiLoCo: every fragment's outer optimizer, a missed
    fragment restarts from x_prev_f, and the fragment allreduce the source had in flight is
-   redone over the survivors from each one's saved contribution); SlowMo x_old and u; local SGD its period state (T, the position
-   in the period, the estimator's state; an averaging that was cut off is skipped).
+   redone over the survivors from each one's saved contribution); SlowMo x_old and u;
+   local SGD its period state (T, the position in the period, the estimator's state; an
+   averaging that was cut off is skipped).
    LeaderSGD keeps no shared state: a pull cut off by the failure is finished on every
    survivor of its group or on none -- the survivors report whether they hold a complete copy
    of the leader (they finished its broadcast, or are that leader); if one does, it is
@@ -33,11 +34,13 @@ was cut off) and :func:`restore` (collective over the new world):
    copy -- it received it, led it or pulled it already -- and pulled at their step, or at
    once when the agreed step has passed it; dropped on all when none holds it or a member
    never started it), and the delayed broadcasts' own communicators are rebuilt. A dead
-   rank is never elected again: the new world does not hold it. GossipSGD rebuilds its topology over the survivors (a ring when
-   the topology cannot be built at the new size), with a warning from the lowest survivor.
+   rank is never elected again: the new world does not hold it. GossipSGD rebuilds its
+   topology over the survivors (a ring when the topology cannot be built at the new size),
+   with a warning from the lowest survivor. AsyncLeaderSGD: see its handler below.
 4. **Control.** A stop already agreed on one survivor is taken on all; a stop agreement in
    flight is dropped (flags raised since are posted again); ``done`` and
-   ``checkpoint_due`` follow K.
+   ``checkpoint_due`` follow K. AsyncLeaderSGD, whose ranks take uneven steps, keeps each
+   rank's own count, and its rule decides the end and the checkpoints again.
 
 AllreduceSGD and a failure during the gradient averaging of step s: if any survivor finished
 step s, every survivor takes that survivor's parameters and optimizer state (the step
@@ -58,41 +61,24 @@ import torch
 
 from lsgd_hpc.comm.faults import injection_point, is_process_failure  # noqa: F401
 
-__all__ = ["attach", "prepare", "restore", "rejoin", "guarded", "refusal", "REFUSED"]
-
-#: methods that refuse on_failure="shrink", and why (one line each)
-REFUSED = {
-    "lsgd-async": ("AsyncLeaderSGD does not support on_failure='shrink': its rounds are decided "
-                   "by non-blocking probes, so a failure can leave a round started on some "
-                   "survivors and not on others, at different local steps, with requests in "
-                   "flight on every level; use LeaderSGD, or on_failure='abort' and resume "
-                   "from a checkpoint"),
-}
-
+__all__ = ["attach", "prepare", "restore", "rejoin", "guarded", "refusal"]
 
 def refusal(name: str, options: dict, worker_ranks=1):
     """Why a method built with these options cannot recover from lost ranks, or None: the
     state that is not restored yet after a shrink is refused up front, on every rank."""
-    if name in REFUSED:
-        return REFUSED[name]
-    why = None
-    if worker_ranks != 1:
-        why = ("worker_ranks != 1 (a worker that lost one of its ranks would have to be "
-               "rebuilt from the survivors of its node)")
-    if why is None:
+    if worker_ranks == 1:
         return None
-    return (f"on_failure='shrink' does not support {why} yet; leave it out, or use "
-            "on_failure='abort' and resume from a checkpoint")
+    return ("on_failure='shrink' does not support worker_ranks != 1 (a worker that lost one "
+            "of its ranks would have to be rebuilt from the survivors of its node) yet; leave "
+            "it out, or use on_failure='abort' and resume from a checkpoint")
 
 
 def attach(method) -> None:
     """At construction, when the communicator recovers from failures: register the method
-    (its prepare/restore run at every recovery) or refuse it (ValueError)."""
+    (its prepare/restore run at every recovery)."""
     ft = getattr(method.comm, "_ft", None)
     if ft is None:
         return
-    if method.name in REFUSED:
-        raise ValueError(REFUSED[method.name])
     rule = method.rule
     if getattr(rule, "streaming", False):     # Streaming DiLoCo: what the survivors redo
         rule.contribution = torch.empty_like(rule.scratch)
@@ -152,16 +138,21 @@ def restore(method, ctx) -> None:
         if len(set(digests)) > 1:
             raise RuntimeError(f"{type(method).__name__}: the survivors' shared state still "
                                f"differs after the recovery ({len(set(digests))} versions)")
+    ctx.step = K
+    method.stopping = method.stopping or any(r["stopping"] for r in reports)
+    method._ft_report["stopping"] = method.stopping
+    if method.rule.owns_schedule:
+        # AsyncLeaderSGD: each rank keeps its own step count, and the rule decides the end
+        # and the checkpoints again from fresh probes (its handler reset them)
+        method._ft_report["complete"] = True
+        method.checkpoint_due = False
+        return
     method.steps = K
     from lsgd_hpc.comm.monitor import MONITOR
     MONITOR.step = K
     method._ft_report.update(steps=K, complete=True)   # a second attempt starts from here
-    method.stopping = method.stopping or any(r["stopping"] for r in reports)
-    method._ft_report["stopping"] = method.stopping
-    if not method.rule.owns_schedule:
-        method.done = method.max_steps is not None and K >= method.max_steps
+    method.done = method.max_steps is not None and K >= method.max_steps
     method.checkpoint_due = bool(method.checkpoint_every and K % method.checkpoint_every == 0)
-    ctx.step = K
 
 
 def rejoin(method, info) -> str:
@@ -193,6 +184,20 @@ def _take_from(method, source: int, joined: bool, n: Optional[int] = None) -> No
     method.comm.world.broadcast_(buf, source)
     if joined:
         flat[:n].copy_(buf[:n])
+
+
+def _to_the_leader(method, joined: bool, source: int):
+    """Leader methods at a rejoin: elect the survivor with the best score (the window mean
+    of its last losses; a rejoining rank has none) and give the rejoining ranks its
+    parameters. Returns (its rank, the election); the lowest survivor when no score is
+    finite."""
+    rule = method.rule
+    if joined:
+        rule.losses.clear()
+    el = method.comm.world.elect(rule.score())
+    leader = el.world_rank if math.isfinite(el.score) else source
+    _take_from(method, leader, joined)
+    return leader, el
 
 
 def _refresh_groups(method) -> None:
@@ -613,12 +618,8 @@ class _Leader(_Handler):
         +inf), which is also their copy of the global leader."""
         from lsgd_hpc.comm.base import Election
         from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL
-        rule, world = method.rule, method.comm.world
-        if joined:
-            rule.losses.clear()
-        el = world.elect(rule.score())
-        leader = el.world_rank if math.isfinite(el.score) else source
-        _take_from(method, leader, joined)
+        rule = method.rule
+        leader, el = _to_the_leader(method, joined, source)
         if joined:
             rule.copies[GLOBAL].copy_(method.flat.flat[:rule.copies[GLOBAL].numel()])
             rule.have_copy[GLOBAL], rule.have_copy[LOCAL] = True, False
@@ -628,6 +629,87 @@ class _Leader(_Handler):
         return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
 
 
+class _AsyncLeader(_Handler):
+    """AsyncLeaderSGD: nothing is shared but the rounds. Every request in flight died with
+    the old communicators: probes are dropped (fresh ones decide again, from the survivors'
+    sums: their steps done against their budgets), and the newest round of each level's
+    group -- its broadcast cut off, or its probe completed on some members only -- is
+    completed on every survivor of the group or on none, like LeaderSGD's pull (re-broadcast
+    from the lowest survivor holding the leader's snapshot: the leader itself, or a member
+    that pulled it and has nothing newer in flight). A level's communicator is
+    rebuilt over the survivors; a node level with one rank left, or with one node left,
+    ends. An action decided on some ranks only (a checkpoint, the end) is decided again."""
+
+    def prepare(self, method, ctx, complete):
+        rule = method.rule
+        levels = {}
+        for lv in rule.levels:
+            flight = None
+            if lv.bcast is not None:
+                flight = (lv.rounds + 1, bool(lv.leader.rank == lv.comm.rank))
+            levels[int(lv.scope)] = {"rounds": int(lv.rounds), "flight": flight}
+            lv.probe = lv.bcast = None              # their requests died with the old world
+        rule.action, rule.draining = None, False
+        return {"node": str(method.comm.groups.node_key), "levels": levels,
+                "checkpoints_done": int(rule.checkpoints_done)}
+
+    def restore(self, method, ctx, reports, source):
+        from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL
+        rule, world, groups = method.rule, method.comm.world, method.comm.groups
+        mine = method._ft_report["rule"]
+        by_scope = {lv.scope: lv for lv in rule.levels}
+        # each level's groups: the world, and each node's ranks that have a node level
+        groups_of = sorted({(scope, rep["rule"]["node"] if scope == LOCAL else "")
+                            for rep in reports for scope in rep["rule"]["levels"]})
+        for scope, node in groups_of:
+            members = [(r, rep["rule"]["levels"][scope]) for r, rep in enumerate(reports)
+                       if scope in rep["rule"]["levels"]
+                       and (scope == GLOBAL or rep["rule"]["node"] == node)]
+            # a round's probe completes only once every member has finished the round before
+            # it, so members are at most one round apart: T is the newest round any reached
+            T = max(lvr["rounds"] + (lvr["flight"] is not None) for _, lvr in members)
+            behind = [r for r, lvr in members if lvr["rounds"] < T]
+            if not behind:
+                continue
+            holders = [r for r, lvr in members
+                       if (lvr["rounds"] == T and lvr["flight"] is None)
+                       or lvr["flight"] == (T, True)]
+            mylv = mine["levels"].get(scope)
+            me_in = world.rank in behind and (scope == GLOBAL or mine["node"] == node)
+            lv = by_scope.get(scope)
+            if holders:
+                _broadcast_copy(world, lv.buf if lv is not None else rule.world_level.buf,
+                                min(holders), lv.buf if me_in else None)
+            if me_in:
+                leads = mylv["flight"] == (T, True)
+                mylv["flight"] = None                    # done, should the restore rerun
+                if holders:
+                    if not leads and lv.pull > 0:
+                        x = lv.flat.flat
+                        x.sub_(x - lv.buf, alpha=lv.pull)     # x <- x - c (x - x_L)
+                    lv.rounds = mylv["rounds"] = T
+        rule.checkpoints_done = max(r["rule"]["checkpoints_done"] for r in reports)
+        rule.last_global = None
+        # the levels over the rebuilt groups (each a communicator of its own, as at the start)
+        multi_level = 1 < groups.n_nodes < groups.world.size
+        node_level = by_scope.get(LOCAL)
+        rule.levels = []
+        if node_level is not None and multi_level and groups.node.size > 1:
+            node_level.comm = groups.node.dup()
+            rule.levels.append(node_level)
+        rule.world_level.comm = groups.world.dup()
+        rule.levels.append(rule.world_level)
+        for lv in rule.levels:
+            lv.idle = True                     # the next step posts a fresh probe
+
+    def rejoin(self, method, joined, source):
+        """As LeaderSGD's: the global leader's parameters (best window score)."""
+        from lsgd_hpc.comm.base import Election
+        leader, el = _to_the_leader(method, joined, source)
+        method.rule.last_global = Election(leader, leader, el.score)
+        return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
+
+
 _HANDLERS = {"allreduce": _Allreduce(), "easgd": _EASGD(), "diloco": _DiLoCo(),
              "slowmo": _SlowMo(), "local-sgd": _LocalSGD(), "gossip": _Gossip(),
-             "lsgd": _Leader()}
+             "lsgd": _Leader(), "lsgd-async": _AsyncLeader()}

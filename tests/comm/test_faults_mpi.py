@@ -120,10 +120,13 @@ def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, t
     ranks 0, 2 and 3; one job, the runs in turn): rank 1 rejoins with the parameters of the
     method's kind and a fresh optimizer state, and every rank finishes 4 more steps with the
     method's shared state equal everywhere."""
-    runs = {m: lost_rank_runs(m)[2] for m in METHODS}
-    for run_dir in runs.values():
+    runs = {m: lost_rank_runs(m)[2] for m in METHODS + ["lsgd-async"]}
+    label = {}
+    for m, run_dir in runs.items():
         latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-        assert (latest["step"], latest["ranks"], latest["initial_size"]) == (16, [0, 2, 3], 4)
+        assert (latest["ranks"], latest["initial_size"]) == ([0, 2, 3], 4)
+        label[m] = latest["step"]           # the most steps a rank took (async: uneven)
+        assert label[m] == 16 or m == "lsgd-async"
     proc = run_mpi(4, [sys.executable, DRIVER, ",".join(runs),
                        ",".join(str(d) for d in runs.values()), "--steps", str(STEPS + 4),
                        "--resume"], timeout=TIMEOUT, mpi_args=ULFM)
@@ -131,15 +134,18 @@ def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, t
     res = {}
     for r in _results(proc):
         res.setdefault(r["method"], {})[r["initial_rank"]] = r
-    assert sorted(res) == sorted(METHODS), out
+    assert sorted(res) == sorted(runs), out
     lines = [ln for ln in proc.stderr.splitlines() if "at the full 4 ranks: rank(s) 1 rejoin" in ln]
-    assert len(lines) == len(METHODS), out
+    assert len(lines) == len(runs), out
     for method, by_rank in res.items():
         assert sorted(by_rank) == [0, 1, 2, 3], (method, out)
         after = {r: v["after_restore"] for r, v in by_rank.items()}
-        assert {a["step"] for a in after.values()} == {16}
+        assert {a["step"] for a in after.values()} == {label[method]}
         assert all(a["rejoined"] == [1] for a in after.values())
-        assert {v["steps"] for v in by_rank.values()} == {STEPS + 4}
+        if method == "lsgd-async":       # its steps together reach its budgets
+            assert sum(v["steps"] for v in by_rank.values()) >= 4 * (STEPS + 4)
+        else:
+            assert {v["steps"] for v in by_rank.values()} == {STEPS + 4}
         assert all(v["finite"] for v in by_rank.values())
         if method in SHARED:
             assert len({v["digest"] for v in by_rank.values()}) == 1, method
@@ -148,7 +154,7 @@ def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, t
         assert all(after[r]["opt_state"] > 0 for r in (0, 2, 3)), method
         assert after[1]["opt_state"] == (after[0]["opt_state"] if method == "allreduce" else 0)
         flat1 = after[1]["flat"]
-        if method == "lsgd":            # the global leader's parameters (a survivor's)
+        if method in ("lsgd", "lsgd-async"):    # the global leader's (a survivor's)
             leader = after[1]["leader"]
             assert leader in (0, 2, 3) and {a["leader"] for a in after.values()} == {leader}
             assert flat1 == after[leader]["flat"], method
@@ -162,10 +168,12 @@ def test_full_size_resume_of_the_survivors_sets_rank_1_rejoins(lost_rank_runs, t
             assert after[1]["params"] == after[0]["old"]
         else:                           # local SGD, gossip: the lowest survivor's
             assert flat1 == after[0]["flat"], method
-        # rank 1's metrics: its rows up to its death (step 5), then from step 17 on
+        # rank 1's metrics: its rows up to its death (step 5), then from the set's step on
         with h5py.File(runs[method] / "metrics" / "rank00001.h5", "r") as f:
             steps = f["train"]["step"][:].tolist()
-        assert steps[-4:] == [17, 18, 19, 20] and max(steps[:-4]) <= 5, (method, steps)
+        later = [s for s in steps if s > 5]
+        assert all(s <= 5 for s in steps[:len(steps) - len(later)])
+        assert later == list(range(label[method] + 1, label[method] + 1 + len(later)))
 
 
 @pytest.mark.mpi
@@ -322,8 +330,17 @@ def test_shrink_without_ulfm_is_refused_on_every_rank(tmp_path):
 
 
 @pytest.mark.mpi
-def test_async_lsgd_refuses_shrink(tmp_path):
-    proc, res, _ = run_ft(tmp_path, "lsgd-async", check=False, np_=2)
-    assert proc.returncode == 2
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("method refused:")]
-    assert len(lines) == 2 and "AsyncLeaderSGD does not support on_failure='shrink'" in lines[0]
+def test_async_lsgd_survives_a_lost_rank(lost_rank_runs):
+    """AsyncLeaderSGD (ranks take uneven steps, rounds decided by non-blocking probes):
+    rank 1 dies at its step 5 with probes and broadcasts in flight on both levels. The
+    survivors drop the probes, finish or drop each round's broadcast together, and go on
+    until their steps together reach their budgets; their rounds agree on each level."""
+    proc, res, run_dir = lost_rank_runs("lsgd-async")
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(r["initial_rank"] for r in res) == [0, 2, 3], out
+    assert {r["size"] for r in res} == {3} and all(r["finite"] for r in res)
+    assert len({json.dumps([(e["lost"], e["step"]) for e in r["events"]]) for r in res}) == 1
+    assert sum(r["steps"] for r in res) >= 3 * STEPS, [r["steps"] for r in res]
+    assert len({r["rounds"]["0"] for r in res}) == 1, [r["rounds"] for r in res]
+    node1 = [r["rounds"].get("1") for r in res if r["node_index"] == 1]
+    assert len(node1) == 2 and len(set(node1)) == 1, [r["rounds"] for r in res]

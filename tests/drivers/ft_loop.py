@@ -35,7 +35,7 @@ from lsgd_hpc.methods.recovery import _digest
 OPTIONS = {"lsgd": dict(tau_local=2, tau_global=4), "easgd": dict(easgd_tau=2),
            "local-sgd": dict(local_steps=3), "allreduce": dict(bucket_mb=0.0005),
            "diloco": dict(local_steps=3), "slowmo": dict(local_steps=2, slowmo_every=4),
-           "gossip": dict(topology="ring")}
+           "gossip": dict(topology="ring"), "lsgd-async": dict(tau_local=2, tau_global=4)}
 
 
 def options(name, pairs):
@@ -79,7 +79,7 @@ def restored(name, method, opt, ckpt):
         out["prev"] = _digest(rule.prev.data)
     elif name == "slowmo":
         out["old"] = _digest(rule.old)
-    elif name == "lsgd":
+    elif name in ("lsgd", "lsgd-async"):
         out["leader"] = rule.last_global.world_rank
     return out
 
@@ -148,6 +148,8 @@ def run(name, run_dir, comm, args, park):
                                     method.wire.world.shared.residuals.values())
     if name == "diloco":
         info["outer_steps"] = rule.outer_steps
+    if name == "lsgd-async":
+        info["rounds"] = {str(lv.scope): lv.rounds for lv in rule.levels}
     if name == "gossip":
         info["topology_n"] = rule.topology.n
     if name == "lsgd":

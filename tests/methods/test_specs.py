@@ -193,7 +193,7 @@ def test_streaming_and_pull_delay_flags_parse_and_refuse():
 
 @pytest.mark.parametrize("name,options,workers,why", [
     ("diloco", {}, "node", "worker_ranks != 1"),
-    ("lsgd-async", {}, 1, "AsyncLeaderSGD does not support on_failure='shrink'"),
+    ("lsgd", {}, 2, "worker_ranks != 1"),
 ])
 def test_what_shrink_refuses_is_named(name, options, workers, why):
     from lsgd_hpc.methods.recovery import refusal
@@ -201,3 +201,4 @@ def test_what_shrink_refuses_is_named(name, options, workers, why):
     # what it restores: the rest, int8 with error feedback included
     assert refusal("lsgd", {"pull_delay": 2}, 1) is None
     assert refusal("diloco", {"fragments": 2}, 1) is None
+    assert refusal("lsgd-async", {}, 1) is None

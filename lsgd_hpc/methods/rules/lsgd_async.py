@@ -275,11 +275,16 @@ class AsyncLeaderRule(Rule):
     def state_dict(self) -> dict:
         assert not any(lv.busy for lv in self.levels), "checkpoint with requests in flight"
         return {"losses": list(self.losses), "checkpoints_done": self.checkpoints_done,
-                "levels": [lv.state_dict() for lv in self.levels]}
+                "levels": {int(lv.scope): lv.state_dict() for lv in self.levels}}
 
     def load_state_dict(self, state: dict) -> None:
         self.losses.clear()
         self.losses.extend(float(v) for v in state["losses"])
         self.checkpoints_done = int(state["checkpoints_done"])
-        for lv, st in zip(self.levels, state["levels"]):
-            lv.load_state_dict(st)
+        levels = state["levels"]
+        if isinstance(levels, list):     # (written before levels were saved by scope)
+            levels = {lv.scope: st for lv, st in zip(self.levels, levels)}
+        for lv in self.levels:
+            # a level the checkpoint lacks (a node level its writer no longer had after lost
+            # ranks) starts a fresh round count
+            lv.load_state_dict(levels.get(lv.scope, {"round_steps": 0, "rounds": 0}))
