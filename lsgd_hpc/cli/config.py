@@ -142,7 +142,8 @@ TRAINER_OPTIONS = (
     Option("inject_failure", None, "str",
            "RANK:STEP[,RANK:STEP...]: testing only, that rank (as numbered at the start) "
            "SIGKILLs itself at that step; leader:STEP kills the global leader elected then, "
-           "before its broadcast", section="cluster and backend", none="none"),
+           "before its broadcast; RANK:STEP:save, in the save of that step's checkpoint",
+           section="cluster and backend", none="none"),
     # -- output and checkpoints --
     Option("run_dir", None, "str", "output folder", section="output and checkpoints",
            none="runs/<job id> under SLURM, else runs/<algorithm>-<time>"),

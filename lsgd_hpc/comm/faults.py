@@ -489,7 +489,9 @@ class FailureInjector:
     ``plan``: (rank, step, point) triples. ``rank`` is a rank as numbered at the start of the
     job, or ``"leader"``: the rank elected global leader at that step (LeaderSGD), which dies
     between its election and its broadcast. ``point``: ``"step"`` (the start of that step,
-    before any of its communication) or ``"elected"`` (LeaderSGD, after the global election)."""
+    before any of its communication), ``"elected"`` (LeaderSGD, after the global election)
+    or ``"save"`` (Checkpointer.save of the set labelled that step, once this rank's file is
+    written and before the set is committed)."""
 
     def __init__(self, plan: Sequence[Tuple[object, int, str]]):
         self.plan = list(plan)
@@ -523,7 +525,7 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
     rank 2 at step 9 (ranks as numbered at the start of the job; steps as counted by the
     methods, 1 = the first). ``"leader:8"``: the rank elected global leader at step 8 dies
     between its election and its broadcast (LeaderSGD). ``"1:5:elected"`` names the point
-    explicitly. Installs the plan for this process (the methods call :func:`injection_point`
+    explicitly; ``"2:8:save"`` kills rank 2 in the middle of saving the checkpoint of step 8. Installs the plan for this process (the methods call :func:`injection_point`
     each step) and returns it; ``comm`` (the session's) pins this rank's initial number."""
     global _INJECTOR
     _INJECTOR = FailureInjector(failure_plan(spec))
@@ -542,8 +544,9 @@ def failure_plan(spec: str) -> list:
             raise ValueError(f"inject_failures: {item!r} is not RANK:STEP[:POINT]")
         who, step = parts[0], parts[1]
         point = parts[2] if len(parts) == 3 else ("elected" if who == "leader" else "step")
-        if point not in ("step", "elected"):
-            raise ValueError(f"inject_failures: point {point!r} is not 'step' or 'elected'")
+        if point not in ("step", "elected", "save"):
+            raise ValueError(f"inject_failures: point {point!r} is not 'step', 'elected' or "
+                             "'save'")
         try:
             step_n = int(step)
             rank = who if who == "leader" else int(who)

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from lsgd_hpc.comm.faults import injection_point
+
 __all__ = ["Checkpointer", "Rejoin", "save_rank", "commit_set", "latest_checkpoint",
            "load_rank", "atomic_write", "resume_problem"]
 
@@ -248,6 +250,7 @@ class Checkpointer:
         metrics = self.objects.get("metrics")
         label = self._label()
         save_rank(self.run_dir, label, self.comm.rank, state)
+        injection_point("save", label, self.comm)      # (testing: a rank lost mid-save)
         if metrics is not None:
             metrics.flush()           # rows up to this step are on disk before the pointer
         self.comm.barrier()

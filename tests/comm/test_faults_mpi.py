@@ -267,6 +267,28 @@ def test_rank0_lost_the_lowest_survivor_takes_its_part(tmp_path):
 
 
 @pytest.mark.mpi
+def test_a_rank_killed_while_a_checkpoint_is_written(tmp_path):
+    """Rank 2 dies in the save of step 8, its file written and the set not committed: the
+    4-rank set of step 8 is never committed (latest.json never points at it); the survivors
+    recover and save it again as the 3 of them, and a resume takes complete sets only."""
+    proc, res, run_dir = run_ft(tmp_path, "easgd", "--kill", "2:8:save", "--checkpoint-every",
+                                "4")
+    check_survivors(proc, res, [2])
+    assert "rank 2 kills itself at step 8 (save)" in proc.stderr
+    ckpts = run_dir / "checkpoints"
+    eight = json.loads((ckpts / "step000000008" / "manifest.json").read_text()) \
+        if (ckpts / "step000000008").exists() else None
+    # (pruned once newer sets are complete; if it is still there, it is the survivors')
+    assert eight is None or (eight["world_size"], eight["ranks"]) == (3, [0, 1, 3])
+    latest = json.loads((ckpts / "latest.json").read_text())
+    assert (latest["step"], latest["world_size"], latest["ranks"]) == (STEPS, 3, [0, 1, 3])
+    from lsgd_hpc.runtime.checkpoint import latest_checkpoint
+    assert latest_checkpoint(str(run_dir))["step"] == STEPS
+    # the event's step: the save of step 8 was under way
+    assert {e["step"] for r in res for e in r["events"]} == {8}
+
+
+@pytest.mark.mpi
 def test_two_failures_at_different_steps(tmp_path):
     proc, res, run_dir = run_ft(tmp_path, "easgd", "--kill", "1:4,3:10")
     check_survivors(proc, res, [1, 3])
