@@ -276,7 +276,7 @@ class Checkpointer:
         then gives it the parameters of its kind -- the global leader's (LeaderSGD), the
         replica with its optimizer state (AllreduceSGD), the centre (EASGD), x_prev (DiLoCo),
         x_old (SlowMo), the lowest survivor's (local SGD, gossip). ``rejoined`` lists those
-        ranks afterwards. See docs/library.md, "When ranks are lost"."""
+        ranks afterwards. See docs/library.md, "Surviving lost ranks"."""
         pointer = latest_checkpoint(self.run_dir)
         seen = self.comm.allgather_object(None if pointer is None else pointer["step"])
         if len(set(seen)) > 1:
