@@ -83,6 +83,8 @@ BENCHES = [
     Bench("overlap", "overlap", timeout=600, driver=True),
     # one rank lost at 30 % of the budget: shrink vs abort + resume vs no failure (ULFM)
     Bench("goodput_under_failure", "goodput_under_failure", timeout=300, driver=True),
+    # 20 seeded failure scenarios at 16 ranks and 20 at 8 (about 30 min here; --quick: 3)
+    Bench("ft_soak", "ft_soak", timeout=300, driver=True),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),
     Bench("scale_model", "scale_model", timeout=300, driver=True),
     # its own mpirun jobs at 4 ranks, unslowed then slowed (8 ranks: benchmarks/stragglers.py

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["SOURCE_ROOT", "mpirun_path", "mpi_env", "mpirun_cmd", "run_group", "session_pids",
-           "kill_session", "run_mpi"]
+           "kill_session", "rank_pids", "run_mpi"]
 
 #: the folder this lsgd_hpc is imported from (the checkout's root): first on the jobs'
 #: PYTHONPATH, so that every rank runs this copy
@@ -93,6 +93,26 @@ def session_pids(sid: int) -> list:
         if int(fields[3]) == sid:   # fields after the name: state ppid pgrp session ...
             pids.append(int(entry))
     return pids
+
+
+def rank_pids(sid: int) -> dict:
+    """World rank -> pid of the Python ranks of the mpirun job in session ``sid`` (read from
+    /proc: each rank's ``OMPI_COMM_WORLD_RANK``), to kill a rank from outside as a crash or a
+    lost node would."""
+    out = {}
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            continue
+        if not exe.startswith("python"):
+            continue
+        for item in env:
+            if item.startswith(b"OMPI_COMM_WORLD_RANK="):
+                out[int(item.split(b"=", 1)[1])] = pid
+    return out
 
 
 def kill_session(sid: int) -> None:

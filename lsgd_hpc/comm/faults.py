@@ -13,7 +13,13 @@ on without the dead ranks:
 2. **Revoke.** The survivor that caught it revokes every communicator it holds (the world,
    the node groups, duplicates, graph communicators), so that every survivor blocked in any of
    them, or entering one later, fails too and joins the recovery.
-3. **Agree on who is gone.** ``MPI_Comm_shrink`` of the world: a fault-tolerant agreement
+3. **Let the failures settle.** A node dies process by process, and the notices of those deaths
+   reach a busy survivor over hundreds of milliseconds; Open MPI 5.0 crashes a rank that
+   notices one while ``MPI_Comm_shrink`` builds its communicator. So each survivor first waits
+   until it has noticed no new failure for ``LSGD_HPC_FT_SETTLE_SECONDS`` (0.5 s), then all
+   meet in one agreement (:func:`settle_failures`); a shrink that still meets a failure is
+   retried.
+   **Agree on who is gone.** ``MPI_Comm_shrink`` of the world: a fault-tolerant agreement
    that gives every survivor the same smaller communicator; the lost ranks are the old
    world's group less the new one's (the same set on every survivor, checked by an
    allgather). Fewer than ``min_ranks`` left: :class:`UnrecoverableFailure` on every survivor.
@@ -49,7 +55,7 @@ __all__ = ["ON_FAILURE", "ProcessFailure", "UnrecoverableFailure", "FailureEvent
            "FaultTolerance", "ulfm_problem", "is_process_failure", "format_ranks",
            "parse_ranks", "inject_failures", "failure_plan", "injection_point", "FailureInjector",
            "MAX_ATTEMPTS", "EXIT_UNRECOVERABLE", "ULFM_ENV", "FINALIZE_ENV",
-           "prepare_mpi_environment"]
+           "prepare_mpi_environment", "settle_failures", "settle_seconds", "SETTLE_ENV"]
 
 #: the values of ``lsgd_hpc.init(on_failure=...)`` (and of the trainer's ``--on-failure``)
 ON_FAILURE = ("abort", "shrink")
@@ -255,6 +261,8 @@ class FaultTolerance:
         #: set once UnrecoverableFailure was raised: the world is not to be used again
         self.broken = False
         self.lost: List[int] = []
+        #: seconds without a new failure notice before a recovery shrinks (settle_failures)
+        self.settle_seconds = settle_seconds()
         self._ids = 0
         world = comm.world
         world.comm.Set_errhandler(_mpi().ERRORS_RETURN)
@@ -320,12 +328,17 @@ class FaultTolerance:
         ctx = RecoveryContext(comm, self)
         for p in self.participants:
             p._ft_prepare(ctx)                  # local: where each method was cut off
-        for _ in range(MAX_ATTEMPTS):
+        for attempt in range(MAX_ATTEMPTS):
             world.revoke_all()
             old = world.comm
+            # No communicator is built while failures are still being noticed (see
+            # settle_failures): Open MPI crashes a rank that notices one during MPI_Comm_shrink.
+            settle_failures(old, self.settle_seconds)
             try:
                 new = old.Shrink()              # the survivors agree on who is gone
             except MPI.Exception as e:
+                if attempt + 1 < MAX_ATTEMPTS:  # a failure met inside the shrink: again
+                    continue
                 raise UnrecoverableFailure(f"lsgd_hpc: MPI_Comm_shrink failed ({e}); cannot "
                                            "recover") from exc
             new.Set_errhandler(MPI.ERRORS_RETURN)
@@ -428,6 +441,70 @@ class FaultTolerance:
             os._exit(EXIT_UNRECOVERABLE)
         except Exception:                         # noqa: BLE001 - exiting anyway
             pass
+
+
+#: seconds of quiet (no new failure noticed) that a recovery waits for before it shrinks;
+#: the environment variable overrides the default (0 turns the wait off)
+SETTLE_ENV = "LSGD_HPC_FT_SETTLE_SECONDS"
+SETTLE_SECONDS = 0.5
+#: the longest a recovery waits for failure notices to settle (ranks that keep dying)
+SETTLE_LIMIT_SECONDS = 10.0
+
+
+def settle_seconds() -> float:
+    """The quiet period of :func:`settle_failures`: ``$LSGD_HPC_FT_SETTLE_SECONDS`` or 0.5."""
+    raw = os.environ.get(SETTLE_ENV, "").strip()
+    try:
+        return max(0.0, float(raw)) if raw else SETTLE_SECONDS
+    except ValueError:
+        return SETTLE_SECONDS
+
+
+def _failed_count(comm) -> int:
+    try:
+        group = comm.Get_failed()
+        n = group.Get_size()
+        group.Free()
+        return n
+    except Exception:                                               # noqa: BLE001
+        return -1
+
+
+def settle_failures(comm, quiet: float, limit: float = SETTLE_LIMIT_SECONDS) -> int:
+    """Let failure knowledge settle on the revoked ``comm`` before a communicator is built.
+
+    Open MPI 5.0's ULFM marks every communicator that holds a newly failed process as failed
+    (``ompi_comm_set_rank_failed`` -> ``ompi_comm_revoke_local``) from inside the progress
+    engine; when that happens while ``MPI_Comm_shrink`` activates its new communicator, whose
+    collective modules are not selected yet, the rank crashes (SIGSEGV at address 0x450).
+    A node that goes down dies process by process, and on a busy node the notices of those
+    deaths reach a survivor over hundreds of milliseconds: a survivor that shrinks at the
+    first notice builds its communicator while the others arrive. So: drive the progress
+    engine until this rank has noticed no new failed member of ``comm`` for ``quiet``
+    seconds (at most ``limit``), acknowledge the failures, then meet the other survivors in
+    one fault-tolerant agreement (what one survivor saw dead, the agreement makes known to
+    all) before the shrink. Every survivor runs the same calls whatever it saw, so no
+    survivor is left in a different collective. Returns the failed members seen."""
+    MPI = _mpi()
+    if quiet <= 0:
+        return _failed_count(comm)
+    t0 = time.monotonic()
+    seen, since = _failed_count(comm), t0
+    while time.monotonic() - since < quiet and time.monotonic() - t0 < limit:
+        try:
+            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)   # runs the progress engine
+        except MPI.Exception:
+            pass
+        time.sleep(0.005)
+        now = _failed_count(comm)
+        if now != seen:
+            seen, since = now, time.monotonic()
+    for call in (comm.Ack_failed, lambda: comm.Agree(1)):
+        try:
+            call()
+        except MPI.Exception:                # a new failure: the shrink's agreement sees it
+            pass
+    return seen
 
 
 class RecoveryContext:

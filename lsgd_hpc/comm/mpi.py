@@ -266,9 +266,9 @@ class MPICommunicator(Communicator):
             self._agree("iallreduce_", tensor)
         if self.one_host or tensor.numel() * tensor.element_size() < NB_SEND_COPY_MIN_BYTES:
             # The memory stays alive while in flight: the Pending holds the tensor that owns it.
-            req = _translated(self.comm.Iallreduce)(MPI.IN_PLACE, _buffer(tensor),
+            req = _translated(self.comm.Iallreduce, self.comm)(MPI.IN_PLACE, _buffer(tensor),
                                                     op=_sum_op(tensor))
-            return _translated(req.Wait), _translated(req.Test)
+            return _translated(req.Wait, self.comm), _translated(req.Test, self.comm)
         # Out of place from a copy: Open MPI's non-blocking allreduce (coll/libnbc) takes a
         # binomial tree (reduce to one rank, then broadcast: the whole buffer through one
         # rank's link, twice) whenever it is called in place, and reduce-scatter + allgather
@@ -284,9 +284,9 @@ class MPICommunicator(Communicator):
             if agreed:
                 self._send_copies[key] = send
         send.copy_(tensor)
-        req = _translated(self.comm.Iallreduce)(_buffer(send), _buffer(tensor),
+        req = _translated(self.comm.Iallreduce, self.comm)(_buffer(send), _buffer(tensor),
                                                 op=_sum_op(tensor))
-        wait_, test_ = _translated(req.Wait), _translated(req.Test)
+        wait_, test_ = _translated(req.Wait, self.comm), _translated(req.Test, self.comm)
 
         def wait(_send=send) -> None:      # the copy stays alive while in flight
             wait_()
@@ -430,9 +430,9 @@ class MPICommunicator(Communicator):
             return Pending(self, tensor, "sum", lambda: None, lambda: True, name=name,
                            finish=finish)
         with self._counted(sent, recv):
-            req = _translated(start)()
-        return Pending(self, tensor, "sum", _translated(req.Wait), _translated(req.Test),
-                       name=name, finish=finish)
+            req = _translated(start, self.comm)()
+        return Pending(self, tensor, "sum", _translated(req.Wait, self.comm),
+                       _translated(req.Test, self.comm), name=name, finish=finish)
 
     def ibroadcast_(self, tensor: torch.Tensor, root: int) -> Request:
         check_tensor(tensor)
