@@ -26,7 +26,7 @@ _EXPORTS = {
     "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
     "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
     "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",
-    "make_run_dir": "runtime",
+    "make_run_dir": "runtime", "write_completion": "runtime", "read_completion": "runtime",
 }
 
 __all__ = ["__version__", *_EXPORTS]

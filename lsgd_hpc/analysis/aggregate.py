@@ -13,6 +13,10 @@ Reads every ``RUN_DIR/metrics/rank%05d.h5`` (read-only, h5py) and writes
   the run's figures wait for the survivors only (an evaluation is complete when every rank
   still training wrote it; a method without elections is reported by its lowest surviving
   rank);
+  the ``complete`` column says whether the run completed its budget, from its completion
+  record (``RUN_DIR/complete.json``): ``complete``, ``stopped`` (on purpose: preempted or
+  signalled, a checkpoint and exit) or ``incomplete`` (no record: its ranks crashed or were
+  killed); each run that did not complete gets one warning line on stderr;
 * ``DIR/*.png``        test accuracy against training time (the default time axis), wall
   time, bytes sent and step, and the training loss against step;
 * with predictions (``--predictions``): ``DIR/correlations.csv`` and one
@@ -115,8 +119,9 @@ from lsgd_hpc.analysis.predictions import (CORRELATION_COLUMNS, PredictionsError
                                            join_predictions, plot_predicted_vs_measured,
                                            read_predictions)
 from lsgd_hpc.analysis.rundir import (GROUPS, KNOWN_SCHEMA_VERSIONS, NON_CONFIG_KEYS,
-                                      AggregateError, Run, canonical, col, expand_run_dirs,
-                                      read_rank_file, read_run, run_identities)
+                                      AggregateError, Run, canonical, col, describe_completion,
+                                      expand_run_dirs, read_rank_file, read_run,
+                                      run_identities)
 from lsgd_hpc.analysis.rundir import read_runs as _read_runs
 # Part of this module's interface: the experiments rank predictors against measurements.
 from lsgd_hpc.analysis.stats import rank_correlation
@@ -192,6 +197,10 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
     runs = read_runs(run_dirs, warn=warn)
     groups = group_runs(runs, by)
     summary = [summarize_run(r, targets) for r in runs]
+    for run, row in zip(runs, summary):       # its figures are of part of its budget
+        if row["complete"] != "complete":
+            warn(f"run {run.name} did not complete its budget: "
+                 f"{describe_completion(run.completion, run)}")
     group_rows = group_table(groups, summary, targets)
     columns = group_columns(groups, targets)
     predictors: list[str] = []

@@ -44,6 +44,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from lsgd_hpc.analysis.formatting import fmt_acc, fmt_bytes, fmt_num
 from lsgd_hpc.analysis.rundir import AggregateError, Run, col, read_rank_file, read_run
 
 __all__ = ["LOSS_WINDOW", "CachedReader", "progress", "format_progress", "run_ended", "follow"]
@@ -174,7 +175,6 @@ def progress(run: Run) -> dict:
 
 
 def format_progress(p: dict, prev: Optional[dict] = None) -> str:
-    from lsgd_hpc.analysis.summary import _acc, _bytes, _num
     parts = [f"elapsed {_fmt_time(p['wall'])}"]
     if p["step_max"] is None:
         parts.append("step -")
@@ -186,14 +186,14 @@ def format_progress(p: dict, prev: Optional[dict] = None) -> str:
         parts[-1] += f" ({p['ranks']} of {p['world_size']} ranks)"
     parts.append(f"epoch {p['epoch']:.2f}" if p["epoch"] is not None
                  and math.isfinite(p["epoch"]) else "epoch -")
-    parts.append(f"loss {_num(p['loss'])}")
-    acc = f"test acc {_acc(p['acc_mean'])}"
+    parts.append(f"loss {fmt_num(p['loss'])}")
+    acc = f"test acc {fmt_acc(p['acc_mean'])}"
     if p["acc_best"] is not None and p["ranks"] > 1:
-        acc += f" (best {_acc(p['acc_best'])})"
+        acc += f" (best {fmt_acc(p['acc_best'])})"
     parts.append(acc)
     if p["elects"]:
         parts.append(f"leader {p['leader'] if p['leader'] is not None else '-'}")
-    parts.append(f"sent {_bytes(p['sent'])}")
+    parts.append(f"sent {fmt_bytes(p['sent'])}")
     rate = None
     if prev is not None and p["wall"] is not None and prev["wall"] is not None \
             and p["step_max"] is not None and prev["step_max"] is not None \

@@ -19,11 +19,12 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from lsgd_hpc.runtime.completion import read_completion
 from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, rank_file
 
 __all__ = ["GROUPS", "KNOWN_SCHEMA_VERSIONS", "NON_CONFIG_KEYS", "AggregateError", "Run",
            "read_rank_file", "col", "run_identities", "read_run", "expand_run_dirs", "read_runs",
-           "canonical"]
+           "canonical", "completion_state", "last_step", "describe_completion"]
 
 GROUPS = ("train", "eval", "leader", "consensus", "faults")
 
@@ -193,6 +194,12 @@ class Run:
     def n_workers(self) -> int:
         n = self._attr("n_workers")
         return int(n) if n is not None else self.world_size
+
+    @property
+    def completion(self) -> dict | None:
+        """The run's completion record (``RUN_DIR/complete.json``, written at the end of a run
+        that finished or stopped on purpose), or None: the run did not finish."""
+        return read_completion(self.path)
 
     @property
     def seed(self):
@@ -431,3 +438,54 @@ def _names(value) -> list[str]:
     """A comma-separated /faults string column (bytes or str) as a list; empty: []."""
     text = value.decode() if isinstance(value, bytes) else str(value)
     return [n for n in text.split(",") if n]
+
+
+# --------------------------------------------------------------------------- completion
+
+def completion_state(record: dict | None) -> str:
+    """``complete`` (the step budget done), ``stopped`` (stopped on purpose: a checkpoint,
+    then exit; preempted) or ``incomplete`` (no record: ranks crashed or were killed; or a
+    record that cannot be read)."""
+    status = (record or {}).get("status")
+    return status if status in ("complete", "stopped") else "incomplete"
+
+
+def last_step(run: Run) -> int | None:
+    """The last training step any rank of ``run`` logged (None: no rows)."""
+    steps = [int(d["train"]["step"][-1]) for d in run.ranks.values()
+             if len(d.get("train", {}).get("step", ()))]
+    return max(steps) if steps else None
+
+
+def describe_completion(record: dict | None, run: Run | None = None) -> str:
+    """One line on whether a run completed, e.g. ``complete (600/600 steps)`` or
+    ``NOT COMPLETE: no completion record (...); last step 119 of 600``. ``run``: its metrics,
+    for the last step and the budget when there is no record."""
+    state = completion_state(record)
+    if state != "incomplete":
+        step, total = record.get("step"), record.get("total_steps")
+        steps = (f"{step if step is not None else '?'}/{total if total is not None else '?'} "
+                 "steps")
+        lost = record.get("lost_ranks") or []
+        ranks = ""
+        if lost:
+            ranks = (f", {record.get('world_size', '?')} of {record.get('initial_size', '?')} "
+                     f"ranks at the end (lost: {','.join(map(str, lost))})")
+        if state == "complete":
+            return f"complete ({steps}{ranks})"
+        then = ("the job requeued itself and resumes from it" if record.get("requeued")
+                else "continue it with --resume")
+        return (f"stopped on purpose (preempted or signalled) with a checkpoint at "
+                f"{steps}{ranks}; {then}")
+    if record is not None:
+        why = f"the completion record cannot be read ({record.get('error', '?')})"
+    else:
+        why = ("no completion record (the job ended before its budget: ranks crashed or were "
+               "killed)")
+    where = ""
+    if run is not None:
+        step = last_step(run)
+        total = run.config.get("total_steps")
+        where = (f"; last step {step if step is not None else 0}"
+                 + (f" of {total}" if total is not None else ""))
+    return f"NOT COMPLETE: {why}{where}"

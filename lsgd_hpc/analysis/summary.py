@@ -7,35 +7,31 @@ and its test accuracy and the mean test accuracy over workers. The leader rule i
 ``lsgd_hpc.aggregate`` (EASGD: the centre; methods without elections: rank 0). A run with
 workers that span ranks (--worker-ranks) shows each rank's worker and the bytes it sent
 inside it; its workers are the unit of the mean and the best (one replica per worker).
+The last line says whether the run completed, from its completion record
+(``RUN_DIR/complete.json``, lsgd_hpc.runtime.completion): ``completion: complete (600/600
+steps)``, ``completion: stopped on purpose ...`` or ``completion: NOT COMPLETE: ...``.
+
+``--check`` makes the exit status say it: 0 when the record says complete, 1 otherwise (a
+run stopped on purpose, or one without a record: its ranks crashed or were killed), with one
+line on stderr saying why. ``mpirun --with-ft ulfm`` exits 0 whatever became of the ranks;
+this is the check a job script runs after it (the SLURM templates do).
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 import numpy as np
 
-from lsgd_hpc.analysis.rundir import AggregateError, Run, col, read_run
+from lsgd_hpc.analysis.rundir import (AggregateError, Run, col, completion_state,
+                                      describe_completion, read_run)
+from lsgd_hpc.analysis.formatting import fmt_acc, fmt_bytes, fmt_num
+from lsgd_hpc.runtime.completion import read_completion
 from lsgd_hpc.analysis.tables import eval_table, global_elections, leader_counts, leader_rule
 
 PROG = "lsgd_hpc.summary"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024.0
-    return f"{n} B"  # pragma: no cover
-
-
-def _acc(a: float) -> str:
-    return "-" if a is None or math.isnan(a) else f"{100.0 * a:.2f}%"
-
-
-def _num(x: float) -> str:
-    return "-" if x is None or math.isnan(x) else f"{x:.4f}"
 
 
 def format_summary(run: Run) -> str:
@@ -74,15 +70,17 @@ def format_summary(run: Run) -> str:
         inside = col(d, "train", "worker_bytes_sent")
         lines.append(f"{r:>5} {node!s:>5}"
                      + (f" {d['attrs'].get('worker_index', '?')!s:>6}" if workers else "")
-                     + f" {_num(loss[-1] if len(loss) else math.nan):>11} "
-                     f"{_acc(acc[-1] if len(acc) else math.nan):>9} "
-                     f"{counts.get(r, 0):>14} {_bytes(sent[-1] if len(sent) else 0):>12}"
-                     + (f" {_bytes(inside[-1] if len(inside) else 0):>12}" if workers else "")
+                     + f" {fmt_num(loss[-1] if len(loss) else math.nan):>11} "
+                     f"{fmt_acc(acc[-1] if len(acc) else math.nan):>9} "
+                     f"{counts.get(r, 0):>14} {fmt_bytes(sent[-1] if len(sent) else 0):>12}"
+                     + (f" {fmt_bytes(inside[-1] if len(inside) else 0):>12}" if workers else "")
                      + status)
     use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
     rule = leader_rule(run)
+    verdict = f"completion: {describe_completion(run.completion, run)}"
     if not use.any():
         lines.append("final global leader: none (no evaluations logged)")
+        lines.append(verdict)
         return "\n".join(lines)
     step = int(tab["step"][use][-1])
     lacc = float(tab["acc_leader"][use][-1])
@@ -90,19 +88,20 @@ def format_summary(run: Run) -> str:
         el_steps, _ = global_elections(run)
         lr = int(tab["leader_rank"][use][-1])
         lines.append(f"final global leader: rank {lr} (elected {counts.get(lr, 0)} times, "
-                     f"{len(el_steps)} global elections), test accuracy {_acc(lacc)} "
+                     f"{len(el_steps)} global elections), test accuracy {fmt_acc(lacc)} "
                      f"at step {step}")
     elif rule == "centre":
         lines.append(f"final global leader: none ({run.algorithm or 'EASGD'} reports its "
-                     f"centre model), centre test accuracy {_acc(lacc)} at step {step}")
+                     f"centre model), centre test accuracy {fmt_acc(lacc)} at step {step}")
     else:
         r0 = int(tab["leader_rank"][use][-1])
         lines.append(f"final global leader: none ({run.algorithm} has no elections; rank {r0} "
-                     f"reports), rank {r0} test accuracy {_acc(lacc)} at step {step}")
+                     f"reports), rank {r0} test accuracy {fmt_acc(lacc)} at step {step}")
     over = (f"{int(tab['n_workers'][use][-1])} workers ({int(tab['n_ranks'][use][-1])} ranks)"
             if workers else f"{int(tab['n_ranks'][use][-1])} ranks")
-    lines.append(f"mean test accuracy: {_acc(float(tab['acc_mean'][use][-1]))} over {over}, "
-                 f"best worker {_acc(float(tab['acc_best'][use][-1]))}")
+    lines.append(f"mean test accuracy: {fmt_acc(float(tab['acc_mean'][use][-1]))} over {over}, "
+                 f"best worker {fmt_acc(float(tab['acc_best'][use][-1]))}")
+    lines.append(verdict)
     return "\n".join(lines)
 
 
@@ -126,7 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="with --follow: stop when no file of the run changed for this long; "
                         "default: none")
+    p.add_argument("--check", action="store_true",
+                   help="exit 0 when the run's completion record (RUN_DIR/complete.json) says "
+                        "it completed its step budget, else 1 with one line on stderr saying "
+                        "why (stopped on purpose, or no record: ranks crashed or were killed)")
     args = p.parse_args(argv)
+    if args.check and args.follow:
+        p.error("--check goes without --follow")
     if not args.follow and (args.interval is not None or args.timeout is not None):
         p.error("--interval and --timeout go with --follow")
     if args.follow:
@@ -140,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                           prog=PROG)
         except KeyboardInterrupt:
             return 0
+    if args.check:
+        return check(args.run_dir)
     try:
         run = read_run(args.run_dir,
                        warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
@@ -148,6 +155,34 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_summary(run))
     return 0
+
+
+def check(run_dir: str) -> int:
+    """``--check``: the summary (or, without readable metrics, the completion line alone),
+    then exit 0 when the record says complete, else 1 and one line on stderr."""
+    record = read_completion(run_dir) if os.path.isdir(run_dir) else None
+    run = None
+    if os.path.isdir(run_dir):
+        try:
+            run = read_run(run_dir,
+                           warn=lambda msg: print(f"{PROG}: warning: {msg}", file=sys.stderr))
+        except AggregateError as exc:
+            print(f"metrics: {exc}")
+    if run is not None:
+        print(format_summary(run))
+    else:
+        print(f"completion: {describe_completion(record)}")
+    state = completion_state(record)
+    if state == "complete":
+        return 0
+    if not os.path.isdir(run_dir):
+        why = f"no run directory {run_dir} (the run never started)"
+    elif state == "stopped":
+        why = f"{run_dir}: not complete: {describe_completion(record, run)}"
+    else:
+        why = f"{run_dir}: {describe_completion(record, run)}"
+    print(f"{PROG}: error: {why}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from lsgd_hpc.analysis.rundir import AggregateError, Run, col
+from lsgd_hpc.analysis.rundir import AggregateError, Run, col, completion_state
 
 __all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "FAULT_COLUMNS", "fault_rows", "write_faults_csv", "ACCURACY_FIGURES", "TARGET_ACC_COLUMNS",
            "TARGET_LOSS_COLUMNS", "Targets", "global_elections", "leader_rule", "eval_table",
@@ -28,7 +28,7 @@ SUMMARY_COLUMNS = (
     "final_test_acc_leader", "final_test_acc_mean", "final_test_acc_best",
     "best_test_acc_leader", "best_test_acc_mean", "best_test_acc_best",
     "total_bytes_sent", "total_bytes_recv", "steps", "final_consensus_distance",
-    "mean_consensus_distance", "failures", "lost_ranks",
+    "mean_consensus_distance", "failures", "lost_ranks", "complete",
 )
 #: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
 FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
@@ -349,6 +349,8 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
     row["failures"] = len(run.faults())
     from lsgd_hpc.comm.faults import format_ranks
     row["lost_ranks"] = format_ranks(run.lost_ranks)
+    # complete / stopped (on purpose) / incomplete: the run's completion record
+    row["complete"] = completion_state(run.completion)
     targets = targets or Targets()
     if targets.acc is not None:
         hit = time_to_accuracy(run, targets.acc, targets.figure)

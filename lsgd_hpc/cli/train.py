@@ -45,6 +45,32 @@ def _requeue(env: dict) -> bool:
     return scontrol_requeue(job)
 
 
+def _record(run_dir: str, comm, status: str, step, total_steps, started: float,
+            **fields) -> None:
+    """Rank 0 (of the world that got here: the lowest survivor after lost ranks) writes
+    ``RUN_DIR/complete.json`` (lsgd_hpc.runtime.completion), the record that the run finished
+    or stopped on purpose. A record that cannot be written is one line on stderr: the run
+    then reads as not complete, which is what a job check must see."""
+    from lsgd_hpc.runtime.completion import COMPLETION_FILE, write_completion
+    try:
+        write_completion(run_dir, comm, status=status, step=step, total_steps=total_steps,
+                         seconds=round(time.monotonic() - started, 3), **fields)
+    except OSError as exc:
+        print(f"{PROG}: warning: cannot write {os.path.join(run_dir, COMPLETION_FILE)}: "
+              f"{exc.strerror or exc}", file=sys.stderr, flush=True)
+
+
+def _checkpointed_step(run_dir: str):
+    """The step of the newest complete checkpoint set of ``run_dir`` (0: none), or None when
+    it cannot be told."""
+    try:
+        from lsgd_hpc.runtime.checkpoint import latest_checkpoint
+        latest = latest_checkpoint(run_dir)
+        return int(latest["step"]) if latest else 0
+    except Exception:
+        return None
+
+
 def _init(backend: str, cfg):
     """``lsgd_hpc.init`` as the trainer needs it: the world of ``backend``, node groups, this
     rank's device; an exception ends only this run (the trainer agrees and exits itself)."""
@@ -60,6 +86,7 @@ def _init(backend: str, cfg):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     # First, before the heavy imports (torch, MPI): a warning signal is a request from now on.
     stop = StopSignals()
+    started = time.monotonic()
     env = dict(os.environ)
     from lsgd_hpc.cli.config import ConfigError, check_world, parse_config
     from lsgd_hpc.comm.launcher import launched_alone
@@ -80,6 +107,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         comm = _init(boot_backend(cfg, argv, env), cfg)
     except (CommError, ValueError) as exc:
         return usage_error(str(exc))
+    if error is None and cfg.run_dir and comm.rank == 0:
+        # A record left by an earlier attempt (a resumed or repeated run) goes first: the
+        # record in a run directory is always the latest attempt's.
+        from lsgd_hpc.runtime.completion import clear_completion
+        try:
+            clear_completion(cfg.run_dir)
+        except OSError:
+            pass
     trainer = None
     if error is None:
         try:
@@ -89,6 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if not horovod_available():
                     raise CommError(NOT_INSTALLED)
             trainer = Trainer(cfg, env, comm)            # local only: data, model
+            trainer.started = started
         except (ConfigError, CommError, DataError) as exc:
             error = str(exc)
         except Exception as exc:           # not the user's mistake: show it, then agree
@@ -102,13 +138,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if stopped:
         # Signalled before step 1: nothing to lose. Warned of the time limit under SLURM, the
         # job goes back to the queue and starts again (from the last checkpoint set, if any).
+        # Stopped on purpose: a "stopped" record (at the last checkpoint's step), written
+        # before the requeue too, since SLURM may end the ranks as soon as it takes it.
         requeued = False
+        step = _checkpointed_step(cfg.run_dir) if cfg.run_dir and comm.rank == 0 else None
         if comm.rank == 0:
             print("[lsgd_hpc] stop requested during start-up, before any step; nothing to "
                   "checkpoint", flush=True)
+            if cfg.run_dir:
+                _record(cfg.run_dir, comm, "stopped", step, trainer.total_steps, started,
+                        exit_status=EXIT_STOPPED)
             if signal.SIGUSR1 in stopped:
                 requeued = _requeue(env)
-        return 0 if comm.allgather_object(requeued)[0] else EXIT_STOPPED
+        requeued = comm.allgather_object(requeued)[0]
+        if requeued and cfg.run_dir:
+            _record(cfg.run_dir, comm, "stopped", step, trainer.total_steps, started,
+                    requeued=True, exit_status=0)
+        return 0 if requeued else EXIT_STOPPED
     if cfg.backend == "horovod":            # every rank agreed: join Horovod now
         comm.groups.free()
         try:
@@ -161,8 +207,8 @@ class Trainer:
     def __init__(self, cfg, env: dict, comm):
         import torch
 
-        from lsgd_hpc.cli.build import heldout_split, validation_split
-        from lsgd_hpc.data.loaders import load_dataset, loader_options
+        from lsgd_hpc.cli.build import heldout_split, loader_options, validation_split
+        from lsgd_hpc.data.loaders import load_dataset
         from lsgd_hpc.data.sampler import ShardedBatches
         from lsgd_hpc.data.specs import dataset_spec
         from lsgd_hpc.models import zoo as models
@@ -200,6 +246,7 @@ class Trainer:
         self.bn_batches = (cfg.bn_recompute if cfg.bn_recompute is not None
                            else DEFAULT_BN_BATCHES if batchnorm_layers(self.model) else 0)
         self.progress = Progress(self)
+        self.started = time.monotonic()     # (main sets it to the process's start)
 
     def connect(self, comm, stop: StopSignals) -> "Trainer":
         import lsgd_hpc
@@ -342,8 +389,12 @@ class Trainer:
         self.checkpointer.save()                 # flushes the metrics too
         metrics.close()                          # the end of the run: end_time, trackers
         self.progress.done(step, metrics.wall(), os.path.join(self.run_dir, "metrics"))
+        # every rank's file is closed before rank 0 records the run as complete (the last
+        # step: the furthest rank's, for a method whose ranks take uneven steps)
+        last = max(self.comm.allgather_object(step))
         if self.watchdog is not None:
             self.watchdog.stop()
+        _record(self.run_dir, self.comm, "complete", last, self.total_steps, self.started)
         self.comm.groups.free()
         return 0
 
@@ -374,7 +425,14 @@ class Trainer:
         import lsgd_hpc
         self.checkpointer.save()
         self.metrics.close_trackers()           # not the end of the run: no end_time
+        # stopped on purpose: recorded before the requeue too (SLURM may end the ranks as
+        # soon as it takes it), and again once it did
+        _record(self.run_dir, self.comm, "stopped", step, self.total_steps, self.started,
+                exit_status=EXIT_STOPPED)
         requeued = lsgd_hpc.requeue(self.comm, self.stop)
+        if requeued:
+            _record(self.run_dir, self.comm, "stopped", step, self.total_steps, self.started,
+                    requeued=True, exit_status=0)
         if self.comm.rank == 0:            # (the lowest survivor after lost ranks)
             print(f"[lsgd_hpc] stop requested: checkpoint at step {step} in "
                   f"{self.run_dir}/checkpoints", flush=True)

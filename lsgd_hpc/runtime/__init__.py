@@ -1,30 +1,36 @@
 """Run-time pieces for a training loop: the run directory (rundir), the per-rank metrics file
 (metrics: the schema and writer; run_metrics: open_metrics and RunMetrics), checkpoints
 (checkpoint: the files and the Checkpointer), stop signals (signals) and their agreement
-(stopping), SLURM requeue (preemption), the collective watchdog (watchdog) and a resumable
-sharded sampler (sampler). The launcher's environment and the collective monitor belong to
-the communication layer (lsgd_hpc.comm.launcher, lsgd_hpc.comm.monitor).
+(stopping), SLURM requeue (preemption), the collective watchdog (watchdog), a resumable
+sharded sampler (ShardedSampler, from lsgd_hpc.data.sampler) and the run's completion record, RUN_DIR/complete.json
+(completion). The launcher's environment and the collective monitor belong to the
+communication layer (lsgd_hpc.comm.launcher, lsgd_hpc.comm.monitor).
 
 Names are imported on first use, so that the offline tools can read the metrics schema
-(``lsgd_hpc.runtime.metrics``) without loading torch.
+(``lsgd_hpc.runtime.metrics``) and the completion record (``lsgd_hpc.runtime.completion``)
+without loading torch.
 """
 
-#: public name -> module of this package that defines it
+#: public name -> module that defines it (relative: of this package)
 _EXPORTS = {
     "MetricsWriter": "metrics", "RunMetrics": "run_metrics", "open_metrics": "run_metrics",
     "Checkpointer": "checkpoint", "StopSignals": "signals", "requeue": "preemption",
-    "Watchdog": "watchdog", "start_watchdog": "watchdog", "ShardedSampler": "sampler",
-    "make_run_dir": "rundir",
+    "Watchdog": "watchdog", "start_watchdog": "watchdog", "ShardedSampler": "lsgd_hpc.data.sampler",
+    "make_run_dir": "rundir", "write_completion": "completion",
+    "read_completion": "completion",
 }
 
 __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopSignals",
-           "requeue", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir"]
+           "requeue", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir",
+           "write_completion", "read_completion"]
 
 
 def __getattr__(name):
     if name in _EXPORTS:
         import importlib
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        where = _EXPORTS[name]
+        where = where if where.startswith("lsgd_hpc.") else f".{where}"
+        value = getattr(importlib.import_module(where, __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'lsgd_hpc.runtime' has no attribute {name!r}")

@@ -14,6 +14,7 @@ import yaml
 
 from lsgd_hpc.analysis import aggregate as agg
 from lsgd_hpc.analysis import summary
+from lsgd_hpc.runtime.completion import write_completion
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,8 +43,10 @@ ALLREDUCE_ACC = [[0.1, 0.3, 0.45],
 
 
 def write_run(root, name, algorithm, seed, acc, elections=(), local_elections=(),
-              centre=None, ranks_per_node=2, extra_train=False):
-    """A run directory exactly as the trainer writes it (schema_version 1)."""
+              centre=None, ranks_per_node=2, extra_train=False, completion="complete"):
+    """A run directory exactly as the trainer writes it (schema_version 1); ``completion``:
+    the status of its completion record (complete.json), None for no record (a run whose
+    ranks were killed)."""
     run_dir = Path(root) / name
     world = len(acc)
     config = dict(algorithm=algorithm, dataset="synthetic", model="mlp", epochs=2,
@@ -111,6 +114,9 @@ def write_run(root, name, algorithm, seed, acc, elections=(), local_elections=()
             else:
                 c["step"] = np.asarray(CONSENSUS_STEPS, dtype=np.int64)
                 c["distance"] = np.asarray([0.25, 0.125]) * (r + 1)
+    if completion is not None:
+        write_completion(run_dir, status=completion, step=int(TRAIN_STEPS[-1]),
+                         total_steps=int(TRAIN_STEPS[-1]), world_size=world)
     return run_dir
 
 

@@ -135,11 +135,19 @@ def test_sigusr1_stops_every_rank_at_one_step_then_resume(tmp_path):
     for r in range(4):
         steps = read(run_dir, r)["train"]["step"]
         assert list(steps) == list(range(1, stop + 1)), r     # every rank stopped there
+    # stopped on purpose: the completion record says so (and not complete, for a job check)
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert (record["status"], record["step"], record["requeued"], record["exit_status"],
+            record["world_size"], record["lost_ranks"]) == ("stopped", stop, False, 143, 4, [])
     proc2 = run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", *args, "--resume",
                         "--epochs", "1000", "--max-steps", str(stop + 12)], timeout=400)
     assert f"resumed at step {stop}" in proc2.stdout
     for r in range(4):
         assert list(read(run_dir, r)["train"]["step"]) == list(range(1, stop + 13))
+    # the resumed run's record replaced the stop's
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert (record["status"], record["step"], record["total_steps"]) == \
+        ("complete", stop + 12, stop + 12)
 
 
 BAD = [

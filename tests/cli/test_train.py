@@ -214,6 +214,14 @@ def test_lsgd_default_run_and_determinism(all_runs, tmp_path):
     assert "\r" not in proc.stdout
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     assert cfg["algorithm"] == "lsgd" and cfg["world_size"] == 4 and cfg["n_nodes"] == 2
+    # the run's completion record (RUN_DIR/complete.json): its budget, done
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert record["status"] == "complete" and record["step"] == record["total_steps"] \
+        == cfg["total_steps"], record
+    assert (record["world_size"], record["initial_size"], record["lost_ranks"],
+            record["requeued"], record["exit_status"]) == (4, 4, [], False, 0), record
+    assert record["seconds"] > 0 and record["wall_time"].endswith("+00:00")
+    assert not list(run_dir.glob("complete.json.tmp*"))
     again = read(run_dir, 4)
     for a, b in zip(all_runs["lsgd"], again):
         for g, cols in (("train", ("loss", "accuracy")), ("eval", ("test_loss", "test_accuracy")),

