@@ -1,11 +1,20 @@
-"""What the trainer builds from its options besides the method: the worker's optimizer, the
-learning-rate schedule, the validation and held-out slices, and the held-out leader score."""
+"""What the trainer builds from its options besides the method: the data loader's options, the
+worker's optimizer, the learning-rate schedule, the validation and held-out slices, and the
+held-out leader score."""
 
 from __future__ import annotations
 
 import math
 
-__all__ = ["make_optimizer", "lr_at", "validation_split", "heldout_split", "heldout_score_fn"]
+__all__ = ["loader_options", "make_optimizer", "lr_at", "validation_split", "heldout_split", "heldout_score_fn"]
+
+
+def loader_options(cfg) -> dict:
+    """The keyword arguments of ``lsgd_hpc.data.loaders.load_dataset`` that come from a
+    training Config besides the positional ones: image size, DataLoader workers, pinned memory
+    for CUDA (the data layer takes them as explicit arguments)."""
+    return dict(image_size=cfg.image_size, data_workers=cfg.data_workers,
+                pin_memory=cfg.device == "cuda")
 
 
 def make_optimizer(cfg, params):

@@ -425,7 +425,8 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = Non
 def validate(cfg: Config, env: dict) -> None:
     """Checks that need no MPI and go across options: files, folders, combinations.
     (Single values were checked as they were parsed, method options by their spec.)"""
-    from lsgd_hpc.data import datasets as data
+    from lsgd_hpc.data.errors import DataError
+    from lsgd_hpc.data.loaders import check_data_dir
     from lsgd_hpc.models import zoo as models
     from lsgd_hpc.runtime.checkpoint import latest_checkpoint
 
@@ -479,8 +480,8 @@ def validate(cfg: Config, env: dict) -> None:
         raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, or "
                                      f"module:callable, got {model!r}")
     try:
-        data.check_data_dir(cfg.dataset, cfg.data_dir)
-    except data.DataError as exc:
+        check_data_dir(cfg.dataset, cfg.data_dir)
+    except DataError as exc:
         raise ConfigError("--data-dir", str(exc)) from None
     if cfg.run_dir is None and env.get("SLURM_JOB_ID"):
         # Keyed by job id, so a requeued job (same id) finds its own run directory.
@@ -544,8 +545,8 @@ def failures_of(cfg: Config) -> list:
 
 
 def launcher_world_size(env: dict):
-    """``(launcher, n)``: how many ranks the launcher started (see lsgd_hpc.runtime.launcher)."""
-    from lsgd_hpc.runtime.launcher import launcher_world_size as count
+    """``(launcher, n)``: how many ranks the launcher started (see lsgd_hpc.comm.launcher)."""
+    from lsgd_hpc.comm.launcher import launcher_world_size as count
     return count(env)
 
 

@@ -35,15 +35,21 @@ import re
 import shutil
 import subprocess
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = ["LaunchInfo", "detect", "env_rank", "launched_alone", "local_rank",
            "launcher_world_size", "world_on_one_host", "launch_method", "launcher_size",
            "expand_hostlist", "slurm_master", "SLURM_PORT_BASE", "SLURM_PORT_SPAN",
-           "torch_store"]
+           "torch_store", "RENDEZVOUS"]
 
 SLURM_PORT_BASE = 12000
 SLURM_PORT_SPAN = 20000
+
+#: How this process joined torch.distributed's default group (set by
+#: lsgd_hpc.comm.torchdist.init_torch_world): the ``launcher`` ('torchrun', 'mpirun', 'srun'
+#: or '' alone) and the TCP store's ``host`` and ``port`` ('' and 0 alone). The trainer writes
+#: it to its metrics files (``launcher``, ``rendezvous`` attributes, see :func:`launch_attrs`).
+RENDEZVOUS: Dict[str, object] = {}
 
 
 def _int(env: dict, *names: str) -> Optional[int]:
@@ -345,7 +351,6 @@ def launch_attrs(backend: str, env: dict) -> dict:
     rank 0's under mpirun)."""
     out = {"launcher": detect(env).launcher or "", "rendezvous": ""}
     if backend == "torch":
-        from lsgd_hpc.comm.torchdist import RENDEZVOUS
         out["launcher"] = RENDEZVOUS.get("launcher", out["launcher"])
         if RENDEZVOUS.get("host"):
             out["rendezvous"] = f"{RENDEZVOUS['host']}:{RENDEZVOUS['port']}"

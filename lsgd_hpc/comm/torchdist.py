@@ -41,17 +41,12 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from lsgd_hpc.comm.launcher import RENDEZVOUS
 from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
-__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH", "RENDEZVOUS"]
-
-#: How this process joined the default group (set by :func:`init_torch_world`): the
-#: ``launcher`` ('torchrun', 'mpirun', 'srun' or '' alone) and the TCP store's ``host`` and
-#: ``port`` ('' and 0 alone). The trainer writes it to its metrics files (``launcher``,
-#: ``rendezvous`` attributes).
-RENDEZVOUS: Dict[str, object] = {}
+__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
 
 #: what an allreduce adds on this backend: the MPI backend's dtypes and half precision
 REDUCIBLE_DTYPES_TORCH = (torch.float32, torch.float64, torch.int32, torch.int64,

@@ -10,7 +10,7 @@ are imported on first use.
 
 #: public name -> module of this package that defines it
 _EXPORTS = {
-    "DATASETS": "loaders", "Dataset": "loaders", "load_dataset": "loaders",
+    "DATASETS": "loaders", "Dataset": "dataset", "load_dataset": "loaders",
     "DataError": "errors", "ShardedBatches": "sampler", "with_label_noise": "splits",
 }
 

@@ -6,20 +6,20 @@ from __future__ import annotations
 
 import os
 import pickle
-from dataclasses import dataclass, field
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
 
 from lsgd_hpc.data.cifar10_files import (CIFAR10_FILES, CIFAR10_FOLDER, FETCH_HINT, cifar_root,
                                          looks_like_pickle)
+from lsgd_hpc.data.dataset import Dataset
 from lsgd_hpc.data.errors import DataError
 from lsgd_hpc.data.seeds import SYNTH_TAG, generator
 from lsgd_hpc.data.specs import DATASETS as _DATASET_SPECS
 from lsgd_hpc.data.splits import with_label_noise
 
-__all__ = ["DATASETS", "Dataset", "load_dataset", "loader_options", "check_data_dir",
+__all__ = ["DATASETS", "load_dataset", "check_data_dir",
            "load_plugin", "load_digits", "load_cifar10_dir", "load_synthetic_set",
            "load_imagefolder_dir", "CIFAR10_MEAN", "CIFAR10_STD"]
 
@@ -28,54 +28,6 @@ DATASETS = tuple(_DATASET_SPECS)   # the built-in data sets (lsgd_hpc.data.specs
 # The usual per-channel statistics of the CIFAR-10 training set, on pixels scaled to [0, 1].
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-
-
-@dataclass
-class Dataset:
-    """A whole data set in memory, train and test, with its normalization.
-
-    x_* are stored NCHW in a compact form: uint8 pixels for cifar10 (150 MB at full size),
-    float32 otherwise.  ``normalize`` turns a batch of the stored form into the model's float32
-    input: ``(x / pixel_scale - mean) / std`` per channel.
-    """
-
-    name: str
-    num_classes: int
-    input_shape: Tuple[int, int, int]
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-    augment: bool
-    mean: Tuple[float, ...] = (0.0,)
-    std: Tuple[float, ...] = (1.0,)
-    pixel_scale: float = 1.0
-    class_names: Tuple[str, ...] = field(default_factory=tuple)
-
-    def normalize(self, xb: torch.Tensor) -> torch.Tensor:
-        """Stored form (N,C,H,W) or (C,H,W) -> normalized float32 of the same shape."""
-        c = self.input_shape[0]
-        mean = torch.as_tensor(self.mean, dtype=torch.float32).expand(c).reshape(c, 1, 1)
-        std = torch.as_tensor(self.std, dtype=torch.float32).expand(c).reshape(c, 1, 1)
-        x = xb.to(torch.float32)
-        if self.pixel_scale != 1.0:
-            x = x / self.pixel_scale
-        return ((x - mean) / std).contiguous()
-
-    def test_batches(self, batch_size: int) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        """The whole test set in order, normalized, in batches of at most ``batch_size``."""
-        if batch_size < 1:
-            raise DataError(f"evaluation batch size must be >= 1, got {batch_size}")
-        for i in range(0, len(self.y_test), batch_size):
-            yield self.normalize(self.x_test[i:i + batch_size]), self.y_test[i:i + batch_size]
-
-    @property
-    def n_train(self) -> int:
-        return int(self.y_train.shape[0])
-
-    @property
-    def n_test(self) -> int:
-        return int(self.y_test.shape[0])
 
 
 # ------------------------------------------------------------------------- user factories
@@ -290,13 +242,6 @@ def _load_cifar10(data_dir: Optional[str]) -> Dataset:
 
 
 # ------------------------------------------------------------------------------------ entry
-
-def loader_options(cfg) -> dict:
-    """The keyword arguments of ``load_dataset`` that come from a training Config besides the
-    positional ones: image size, DataLoader workers, pinned memory for CUDA."""
-    return dict(image_size=cfg.image_size, data_workers=cfg.data_workers,
-                pin_memory=cfg.device == "cuda")
-
 
 # Each built-in data set's loader (named by its spec, lsgd_hpc.data.specs) takes the same
 # keyword arguments and uses the ones that concern it.

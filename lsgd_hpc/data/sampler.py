@@ -17,7 +17,7 @@ from lsgd_hpc.data.errors import DataError
 from lsgd_hpc.data.seeds import AUG_TAG, PERM_TAG, generator
 
 if TYPE_CHECKING:
-    from lsgd_hpc.data.loaders import Dataset
+    from lsgd_hpc.data.dataset import Dataset
 
 __all__ = ["ShardedSampler", "ShardedBatches"]
 

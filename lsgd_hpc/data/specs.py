@@ -76,7 +76,7 @@ DIGITS = DatasetSpec(
     name="digits",
     summary="scikit-learn's handwritten digits, shipped inside the package (1,437 train / "
             "360 test, 8x8)",
-    loader="lsgd_hpc.data.datasets:load_digits", default_model="digits_cnn",
+    loader="lsgd_hpc.data.loaders:load_digits", default_model="digits_cnn",
     input_shape=(1, 8, 8), num_classes=10,
     # A step budget, not epochs: at 16 ranks an epoch of each rank's shard is 2 steps, and
     # 8 epochs (16 steps) ended near 68 % test accuracy; 120 steps reach 98 % there, and
@@ -88,7 +88,7 @@ CIFAR10 = DatasetSpec(
     name="cifar10",
     summary="CIFAR-10 read with torchvision from --data-dir (never downloaded on a compute "
             "node); random crop and flip",
-    loader="lsgd_hpc.data.datasets:load_cifar10_dir", default_model="resnet20",
+    loader="lsgd_hpc.data.loaders:load_cifar10_dir", default_model="resnet20",
     input_shape=(3, 32, 32), num_classes=10,
     defaults=dict(epochs=200, batch_size=128, lr=0.1, eval_every=390, lr_schedule="step"),
     needs_data_dir=True)
@@ -96,7 +96,7 @@ CIFAR10 = DatasetSpec(
 SYNTHETIC = DatasetSpec(
     name="synthetic",
     summary="seeded Gaussian classes of 3x32x32 images, for benchmarks",
-    loader="lsgd_hpc.data.datasets:load_synthetic_set", default_model="mlp",
+    loader="lsgd_hpc.data.loaders:load_synthetic_set", default_model="mlp",
     input_shape=(3, 32, 32), num_classes=10,
     defaults=dict(epochs=2, batch_size=64, lr=0.05, eval_every=50),
     presets=_SHORT_PERIODS, why_preset=_WHY_SHORT)
@@ -105,7 +105,7 @@ IMAGEFOLDER = DatasetSpec(
     name="imagefolder",
     summary="an ImageNet-layout folder --data-dir DIR (DIR/train/<class>/*, DIR/val/<class>/*), "
             "streamed from disk",
-    loader="lsgd_hpc.data.datasets:load_imagefolder_dir", default_model="resnet20",
+    loader="lsgd_hpc.data.loaders:load_imagefolder_dir", default_model="resnet20",
     input_shape=None, num_classes=None,
     defaults=dict(epochs=90, batch_size=64, lr=0.1, eval_every=500, lr_schedule="cosine"),
     needs_data_dir=True)
@@ -114,7 +114,7 @@ IMAGEFOLDER = DatasetSpec(
 PLUGIN = DatasetSpec(
     name="module:callable",
     summary="your own: load(data_dir, seed) returning tensors or an lsgd_hpc.data.Dataset",
-    loader="lsgd_hpc.data.datasets:load_plugin", default_model="mlp",
+    loader="lsgd_hpc.data.loaders:load_plugin", default_model="mlp",
     input_shape=None, num_classes=None,
     defaults=dict(epochs=10, batch_size=64, lr=0.05, eval_every=100))
 

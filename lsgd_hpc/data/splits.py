@@ -13,7 +13,7 @@ from lsgd_hpc.data.errors import DataError
 from lsgd_hpc.data.seeds import HELDOUT_TAG, NOISE_TAG, VALID_TAG, generator
 
 if TYPE_CHECKING:
-    from lsgd_hpc.data.loaders import Dataset
+    from lsgd_hpc.data.dataset import Dataset
 
 __all__ = ["with_label_noise", "default_heldout_size", "split_heldout", "split_validation"]
 

@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import math
 import weakref
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -241,6 +241,9 @@ class Method:
         self.stop_signals = stop
         self.steps = 0
         self.skipped_steps = 0      # fp16 steps a GradScaler skipped (inf/NaN gradients)
+        #: callables run (no argument) at the end of every ``step``, its communication done
+        #: (RunMetrics' compute clock: lsgd_hpc/runtime/run_metrics.py)
+        self.step_listeners: List[Callable[[], None]] = []
         self.done = False
         self.closed = False
         self.stopping = False
@@ -378,7 +381,8 @@ class Method:
         if getattr(self.comm, "_ft", None) is None:
             # the testing hook (a no-op without a plan) under on_failure="abort" too
             injection_point("step", self.steps + 1, self.comm)
-            return self._step(loss, scaler)
+            self._step(loss, scaler)
+            return self._stepped()
         from lsgd_hpc.methods.recovery import guarded
         if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
             self._drop_next = self._synced = False
@@ -386,6 +390,11 @@ class Method:
         injection_point("step", self.steps + 1, self.comm)
         guarded(self, self._step, loss, scaler)
         self._phase = None
+        self._stepped()
+
+    def _stepped(self) -> None:
+        for listener in getattr(self, "step_listeners", ()):
+            listener()
 
     def _step(self, loss, scaler) -> None:
         self._phase = "before"

@@ -11,7 +11,7 @@ import math
 import os
 import socket
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple
 
 import torch
 
@@ -27,7 +27,16 @@ class RunMetrics(MetricsWriter):
     """The per-rank HDF5 metrics file of the package's schema, with the bookkeeping of the
     /train and /eval columns done for the user: ``log_step`` fills in the communication
     counters, wall time and training time; time spent inside ``measuring()`` (evaluations)
-    and in checkpoints is left out of the training time."""
+    and in checkpoints is left out of the training time.
+
+    ``compute_seconds``, with a method attached (``open_metrics(..., method=method)``): the
+    seconds of the training steps outside communication, as the trainer counts them. A step
+    is timed from the first forward of the model in training mode to the end of
+    ``method.step``, less the communication inside it (``comm.stats``' seconds, overhead and
+    probe seconds, and the worker's traffic) and less anything timed by ``measuring()``,
+    checkpoints or flushes in between; data loading between steps is left out. A loop that
+    measures compute itself adds to ``compute_seconds`` instead (``+=``): the writer's own
+    clock is then no longer used."""
 
     def __init__(self, path: str, attrs: dict, comm, flush_every: int = 1000,
                  flush_seconds: float = 60.0, extra_columns=None, trackers=None):
@@ -38,9 +47,77 @@ class RunMetrics(MetricsWriter):
         self.eval_seconds = 0.0
         self.checkpoint_seconds = 0.0
         self.metrics_seconds = 0.0
-        self.compute_seconds = 0.0
+        #: compute seconds restored from a checkpoint, those measured since, and (once a
+        #: loop writes compute_seconds itself) the loop's own figure
+        self._compute_base = 0.0
+        self._compute_measured = 0.0
+        self._compute_own: Optional[float] = None
+        #: the step being timed: (perf_counter, not-compute seconds) at its first forward
+        self._step_start: Optional[Tuple[float, float]] = None
+        self._in_measuring = False
+        self._hooks: list = []
         #: the method whose extra /train columns ``log_step`` fills in (set by open_metrics)
         self.method = None
+
+    # -- compute time ------------------------------------------------------------------------
+    @property
+    def compute_seconds(self) -> float:
+        """Seconds of training steps outside communication (see the class)."""
+        if self._compute_own is not None:
+            return self._compute_own
+        return self._compute_base + self._compute_measured
+
+    @compute_seconds.setter
+    def compute_seconds(self, value: float) -> None:
+        if self._compute_own is None:
+            # the loop's ``compute_seconds += dt`` read the clock's figure: keep the loop's dt
+            # and what was restored, not the clock's steps (counted twice otherwise)
+            value = float(value) - self._compute_measured
+        self._compute_own = float(value)
+
+    def _not_compute_seconds(self) -> float:
+        """Seconds so far that are no step's compute: communication (the method's, probes,
+        the worker's traffic), evaluations, checkpoints, flushes."""
+        s = self.comm.stats
+        wstats = self.method.worker_stats if self.method is not None else None
+        return (s.seconds + s.overhead_seconds + s.probe_seconds
+                + (wstats.seconds if wstats is not None else 0.0)
+                + self.eval_seconds + self.checkpoint_seconds + self.metrics_seconds)
+
+    def time_steps_of(self, method) -> None:
+        """Time ``method``'s steps into ``compute_seconds`` (open_metrics does it): a forward
+        pre-hook on its model starts a step, the end of ``method.step`` ends it."""
+        self._untime()
+
+        def started(module, args) -> None:
+            if self._step_start is None and module.training and not self._in_measuring:
+                self._step_start = (time.perf_counter(), self._not_compute_seconds())
+
+        def ended() -> None:
+            if self._step_start is not None:
+                t, other = self._step_start
+                self._step_start = None
+                self._compute_measured += max(0.0, (time.perf_counter() - t)
+                                              - (self._not_compute_seconds() - other))
+
+        self._hooks = [method.model.register_forward_pre_hook(started)]
+        method.step_listeners.append(ended)
+        self._hooks.append((method.step_listeners, ended))
+
+    def _untime(self) -> None:
+        for hook in self._hooks:
+            if isinstance(hook, tuple):
+                listeners, fn = hook
+                if fn in listeners:
+                    listeners.remove(fn)
+            else:
+                hook.remove()
+        self._hooks = []
+        self._step_start = None
+
+    def close(self) -> None:
+        self._untime()
+        super().close()
 
     def log(self, group: str, **row) -> None:
         if group == "leader":
@@ -77,10 +154,12 @@ class RunMetrics(MetricsWriter):
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Time inside (evaluations) is not training time."""
-        t = time.perf_counter()
+        t, inside = time.perf_counter(), self._in_measuring
+        self._in_measuring = True
         try:
             yield
         finally:
+            self._in_measuring = inside
             self.eval_seconds += time.perf_counter() - t
 
     def log_step(self, step: int, loss: float, accuracy: float = math.nan,
@@ -129,7 +208,10 @@ class RunMetrics(MetricsWriter):
         self.eval_seconds = float(state["eval"])
         self.checkpoint_seconds = float(state["checkpoint"])
         self.metrics_seconds = float(state["metrics"])
-        self.compute_seconds = float(state["compute"])
+        self._compute_base, self._compute_measured = float(state["compute"]), 0.0
+        if self._compute_own is not None:
+            self._compute_own = self._compute_base
+        self._step_start = None
 
     def load_rejoined(self, state: dict, rejoin) -> None:
         """A full-size resume of a survivors' checkpoint (runtime.checkpoint.Rejoin): a
@@ -220,6 +302,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     if method is not None:
         method.set_metrics(writer)
         writer.method = method
+        writer.time_steps_of(method)
     if getattr(comm, "_ft", None) is not None:       # on_failure="shrink": /faults rows
         comm._ft.listeners.append(writer.log_fault)
     error = None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from lsgd_hpc.data.datasets import write_cifar10_python
+from lsgd_hpc.data.cifar10_files import write_cifar10_python
 from lsgd_hpc.cli.doctor import evaluate, launch_method
 from mpi_util import run_mpi
 

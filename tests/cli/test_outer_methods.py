@@ -89,8 +89,9 @@ def test_config_parses_the_new_options():
 
 
 def test_heldout_slice_is_fixed_by_seed_and_never_in_a_training_batch():
-    from lsgd_hpc.data.datasets import (ShardedBatches, default_heldout_size, load_dataset,
-                                        split_heldout)
+    from lsgd_hpc.data.loaders import load_dataset
+    from lsgd_hpc.data.sampler import ShardedBatches
+    from lsgd_hpc.data.splits import default_heldout_size, split_heldout
     ds = load_dataset("synthetic", seed=1, synthetic_size=600)
     train, held = split_heldout(ds, 60, seed=4)
     again, held2 = split_heldout(load_dataset("synthetic", seed=1, synthetic_size=600), 60, 4)
@@ -120,7 +121,8 @@ def test_heldout_leader_score_in_a_real_run(tmp_path):
     scores exactly the loss of its model in the checkpoint of that step), and the evaluation
     time is measurement (probe_seconds, out of the training time)."""
     from lsgd_hpc.runtime import checkpoint as ck
-    from lsgd_hpc.data.datasets import load_dataset, split_heldout
+    from lsgd_hpc.data.loaders import load_dataset
+    from lsgd_hpc.data.splits import split_heldout
     from lsgd_hpc.models.zoo import build_model
     run = tmp_path / "ho"
     seed, size = 6, 100

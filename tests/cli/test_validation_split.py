@@ -30,7 +30,8 @@ def test_bad_validation_size_one_line_exit_2(tmp_path, args, option):
 
 
 def test_validation_slice_is_apart_from_the_heldout_slice_and_from_training():
-    from lsgd_hpc.data.datasets import load_dataset, split_heldout, split_validation
+    from lsgd_hpc.data.loaders import load_dataset
+    from lsgd_hpc.data.splits import split_heldout, split_validation
     ds = load_dataset("digits", seed=3)
     train, val = split_validation(ds, 200, seed=3)
     assert train.n_train == ds.n_train - 200 and torch.equal(train.x_test, ds.x_test)
@@ -51,7 +52,8 @@ def test_validation_metrics_in_a_real_run(tmp_path):
     """EASGD on 2 ranks with --validation-size 150: fewer steps per epoch, and every
     evaluation row has val_* for the worker and for the centre; the worker's last val_accuracy
     and val_loss are those of its checkpointed model on the slice, computed here."""
-    from lsgd_hpc.data.datasets import load_dataset, split_validation
+    from lsgd_hpc.data.loaders import load_dataset
+    from lsgd_hpc.data.splits import split_validation
     from lsgd_hpc.models.zoo import build_model
     from lsgd_hpc.runtime import checkpoint as ck
     run, seed, size = tmp_path / "val", 5, 150

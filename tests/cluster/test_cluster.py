@@ -383,7 +383,7 @@ def test_sweep_is_a_job_array(slurm_cluster, tmp_path):
 def test_missing_data_on_one_node_is_agreed(slurm_cluster, tmp_path):
     """The data folder exists on the first node only (the second node mounts an empty
     folder over it): every rank exits 2, one line naming the second node, no hang."""
-    from lsgd_hpc.data.datasets import write_cifar10_python
+    from lsgd_hpc.data.cifar10_files import write_cifar10_python
     data = tmp_path / "data"
     write_cifar10_python(str(data), per_batch=20, n_test=20)
     node = slurm_cluster.nodes[1]

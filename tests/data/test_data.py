@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from lsgd_hpc.data import datasets as D
-from lsgd_hpc.data.loaders import digits_arrays
-from lsgd_hpc.data.datasets import (DataError, ShardedBatches, check_data_dir, load_dataset,
-                                    random_crop_flip, write_cifar10_python)
+from lsgd_hpc.data import cli as data_cli
+from lsgd_hpc.data.augment import _crop_flip, random_crop_flip
+from lsgd_hpc.data.cifar10_files import (CIFAR10_FILES, CIFAR10_TEST_FILES, CIFAR10_TRAIN_FILES,
+                                         verify_cifar10_md5, write_cifar10_python)
+from lsgd_hpc.data.errors import DataError
+from lsgd_hpc.data.loaders import (CIFAR10_MEAN, CIFAR10_STD, check_data_dir, digits_arrays,
+                                   load_dataset)
+from lsgd_hpc.data.sampler import ShardedBatches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,7 +45,7 @@ def _py3_cifar_folder(root: Path, n: int = 4) -> dict:
     folder = root / "cifar-10-batches-py"
     folder.mkdir(parents=True)
     raw = {}
-    for k, name in enumerate(D.CIFAR10_TRAIN_FILES + D.CIFAR10_TEST_FILES):
+    for k, name in enumerate(CIFAR10_TRAIN_FILES + CIFAR10_TEST_FILES):
         x = np.zeros((n, 3072), dtype=np.uint8)
         x[:, :] = np.arange(3072, dtype=np.int64) % 251  # a recognizable ramp
         x[1, 2 * 1024 + 5 * 32 + 7] = 200 + k            # image 1, channel 2 (blue), row 5, col 7
@@ -266,10 +270,10 @@ def test_batch_too_large_names_batch_size(digits):
 def test_crop_flip_geometry():
     x = torch.arange(2 * 3 * 6 * 5, dtype=torch.uint8).reshape(2, 3, 6, 5)
     p = 2
-    same = D._crop_flip(x, torch.tensor([p, p]), torch.tensor([p, p]),
+    same = _crop_flip(x, torch.tensor([p, p]), torch.tensor([p, p]),
                         torch.tensor([False, True]), p)
     assert torch.equal(same[0], x[0]) and torch.equal(same[1], x[1].flip(-1))
-    shifted = D._crop_flip(x, torch.tensor([0, 2 * p]), torch.tensor([0, p]),
+    shifted = _crop_flip(x, torch.tensor([0, 2 * p]), torch.tensor([0, p]),
                            torch.tensor([False, False]), p)
     # offset 0: the image moves down/right by p, zero (black) border on top/left
     assert torch.equal(shifted[0, :, p:, p:], x[0, :, :-p, :-p])
@@ -300,8 +304,8 @@ def test_sharded_cifar_batches_are_augmented_and_normalized(cifar):
     assert any(not torch.equal(xa, xp) for (xa, _), (xp, _) in zip(aug, plain))
     x = aug[0][0]
     assert x.dtype == torch.float32 and x.shape == (10, 3, 32, 32)
-    lo = (0 - torch.tensor(D.CIFAR10_MEAN)) / torch.tensor(D.CIFAR10_STD)
-    hi = (1 - torch.tensor(D.CIFAR10_MEAN)) / torch.tensor(D.CIFAR10_STD)
+    lo = (0 - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
+    hi = (1 - torch.tensor(CIFAR10_MEAN)) / torch.tensor(CIFAR10_STD)
     assert bool((x.amin(dim=(0, 2, 3)) >= lo - 1e-5).all())
     assert bool((x.amax(dim=(0, 2, 3)) <= hi + 1e-5).all())
 
@@ -329,7 +333,7 @@ def test_cifar_loads_files_through_torchvision(tmp_path, monkeypatch):
     # data_batch_3 is the third file: its image 1 is training image 2*4+1
     assert int(ds.x_train[9, 2, 5, 7]) == 202 and int(ds.x_test[1, 2, 5, 7]) == 205
     assert int(ds.x_train[9, 0, 1, 2]) == (32 + 2) % 251           # channel 0, row 1, col 2
-    assert ds.y_train.tolist() == sum((raw[f][1] for f in D.CIFAR10_TRAIN_FILES), [])
+    assert ds.y_train.tolist() == sum((raw[f][1] for f in CIFAR10_TRAIN_FILES), [])
     assert ds.y_test.tolist() == raw["test_batch"][1]
     # the folder itself is accepted as --data-dir too
     assert load_dataset("cifar10", str(tmp_path / "cifar-10-batches-py")).n_train == 20
@@ -346,7 +350,7 @@ def test_cifar_python2_format_round_trip(cifar_root, cifar):
     x[0, :, 0, 0] = 0
     x[0, :, 0, 1] = 255
     xn = cifar.normalize(x)
-    mean, std = torch.tensor(D.CIFAR10_MEAN), torch.tensor(D.CIFAR10_STD)
+    mean, std = torch.tensor(CIFAR10_MEAN), torch.tensor(CIFAR10_STD)
     assert torch.allclose(xn[0, :, 0, 0], -mean / std)
     assert torch.allclose(xn[0, :, 0, 1], (1 - mean) / std)
 
@@ -360,7 +364,7 @@ def test_cifar_missing_folder_or_file_is_a_one_line_data_error(tmp_path, cifar_r
     with pytest.raises(DataError, match="--data-dir"):
         check_data_dir("cifar10", None)
     partial = tmp_path / "partial"
-    write_cifar10_python(str(partial), files=[f for f in D.CIFAR10_FILES if f != "test_batch"])
+    write_cifar10_python(str(partial), files=[f for f in CIFAR10_FILES if f != "test_batch"])
     with pytest.raises(DataError, match="lsgd_hpc.data fetch") as e:
         load_dataset("cifar10", str(partial))
     assert "test_batch" in str(e.value) and "data_batch" not in str(e.value)
@@ -422,16 +426,16 @@ def test_cli_check_subprocess(cifar_root, tmp_path):
 
 def test_cli_check_md5_and_usage_errors(cifar_root, capsys):
     # md5 is checked by default: a hand-made folder loads, but is not the published data set
-    assert D.main(["check", "cifar10", "--root", str(cifar_root)]) == 2
+    assert data_cli.main(["check", "cifar10", "--root", str(cifar_root)]) == 2
     err = capsys.readouterr().err
     assert "md5" in err and "--no-md5" in err and len(err.strip().splitlines()) == 1
-    assert len(D.verify_cifar10_md5(str(cifar_root))) == 7
-    assert D.main(["check", "digits"]) == 0
+    assert len(verify_cifar10_md5(str(cifar_root))) == 7
+    assert data_cli.main(["check", "digits"]) == 0
     assert "1437 train, 360 test" in capsys.readouterr().out
-    assert D.main(["check", "cifar10"]) == 2                       # no --root
+    assert data_cli.main(["check", "cifar10"]) == 2                       # no --root
     assert "--root" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        D.main(["fetch", "digits", "--root", "x"])                 # fetch is for cifar10 only
+        data_cli.main(["fetch", "digits", "--root", "x"])                 # fetch is for cifar10 only
     assert e.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 

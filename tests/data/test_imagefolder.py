@@ -11,9 +11,12 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from lsgd_hpc.data import datasets as data
-from lsgd_hpc.data.datasets import DataError, ShardedBatches, check_data_dir, load_dataset
+from lsgd_hpc.data import cli as data_cli
+from lsgd_hpc.data.errors import DataError
 from lsgd_hpc.data.imagefolder import ImageFolderBatches, ImageFolderData
+from lsgd_hpc.data.loaders import check_data_dir, load_dataset
+from lsgd_hpc.data.sampler import ShardedBatches
+from lsgd_hpc.data.splits import with_label_noise
 from mpi_util import run_mpi
 
 CLASSES = ("circle", "square", "triangle")
@@ -146,7 +149,7 @@ def test_workers_give_the_same_batches(folder, ds):
 
 
 def test_label_noise_changes_labels_only(ds):
-    noisy = data.with_label_noise(ds, 0.2, seed=0)
+    noisy = with_label_noise(ds, 0.2, seed=0)
     assert int((noisy.y_train != ds.y_train).sum()) == round(0.2 * ds.n_train)
     assert torch.equal(ds.y_test, noisy.y_test) and noisy.train.paths is ds.train.paths
 
@@ -208,11 +211,11 @@ def test_an_unreadable_image_is_named(tmp_path, workers):
             pass
     msg = str(err.value)
     assert f"cannot read image {bad}" in msg and "\n" not in msg, msg
-    assert data.main(["check", "imagefolder", "--root", str(root)]) == 2
+    assert data_cli.main(["check", "imagefolder", "--root", str(root)]) == 2
 
 
 def test_check_command(folder, capsys):
-    assert data.main(["check", "imagefolder", "--root", str(folder)]) == 0
+    assert data_cli.main(["check", "imagefolder", "--root", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "imagefolder in" in out and "150 train, 24 test images, 3 classes" in out
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm.flat import FlatParams
-from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+from lsgd_hpc.data.loaders import load_dataset
+from lsgd_hpc.data.sampler import ShardedBatches
 from lsgd_hpc.data.specs import dataset_spec
 from lsgd_hpc.models.zoo import MODELS, build_model, count_parameters
 

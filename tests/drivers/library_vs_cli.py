@@ -10,15 +10,16 @@ import sys
 import torch
 
 import lsgd_hpc
-from lsgd_hpc.data import datasets as data
+from lsgd_hpc.data.loaders import load_dataset
+from lsgd_hpc.data.sampler import ShardedBatches
 from lsgd_hpc.models import zoo as models
 
 out, algorithm, steps, rpn = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 seed, lr, batch = 0, 0.05, 32
 torch.set_num_threads(1)
 comm = lsgd_hpc.init(backend="mpi", ranks_per_node=rpn, device="cpu")
-ds = data.load_dataset("digits", None, seed)
-batches = data.ShardedBatches(ds, comm.rank, comm.size, batch, seed)
+ds = load_dataset("digits", None, seed)
+batches = ShardedBatches(ds, comm.rank, comm.size, batch, seed)
 torch.manual_seed(seed)
 model = models.build_model("digits_cnn", ds.num_classes, ds.input_shape)
 torch.manual_seed(seed * 100003 + comm.rank)

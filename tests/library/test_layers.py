@@ -9,6 +9,11 @@ ones inside functions, relative ones resolved), not by importing it.
   points that only forward to it.
 * The offline analysis loads neither torch nor mpi4py.
 * Nothing under ``lsgd_hpc/``, ``benchmarks/`` or ``results/`` puts ``tests/`` on sys.path.
+* Inside one folder, the modules import each other without a cycle (the module graph: every
+  import, also inside functions and ``if TYPE_CHECKING``).
+* No module but an ``__init__.py`` only re-exports names (a body of imports, ``__all__`` and
+  a docstring): code imports each name from the module that defines it, and the package
+  faces (``lsgd_hpc``, ``lsgd_hpc.runtime``, ...) are the only re-exporters.
 """
 
 from __future__ import annotations
@@ -131,6 +136,56 @@ def describe_cycle(cycle: List[str], edges: Dict[Edge, List[str]]) -> str:
         lines.append(f"  {a} -> {b}:")
         lines += [f"    {where}" for where in edges[(a, b)]]
     return "\n".join(lines)
+
+
+# -- inside one folder ---------------------------------------------------------------------
+def folder_edges(pkg: Path = PKG) -> Dict[Edge, List[str]]:
+    """(importing module, imported module) -> 'file:line' of each import, for the pairs of
+    modules in the same folder (a package's ``__init__.py`` is in its folder)."""
+    modules = all_modules(pkg)
+    edges: Dict[Edge, List[str]] = defaultdict(list)
+    for name, path in modules.items():
+        rel = str(path.relative_to(pkg.parent))
+        for target, line in imports_of(path, modules, pkg.parent):
+            if target in modules and target != name and modules[target].parent == path.parent:
+                edges[(name, target)].append(f"{rel}:{line}")
+    return edges
+
+
+def folder_cycle(pkg: Path = PKG) -> Optional[str]:
+    """A cycle of modules of one folder that import each other, described, or None."""
+    edges = folder_edges(pkg)
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+    cycle = find_cycle(graph)
+    return None if cycle is None else describe_cycle(cycle, edges)
+
+
+# -- re-export shims -------------------------------------------------------------------------
+def _only_reexports(tree: ast.Module) -> bool:
+    """Whether a module's body is imports (one at least), ``__all__`` and a docstring alone."""
+    imports = 0
+    for i, node in enumerate(tree.body):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports += 1
+        elif i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            continue
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if not all(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+                return False
+        else:
+            return False
+    return imports > 0
+
+
+def reexport_modules(pkg: Path = PKG) -> List[str]:
+    """The modules of ``pkg``, ``__init__.py`` files left out, that only re-export names."""
+    return [str(path.relative_to(pkg.parent)) for path in sorted(pkg.rglob("*.py"))
+            if path.name != "__init__.py"
+            and _only_reexports(ast.parse(path.read_text(), str(path)))]
 
 
 # -- sys.path ----------------------------------------------------------------------------------
@@ -256,6 +311,18 @@ def test_nothing_puts_tests_on_sys_path():
     assert not bad, "tests/ put on sys.path (use lsgd_hpc.testing instead):\n" + "\n".join(bad)
 
 
+def test_modules_of_a_folder_import_each_other_without_a_cycle():
+    cycle = folder_cycle()
+    assert cycle is None, "modules of one folder import each other in a loop (move the " \
+        "shared piece down into a module both import):\n" + cycle
+
+
+def test_no_module_only_reexports():
+    shims = reexport_modules()
+    assert not shims, "modules that only re-export names (import each name from the module " \
+        "that defines it; only a package's __init__.py re-exports):\n" + "\n".join(shims)
+
+
 # -- the checks can fail -----------------------------------------------------------------------
 def test_find_cycle_on_a_made_up_graph():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}}
@@ -302,3 +369,55 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path[:0] = [str(REPO / "tests")]
 '''
     assert lines_adding_tests_to_path(src) == [5, 7, 8, 10]
+
+
+def test_folder_cycle_on_a_made_up_package(tmp_path):
+    """Three modules of one folder in a loop, one edge inside a function, one relative and one
+    under ``if TYPE_CHECKING``: found, and named by file and line; imports across folders and
+    of the package's own ``__init__`` by a sibling are no loop by themselves."""
+    pkg = tmp_path / "lsgd_hpc"
+    (pkg / "data").mkdir(parents=True)
+    (pkg / "other").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "data" / "__init__.py").write_text("")
+    (pkg / "other" / "__init__.py").write_text("")
+    (pkg / "data" / "loaders.py").write_text("import os\nfrom lsgd_hpc.data import splits\n")
+    (pkg / "data" / "splits.py").write_text("def f():\n    from .sampler import g\n")
+    (pkg / "data" / "sampler.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from lsgd_hpc.data.loaders import Dataset\n")
+    (pkg / "other" / "x.py").write_text("from lsgd_hpc.data import loaders\n")
+    (pkg / "data" / "y.py").write_text("from lsgd_hpc.other import x\n")
+    found = folder_cycle(pkg)
+    assert found is not None
+    loop = found.splitlines()[0].split(" -> ")
+    assert set(loop) == {"lsgd_hpc.data.loaders", "lsgd_hpc.data.splits",
+                         "lsgd_hpc.data.sampler"} and len(loop) == 4, found
+    for where in ("lsgd_hpc/data/loaders.py:2", "lsgd_hpc/data/splits.py:2",
+                  "lsgd_hpc/data/sampler.py:3"):
+        assert where in found, found
+    # the loop broken: the shared piece moved down
+    (pkg / "data" / "sampler.py").write_text("from lsgd_hpc.data import base\n")
+    (pkg / "data" / "base.py").write_text("class Dataset:\n    pass\n")
+    assert folder_cycle(pkg) is None
+
+
+def test_reexport_modules_on_a_made_up_package(tmp_path):
+    """A module of imports, ``__all__`` and a docstring is a shim (also one that re-exports
+    private names, or extends ``__all__``); an ``__init__.py``, an entry point that runs
+    ``main`` and a module that defines anything are not."""
+    pkg = tmp_path / "lsgd_hpc"
+    (pkg / "runtime").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from lsgd_hpc.runtime.real import f\n__all__ = ['f']\n")
+    (pkg / "runtime" / "__init__.py").write_text('"""Face."""\nfrom .real import f\n')
+    (pkg / "runtime" / "real.py").write_text("import os\n\n\ndef f():\n    return os\n")
+    (pkg / "runtime" / "blocks.py").write_text(
+        '"""For older callers."""\n\nfrom lsgd_hpc.runtime.real import f\n'
+        'from lsgd_hpc.runtime.real import os as _os\n\n__all__ = ["f"]\n__all__ += ["_os"]\n')
+    (pkg / "runtime" / "bare.py").write_text("from lsgd_hpc.runtime.real import f  # noqa\n")
+    (pkg / "entry.py").write_text(
+        '"""python -m lsgd_hpc.entry"""\nimport sys\n\nfrom lsgd_hpc.runtime.real import f\n'
+        '__all__ = ["f"]\n\nif __name__ == "__main__":\n    sys.exit(f())\n')
+    (pkg / "consts.py").write_text('"""Constants."""\nimport os\n\nSEP = os.sep\n')
+    (pkg / "empty.py").write_text('"""Nothing yet."""\n')
+    assert reexport_modules(pkg) == ["lsgd_hpc/runtime/bare.py", "lsgd_hpc/runtime/blocks.py"]

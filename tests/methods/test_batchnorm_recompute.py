@@ -10,7 +10,8 @@ import yaml
 
 from lsgd_hpc.models.batchnorm import batchnorm_layers, int_buffers, recompute_bn_stats
 from lsgd_hpc.comm import FlatParams
-from lsgd_hpc.data.datasets import ShardedBatches, load_dataset
+from lsgd_hpc.data.loaders import load_dataset
+from lsgd_hpc.data.sampler import ShardedBatches
 from lsgd_hpc.models.zoo import build_model
 from mpi_util import REPO, run_mpi
 
