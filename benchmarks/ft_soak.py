@@ -232,7 +232,8 @@ def run_scenario(sc: Scenario, workdir: Path, timeout: float, log=print) -> dict
 
 
 def run(quick: bool = False, timeout: float = 240.0, log=print, count: Optional[int] = None,
-        seed: int = 0, steps: Optional[int] = None, sizes=(8, 16), keep: Optional[str] = None):
+        seed: int = 0, steps: Optional[int] = None, sizes=(8, 16), keep: Optional[str] = None,
+        only=()):
     """The run_all driver: ``count`` scenarios per size (20 at 16 ranks for the target)."""
     count = count if count is not None else (3 if quick else 20)
     steps = steps if steps is not None else (200 if quick else 300)
@@ -242,6 +243,8 @@ def run(quick: bool = False, timeout: float = 240.0, log=print, count: Optional[
     rows, results = [], []
     try:
         for sc in scenarios(count, seed, steps, sizes):
+            if only and int(sc.name.split()[0]) not in only:
+                continue
             res = run_scenario(sc, work, timeout, log)
             results.append(res)
     finally:
@@ -283,12 +286,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="", help="only these kinds (comma-separated)")
     ap.add_argument("--timeout", type=float, default=240.0)
     ap.add_argument("--keep", default=None, help="keep the run folders here")
+    ap.add_argument("--only", default="", help="only these scenario numbers (comma-separated)")
     a = ap.parse_args(argv)
     global KINDS
     if a.kinds:
         KINDS = tuple(a.kinds.split(","))
     res = run(a.quick, a.timeout, count=a.scenarios, seed=a.seed, steps=a.steps,
-              sizes=tuple(int(s) for s in a.sizes.split(",")), keep=a.keep)
+              sizes=tuple(int(s) for s in a.sizes.split(",")), keep=a.keep,
+              only={int(i) for i in a.only.split(",") if i})
     Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
 
