@@ -498,6 +498,30 @@ def test_signal_during_start_up_requeues(slurm_cluster, tmp_path):
 
 # ------------------------------------------------------------------------- a node lost
 
+def _shrink_job_losing(slurm_cluster, tmp_path, steps, ranks):
+    """The template with LSGD_ON_FAILURE=shrink (sbatch --no-kill) training LSGD on the
+    digits; once ``ranks`` train, each is SIGKILLed from outside. Returns the job, its run
+    directory, its accounting records and its log once it ended."""
+    env = slurm_cluster.env({"DATA_DIR": tmp_path / "data", "LSGD_ON_FAILURE": "shrink"})
+    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--algorithm", "lsgd",
+                          "--max-steps", str(steps), "--epochs", "1000", "--eval-every",
+                          str(steps), "--flush-every", "5", sbatch_args=["--no-kill"], env=env)
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: all(train_rows(run_dir, r) >= 1 for r in ranks), JOB_TIMEOUT,
+                 f"rank(s) {list(ranks)} training")
+        pids = slurm_cluster.rank_pids(job)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        for rank in ranks:
+            os.kill(pids[rank], signal.SIGKILL)
+        recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+        # nothing of this job may outlive it into the next test's job on the same nodes
+        wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
+    return job, run_dir, recs, log_of(tmp_path, job)
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slurm_cluster,
                                                                            tmp_path):
@@ -506,24 +530,7 @@ def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slu
     SIGKILLed from outside. The job ends COMPLETED (exit 0) on the first node, and the log
     and the survivors' /faults name the lost ranks and the lost node."""
     steps = 300
-    env = slurm_cluster.env({"DATA_DIR": tmp_path / "data", "LSGD_ON_FAILURE": "shrink"})
-    job = submit_template(slurm_cluster, tmp_path, *DIGITS, "--algorithm", "lsgd",
-                          "--max-steps", str(steps), "--epochs", "1000", "--eval-every",
-                          str(steps), "--flush-every", "5", sbatch_args=["--no-kill"], env=env)
-    run_dir = tmp_path / "runs" / str(job)
-    try:
-        wait_for(lambda: train_rows(run_dir, 2) >= 1 and train_rows(run_dir, 3) >= 1,
-                 JOB_TIMEOUT, "ranks 2 and 3 training")
-        pids = slurm_cluster.rank_pids(job)
-        assert sorted(pids) == [0, 1, 2, 3], pids
-        for rank in (2, 3):
-            os.kill(pids[rank], signal.SIGKILL)
-        recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
-    finally:
-        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
-        # nothing of this job may outlive it into the next test's job on the same nodes
-        wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
-    text = log_of(tmp_path, job)
+    job, run_dir, recs, text = _shrink_job_losing(slurm_cluster, tmp_path, steps, (2, 3))
     assert "mpirun --with-ft ulfm" in text and "on a dead rank: shrink" in text, text
     assert recs[0]["JobState"] == "COMPLETED" and recs[0]["ExitCode"] == "0:0", f"{recs}\n{text}"
     ranks = read_ranks(run_dir)
@@ -538,6 +545,23 @@ def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slu
         faults = groups["faults"]
         assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
         assert faults["lost_nodes"][-1].decode() == lost_host
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_every_rank_lost_under_the_shrink_template_the_job_fails(slurm_cluster, tmp_path):
+    """LSGD_ON_FAILURE=shrink: every rank SIGKILLed once they train. mpirun --with-ft ulfm
+    exits 0 all the same; the template finds no completion record (RUN_DIR/complete.json),
+    says so in one line and exits 1, so SLURM marks the job FAILED (and summary --check
+    agrees)."""
+    job, run_dir, recs, text = _shrink_job_losing(slurm_cluster, tmp_path, 300, range(4))
+    assert "mpirun --with-ft ulfm" in text, text
+    assert "did not record its completion" in text, text
+    assert recs[0]["JobState"] == "FAILED" and recs[0]["ExitCode"] == "1:0", f"{recs}\n{text}"
+    assert not (run_dir / "complete.json").exists()
+    check = subprocess.run([sys.executable, "-m", "lsgd_hpc.summary", str(run_dir), "--check"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "NOT COMPLETE" in check.stdout, check.stdout
 
 
 # ------------------------------------------------------------------- preemption (long jobs)
