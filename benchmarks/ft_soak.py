@@ -215,6 +215,9 @@ def run_scenario(sc: Scenario, workdir: Path, timeout: float, log=print) -> dict
     text = "".join(lines)
     res = {
         "scenario": sc.name, "ranks": sc.ranks, "killed": sorted(killed),
+        # the ranks the driver found alive and SIGKILLed (a kill planned after the end of the
+        # run finds nobody)
+        "killed_from_outside": sorted(killed_at),
         "expected_survivors": len(survivors), "finished": len(finished),
         "innocent_deaths": innocent, "min_survivor_step": min(
             (last[r] for r in survivors), default=-1),

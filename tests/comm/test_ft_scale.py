@@ -35,7 +35,7 @@ def test_sixteen_ranks_survive_a_rank_then_a_node(tmp_path):
                           gap=0.02)
     res = ft_soak.run_scenario(sc, tmp_path, timeout=420, log=print)
     _check(res, steps)
-    assert res["killed"] == [5, 12, 13, 14, 15]
+    assert res["killed"] == res["killed_from_outside"] == [5, 12, 13, 14, 15], res
     assert 0 < res["recovery_s"] < 10, res
 
 
