@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from lsgd_hpc.runtime.completion import read_completion
+from lsgd_hpc.runtime.completion import STATUSES, read_completion
 from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, rank_file
 
 __all__ = ["GROUPS", "KNOWN_SCHEMA_VERSIONS", "NON_CONFIG_KEYS", "AggregateError", "Run",
@@ -447,7 +447,7 @@ def completion_state(record: dict | None) -> str:
     then exit; preempted) or ``incomplete`` (no record: ranks crashed or were killed; or a
     record that cannot be read)."""
     status = (record or {}).get("status")
-    return status if status in ("complete", "stopped") else "incomplete"
+    return status if status in STATUSES else "incomplete"
 
 
 def last_step(run: Run) -> int | None:

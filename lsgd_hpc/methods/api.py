@@ -393,7 +393,7 @@ class Method:
         self._stepped()
 
     def _stepped(self) -> None:
-        for listener in getattr(self, "step_listeners", ()):
+        for listener in self.step_listeners:
             listener()
 
     def _step(self, loss, scaler) -> None:
