@@ -18,7 +18,7 @@ __version__ = "0.2.0"
 #: public name -> module that defines it
 _EXPORTS = {
     "init": "session", "Comm": "session", "ON_FAILURE": "session",
-    "ProcessFailure": "comm.faults", "UnrecoverableFailure": "comm.faults",
+    "ProcessFailure": "comm.failures", "UnrecoverableFailure": "comm.failures",
     "Method": "methods", "METHODS": "methods", "method_class": "methods",
     "LeaderSGD": "methods", "AsyncLeaderSGD": "methods", "AllreduceSGD": "methods",
     "EASGD": "methods", "LocalSGD": "methods", "GossipSGD": "methods",

@@ -39,53 +39,56 @@ class Comm:
 
     def __init__(self, world, groups, device, backend: str):
         self.world, self.groups, self.device, self.backend = world, groups, device, backend
-        #: the recovery machinery when on_failure="shrink" (lsgd_hpc.comm.faults), else None
-        self._ft = None
+        #: the recovery machinery when on_failure="shrink" (``lsgd_hpc.comm.faults
+        #: .FaultTolerance``), else None: what a participant registers with
+        #: (``comm.fault_tolerance.register(obj)``; see that class for the protocol); a user's
+        #: loop asks ``comm.failure_policy == "shrink"``
+        self.fault_tolerance = None
 
     # -- failures (on_failure="shrink") ------------------------------------------------------
     @property
     def failure_policy(self) -> str:
         """``"abort"`` or ``"shrink"`` (``init(on_failure=...)``)."""
-        return "abort" if self._ft is None else "shrink"
+        return "abort" if self.fault_tolerance is None else "shrink"
 
     @property
     def initial_rank(self) -> int:
         """This rank's rank at the start of the job (``rank`` is the current world's)."""
-        return self.rank if self._ft is None else self._ft.initial_ranks[self.rank]
+        return self.rank if self.fault_tolerance is None else self.fault_tolerance.initial_ranks[self.rank]
 
     @property
     def initial_size(self) -> int:
-        return self.size if self._ft is None else self._ft.initial_size
+        return self.size if self.fault_tolerance is None else self.fault_tolerance.initial_size
 
     @property
     def initial_ranks(self) -> tuple:
         """The initial rank of every current world rank."""
-        return tuple(range(self.size)) if self._ft is None else tuple(self._ft.initial_ranks)
+        return tuple(range(self.size)) if self.fault_tolerance is None else tuple(self.fault_tolerance.initial_ranks)
 
     @property
     def lost_ranks(self) -> tuple:
         """Initial ranks lost so far (on_failure="shrink")."""
-        return () if self._ft is None else tuple(sorted(self._ft.lost))
+        return () if self.fault_tolerance is None else tuple(sorted(self.fault_tolerance.lost))
 
     @property
     def generation(self) -> int:
         """How many recoveries this world has been through."""
-        return 0 if self._ft is None else self._ft.generation
+        return 0 if self.fault_tolerance is None else self.fault_tolerance.generation
 
     @property
     def failures(self) -> list:
         """The FailureEvents so far, oldest first."""
-        return [] if self._ft is None else list(self._ft.events)
+        return [] if self.fault_tolerance is None else list(self.fault_tolerance.events)
 
     def on_failure(self, callback):
-        """Call ``callback(event)`` (a ``lsgd_hpc.comm.faults.FailureEvent``) on every
+        """Call ``callback(event)`` (a ``lsgd_hpc.comm.failures.FailureEvent``) on every
         survivor after each recovery, once the methods have restored their state (e.g. to
         reshard your data: ``comm.rank`` and ``comm.size`` are the new world's). Returns the
         callback (usable as a decorator). Needs ``init(on_failure="shrink")``."""
-        if self._ft is None:
+        if self.fault_tolerance is None:
             raise ValueError("comm.on_failure: the job runs with on_failure='abort' (a dead "
                              "rank ends it); pass on_failure='shrink' to lsgd_hpc.init")
-        self._ft.callbacks.append(callback)
+        self.fault_tolerance.callbacks.append(callback)
         return callback
 
     def recover(self, exc: Optional[BaseException] = None):
@@ -93,12 +96,12 @@ class Comm:
         your own on ``comm.world``: shrink the world, rebuild the node groups, restore the
         methods; returns the FailureEvent. The methods and this object's helpers call it
         themselves."""
-        if self._ft is None:
+        if self.fault_tolerance is None:
             raise ValueError("comm.recover: the job runs with on_failure='abort'")
-        return self._ft.recover(exc)
+        return self.fault_tolerance.recover(exc)
 
     def _resilient(self, fn):
-        return fn() if self._ft is None else self._ft.resilient(fn)
+        return fn() if self.fault_tolerance is None else self.fault_tolerance.resilient(fn)
 
     @property
     def rank(self) -> int:
@@ -192,7 +195,7 @@ def _install_abort_hook(world) -> None:
     previous = sys.excepthook
 
     def hook(exc_type, exc, tb):
-        from lsgd_hpc.comm.faults import UnrecoverableFailure
+        from lsgd_hpc.comm.failures import UnrecoverableFailure
         if issubclass(exc_type, UnrecoverableFailure):
             _end_survivor(exc)                  # every survivor got it: no abort, no race
         try:
@@ -213,7 +216,7 @@ def _end_survivor(exc) -> None:
     prints the same one line and ends with EXIT_UNRECOVERABLE after the exit handlers
     (metrics closed) and MPI_Finalize. An MPI_Abort from three survivors at once, under
     ``--with-ft ulfm``, let mpirun exit 0 now and then."""
-    from lsgd_hpc.comm.faults import EXIT_UNRECOVERABLE
+    from lsgd_hpc.comm.failures import EXIT_UNRECOVERABLE
     print(str(exc), file=sys.stderr, flush=True)
     exit_as_interpreter(EXIT_UNRECOVERABLE)
 
@@ -248,7 +251,7 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     ``"shrink"`` (the survivors go on in a smaller world; the MPI backend under a
     fault-tolerant MPI only, ``mpirun --with-ft ulfm``; ValueError on every rank otherwise).
     ``min_ranks``: with ``"shrink"``, fewer survivors than this end the job
-    (``lsgd_hpc.comm.faults.UnrecoverableFailure`` on every survivor).
+    (``lsgd_hpc.comm.failures.UnrecoverableFailure`` on every survivor).
     """
     if backend not in _BACKENDS:
         hint = ""
@@ -264,10 +267,10 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
     from lsgd_hpc.comm import NodeGroups, launcher, make_world
     if on_failure == "shrink" and backend != "mpi":
-        from lsgd_hpc.comm.faults import ulfm_problem
+        from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ValueError(ulfm_problem(backend))       # before joining: no world to agree over
     if on_failure == "shrink":
-        from lsgd_hpc.comm.faults import prepare_mpi_environment
+        from lsgd_hpc.comm.ulfm import prepare_mpi_environment
         prepare_mpi_environment()
     local = launcher.local_rank()
     # the device first: NCCL binds the process group to this rank's GPU
@@ -290,7 +293,7 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
 def _check_fault_tolerance(world, min_ranks: int) -> None:
     """The same ValueError on every rank when ULFM is not active here (or min_ranks is more
     than the world): shrink would otherwise run as an ordinary MPI (Shrink a Dup)."""
-    from lsgd_hpc.comm.faults import ulfm_problem
+    from lsgd_hpc.comm.ulfm import ulfm_problem
     problem = ulfm_problem("mpi")
     if problem is None and min_ranks > world.size:
         problem = f"min_ranks={min_ranks} is more than the {world.size} ranks of the job"
@@ -303,8 +306,8 @@ def _check_fault_tolerance(world, min_ranks: int) -> None:
 def _enable_fault_tolerance(comm: Comm, min_ranks: int, ranks_per_node) -> None:
     import atexit
     from lsgd_hpc.comm.faults import FaultTolerance
-    comm._ft = FaultTolerance(comm, min_ranks, ranks_per_node)
-    comm.groups.node_key = comm._ft.initial_nodes[comm.rank]
+    comm.fault_tolerance = FaultTolerance(comm, min_ranks, ranks_per_node)
+    comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
     # a survivor that finished its loop waits here for one whose last step was cut off
     # (registered after mpi4py's own exit handler, so it runs before MPI_Finalize)
-    atexit.register(comm._ft.final_barrier)
+    atexit.register(comm.fault_tolerance.final_barrier)

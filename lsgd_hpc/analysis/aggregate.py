@@ -194,7 +194,19 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
                       loss_window=loss_window)
     if predictions is not None and not by:
         raise AggregateError("predictions are joined on the grouping keys: give --by too")
-    runs = read_runs(run_dirs, warn=warn)
+    result = _tables(read_runs(run_dirs, warn=warn), targets, by, predictions, plot_measured,
+                     warn)
+    if out_dir is not None:
+        _write_outputs(result, Path(out_dir), targets, predictions, plot_measured)
+    return result
+
+
+def _tables(runs: list[Run], targets: Targets, by: Sequence[str] | None,
+            predictions: str | os.PathLike | Sequence[dict] | None,
+            plot_measured: Sequence[str] | None, warn: Callable[[str], None]) -> dict:
+    """aggregate's result before anything is written (``plots`` empty, ``curve_rows`` 0):
+    the runs' summary rows (a warning for each run that did not complete its budget), the
+    groups' rows with the predictors joined on, and the correlations."""
     groups = group_runs(runs, by)
     summary = [summarize_run(r, targets) for r in runs]
     for run, row in zip(runs, summary):       # its figures are of part of its budget
@@ -219,38 +231,52 @@ def aggregate(run_dirs: Iterable[str | os.PathLike], out_dir: str | os.PathLike 
         raise AggregateError(f"cannot plot against {', '.join(unknown)}: measured figures are "
                              f"{', '.join(figures)}")
     with_workers = any(r.has_workers for r in runs)
-    result = {"runs": runs, "summary": summary,
-              "summary_columns": summary_columns(targets, with_workers),
-              "groups": groups, "group_rows": group_rows, "group_columns": columns,
-              "predictors": predictors, "correlations": correlations, "plots": [],
-              "curve_rows": 0, "faults": fault_rows(runs)}
-    if out_dir is None:
-        return result
-    out = Path(out_dir)
+    return {"runs": runs, "summary": summary,
+            "summary_columns": summary_columns(targets, with_workers),
+            "groups": groups, "group_rows": group_rows, "group_columns": columns,
+            "predictors": predictors, "correlations": correlations, "plots": [],
+            "curve_rows": 0, "faults": fault_rows(runs)}
+
+
+def _write_outputs(result: dict, out: Path, targets: Targets,
+                   predictions: str | os.PathLike | Sequence[dict] | None,
+                   plot_measured: Sequence[str] | None) -> None:
+    """Write ``result``'s tables and plots into ``out`` (made if need be); fills in
+    ``result["curve_rows"]`` and ``result["plots"]``."""
     if out.exists() and not out.is_dir():
         raise AggregateError(f"--out {out} exists and is not a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        write_table_csv(summary, summary_columns(targets, with_workers), out / "summary.csv")
-        write_table_csv(group_rows, columns, out / "groups.csv")
-        result["curve_rows"] = write_curves_csv(runs, out / "curves.csv")
+        write_table_csv(result["summary"], result["summary_columns"], out / "summary.csv")
+        write_table_csv(result["group_rows"], result["group_columns"], out / "groups.csv")
+        result["curve_rows"] = write_curves_csv(result["runs"], out / "curves.csv")
         if result["faults"]:                 # runs that lost ranks (on_failure="shrink")
             write_table_csv(result["faults"], FAULT_COLUMNS, out / "faults.csv")
-        result["plots"] = plot_all(runs, out, groups, targets)
+        result["plots"] = plot_all(result["runs"], out, result["groups"], targets)
         if predictions is not None:
-            write_table_csv(correlations, CORRELATION_COLUMNS, out / "correlations.csv")
-            for p in predictors:
-                against = list(plot_measured or default_plot_measured(group_rows))
-                own = p[len("predicted_"):] if p.startswith("predicted_") else None
-                if own in figures and own not in against:
-                    against.insert(0, own)
-                for f in against:
-                    path = plot_predicted_vs_measured(group_rows, p, f, out)
-                    if path is not None:
-                        result["plots"].append(path)
+            write_table_csv(result["correlations"], CORRELATION_COLUMNS, out / "correlations.csv")
+            result["plots"].extend(_prediction_plots(result["group_rows"], result["predictors"],
+                                                     group_metrics(targets), plot_measured, out))
     except OSError as exc:
         raise AggregateError(f"cannot write to {out}: {exc.strerror or exc}") from None
-    return result
+
+
+def _prediction_plots(group_rows: list[dict], predictors: list[str], figures: Sequence[str],
+                      plot_measured: Sequence[str] | None, out: Path) -> list:
+    """One ``pred_<predictor>_vs_<figure>.png`` per predictor and measured figure to plot it
+    against (``plot_measured``, or the default ones; a ``predicted_<figure>`` predictor is
+    always plotted against <figure>); the paths of those written."""
+    paths = []
+    for p in predictors:
+        against = list(plot_measured or default_plot_measured(group_rows))
+        own = p[len("predicted_"):] if p.startswith("predicted_") else None
+        if own in figures and own not in against:
+            against.insert(0, own)
+        for f in against:
+            path = plot_predicted_vs_measured(group_rows, p, f, out)
+            if path is not None:
+                paths.append(path)
+    return paths
 
 
 class _Parser(argparse.ArgumentParser):

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from lsgd_hpc.ranklists import parse_ranks
 from lsgd_hpc.runtime.completion import STATUSES, read_completion
 from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, rank_file
 
@@ -147,7 +148,6 @@ class Run:
         dict per event (step, wall_time, lost_ranks as a list of initial ranks, n_lost,
         world_size_after, recovery_seconds, lost_nodes as a list of node names), the union
         over the survivors' files (the slowest recovery's seconds)."""
-        from lsgd_hpc.comm.faults import parse_ranks
         events: dict[tuple, dict] = {}
         for r in sorted(self.ranks):
             f = self.ranks[r].get("faults", {})

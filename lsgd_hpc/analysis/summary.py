@@ -30,6 +30,7 @@ from lsgd_hpc.analysis.rundir import (AggregateError, Run, col, completion_state
 from lsgd_hpc.analysis.formatting import fmt_acc, fmt_bytes, fmt_num
 from lsgd_hpc.runtime.completion import read_completion
 from lsgd_hpc.analysis.tables import eval_table, global_elections, leader_counts, leader_rule
+from lsgd_hpc.ranklists import format_ranks
 
 PROG = "lsgd_hpc.summary"
 
@@ -46,7 +47,6 @@ def format_summary(run: Run) -> str:
     tab = eval_table(run)
     faults, lost = run.faults(), run.lost_ranks
     for ev in faults:
-        from lsgd_hpc.comm.faults import format_ranks
         nodes = ev.get("lost_nodes") or []
         lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost"
                      + (f" (node(s) {', '.join(nodes)} gone)" if nodes else "") + "; "

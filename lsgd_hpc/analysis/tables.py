@@ -16,6 +16,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from lsgd_hpc.analysis.rundir import AggregateError, Run, col, completion_state
+from lsgd_hpc.ranklists import format_ranks
 
 __all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "FAULT_COLUMNS", "fault_rows", "write_faults_csv", "ACCURACY_FIGURES", "TARGET_ACC_COLUMNS",
            "TARGET_LOSS_COLUMNS", "Targets", "global_elections", "leader_rule", "eval_table",
@@ -347,7 +348,6 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
         row["total_worker_bytes_sent"] = int(sum(int(b) for b in inside if b is not None))
     row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
     row["failures"] = len(run.faults())
-    from lsgd_hpc.comm.faults import format_ranks
     row["lost_ranks"] = format_ranks(run.lost_ranks)
     # complete / stopped (on purpose) / incomplete: the run's completion record
     row["complete"] = completion_state(run.completion)
@@ -459,7 +459,6 @@ def write_curves_csv(runs: list[Run], path: str | os.PathLike) -> int:
 def fault_rows(runs: list[Run]) -> list[dict]:
     """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3',
     lost_nodes as 'nodeA,nodeB')."""
-    from lsgd_hpc.comm.faults import format_ranks
     return [{"run": run.name, **{k: v for k, v in ev.items()
                                  if k not in ("lost_ranks", "lost_nodes")},
              "lost_ranks": format_ranks(ev["lost_ranks"]),

@@ -424,16 +424,29 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = Non
 
 def validate(cfg: Config, env: dict) -> None:
     """Checks that need no MPI and go across options: files, folders, combinations.
-    (Single values were checked as they were parsed, method options by their spec.)"""
-    from lsgd_hpc.data.errors import DataError
-    from lsgd_hpc.data.loaders import check_data_dir
-    from lsgd_hpc.models import zoo as models
-    from lsgd_hpc.runtime.checkpoint import latest_checkpoint
+    (Single values were checked as they were parsed, method options by their spec.)
+    The first problem found is raised (ConfigError); ``cfg.run_dir`` may be set (a SLURM
+    job's default) and ``cfg.resume`` turned on (a requeued or restarted job)."""
+    _check_device(cfg)
+    _check_combinations(cfg)
+    _check_failure_options(cfg)
+    _check_data_set_and_method(cfg)
+    _check_model(cfg)
+    _check_data_dir(cfg)
+    _default_run_dir(cfg, env)
+    _check_run_dir(cfg, env)
+    _check_ranks_per_node_env(cfg, env)
 
+
+def _check_device(cfg: Config) -> None:
     if cfg.device == "cuda":
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("--device", "cuda asked for, but torch sees no GPU on this node")
+
+
+def _check_combinations(cfg: Config) -> None:
+    """What is sent (--comm-dtype, --error-feedback), the trackers, the optimizer's options."""
     problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend, cfg.algorithm)
     if problem:
         raise ConfigError("--comm-dtype", problem)
@@ -446,16 +459,25 @@ def validate(cfg: Config, env: dict) -> None:
     if cfg.nesterov and cfg.momentum <= 0:
         raise ConfigError("--nesterov", "needs --momentum > 0 (Nesterov momentum without "
                                         "momentum is plain SGD)")
+
+
+def _check_failure_options(cfg: Config) -> None:
+    """--straggler, --inject-failure, --on-failure and --min-ranks."""
     straggler_of(cfg)
     failures_of(cfg)
     if cfg.on_failure == "shrink" and cfg.backend != "mpi":
-        from lsgd_hpc.comm.faults import ulfm_problem
+        from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ConfigError("--on-failure", ulfm_problem(cfg.backend).replace(
             "on_failure='shrink'", "shrink").replace("backend='", "--backend ").replace(
             "'", ""))
     if cfg.min_ranks != 1 and cfg.on_failure != "shrink":
         raise ConfigError("--min-ranks", "needs --on-failure shrink (with abort the first "
                                          "dead rank ends the job)")
+
+
+def _check_data_set_and_method(cfg: Config) -> None:
+    """Options that the data set (imagefolder) or the method (--worker-ranks, --leader-score
+    heldout) refuses."""
     if cfg.dataset == "imagefolder" and cfg.validation_size:
         raise ConfigError("--validation-size", "not for imagefolder (its val/ folder is the "
                                                "test set; split train/ yourself)")
@@ -470,6 +492,11 @@ def validate(cfg: Config, env: dict) -> None:
                "the round machine" if cfg.algorithm == "lsgd-async"
                else "only LSGD elects a leader")
         raise ConfigError("--leader-score", f"heldout applies to --algorithm lsgd only ({why})")
+
+
+def _check_model(cfg: Config) -> None:
+    """--model (or the data set's default): one of the zoo's, or an importable factory."""
+    from lsgd_hpc.models import zoo as models
     model = cfg.model or dataset_spec(cfg.dataset).default_model
     if ":" in model:
         try:
@@ -479,16 +506,31 @@ def validate(cfg: Config, env: dict) -> None:
     elif model not in models.MODELS:
         raise ConfigError("--model", f"must be one of {', '.join(models.MODELS)}, or "
                                      f"module:callable, got {model!r}")
+
+
+def _check_data_dir(cfg: Config) -> None:
+    from lsgd_hpc.data.errors import DataError
+    from lsgd_hpc.data.loaders import check_data_dir
     try:
         check_data_dir(cfg.dataset, cfg.data_dir)
     except DataError as exc:
         raise ConfigError("--data-dir", str(exc)) from None
+
+
+def _default_run_dir(cfg: Config, env: dict) -> None:
+    """Under SLURM without --run-dir: runs/JOB_ID (runs/ARRAY-JOB_TASK for an array task)."""
     if cfg.run_dir is None and env.get("SLURM_JOB_ID"):
         # Keyed by job id, so a requeued job (same id) finds its own run directory.
         job = env["SLURM_JOB_ID"]
         if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
             job = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         cfg.run_dir = os.path.join("runs", job)
+
+
+def _check_run_dir(cfg: Config, env: dict) -> None:
+    """The run directory: a requeued or restarted job resumes from its latest complete
+    checkpoint; a fresh one must not write over another run; --resume needs a checkpoint."""
+    from lsgd_hpc.runtime.checkpoint import latest_checkpoint
     if cfg.run_dir and not cfg.resume:
         # A requeued SLURM job (same id) or a group that torchrun --max-restarts restarted
         # after a worker died: continue from the latest complete checkpoint, if any.
@@ -507,6 +549,10 @@ def validate(cfg: Config, env: dict) -> None:
             raise ConfigError("--resume", "needs --run-dir (the run to continue)")
         if latest_checkpoint(cfg.run_dir) is None:
             raise ConfigError("--resume", f"no complete checkpoint in {cfg.run_dir}/checkpoints")
+
+
+def _check_ranks_per_node_env(cfg: Config, env: dict) -> None:
+    """LSGD_HPC_RANKS_PER_NODE (read when --ranks-per-node is not given): a positive integer."""
     rpn = env.get("LSGD_HPC_RANKS_PER_NODE")
     if cfg.ranks_per_node is None and rpn:
         try:
@@ -536,7 +582,7 @@ def failures_of(cfg: Config) -> list:
     """--inject-failure as [(rank or "leader", step, point)] ([] when off)."""
     if cfg.inject_failure is None:
         return []
-    from lsgd_hpc.comm.faults import failure_plan
+    from lsgd_hpc.comm.injection import failure_plan
     try:
         return failure_plan(cfg.inject_failure)
     except ValueError as exc:

@@ -177,85 +177,123 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
-             cuda_aware: str, probe: Optional[dict]) -> List[Check]:
-    """The table's rows from every rank's facts (facts[r] is rank r's); no MPI here."""
-    from lsgd_hpc.comm.groups import node_layout
+@dataclass
+class _Job:
+    """What every check reads: the gathered facts (``facts[r]`` is rank r's), the options, the
+    environment of rank 0, and the node layout the trainer will use."""
 
-    size = len(facts)
-    hosts = [f["host"] for f in facts]
-    node_of = node_layout(hosts, args.ranks_per_node)
-    n_nodes = max(node_of) + 1
-    members = [[r for r in range(size) if node_of[r] == n] for n in range(n_nodes)]
-    launches = sorted({f["launch"] for f in facts})
-    rows = [Check("MPI library", "info", f"{mpi_library}; started by {', '.join(launches)}")]
+    facts: List[dict]
+    args: argparse.Namespace
+    env: Dict[str, str]
+    mpi_library: str
+    cuda_aware: str
+    probe: Optional[dict]
+    hosts: List[str]
+    n_nodes: int
+    members: List[List[int]]          # members[n]: the ranks of node n
+    by_host: Dict[str, List[int]]     # each host's ranks, hosts in order of their first rank
+    by_srun: bool                     # rank 0 was started by srun
 
-    # world size against what the launcher and SLURM meant to start
+    @classmethod
+    def of(cls, facts: List[dict], args, env: Dict[str, str], mpi_library: str,
+           cuda_aware: str, probe: Optional[dict]) -> "_Job":
+        from lsgd_hpc.comm.groups import node_layout
+        hosts = [f["host"] for f in facts]
+        node_of = node_layout(hosts, args.ranks_per_node)
+        n_nodes = max(node_of) + 1
+        members = [[r for r in range(len(facts)) if node_of[r] == n] for n in range(n_nodes)]
+        by_host: Dict[str, List[int]] = {}
+        for r, h in enumerate(hosts):
+            by_host.setdefault(h, []).append(r)
+        return cls(facts, args, env, mpi_library, cuda_aware, probe, hosts, n_nodes, members,
+                   by_host, facts[0]["launch"].startswith("srun"))
+
+    @property
+    def size(self) -> int:
+        return len(self.facts)
+
+
+def _check_mpi_library(job: _Job) -> List[Check]:
+    launches = sorted({f["launch"] for f in job.facts})
+    return [Check("MPI library", "info", f"{job.mpi_library}; started by {', '.join(launches)}")]
+
+
+def _check_world_size(job: _Job) -> List[Check]:
+    """The world size against what the launcher and SLURM meant to start."""
     # Under srun the step's task count is what SLURM started; under mpirun (even inside an
     # allocation, whose batch step has its own counts) only mpirun's own count applies.
+    size, env = job.size, job.env
     expected = {}
-    by_srun = facts[0]["launch"].startswith("srun")
-    if by_srun:
+    if job.by_srun:
         for var in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"):
             if env.get(var, "").isdigit():
                 expected[var] = int(env[var])
                 break
-    if facts[0]["launcher_size"] is not None:
-        expected["launcher"] = facts[0]["launcher_size"]
+    if job.facts[0]["launcher_size"] is not None:
+        expected["launcher"] = job.facts[0]["launcher_size"]
     wrong = {k: v for k, v in expected.items() if v != size}
     if wrong:
         said = ", ".join(f"{k}={v}" for k, v in wrong.items())
-        rows.append(Check("world size", "FAIL", f"MPI world has {size} ranks but {said}: the "
-                          "ranks did not join one MPI job (use srun --mpi=pmix, or the mpirun "
-                          "of the MPI that mpi4py was built with)"))
-    else:
-        said = ", ".join(f"{k}={v}" for k, v in expected.items()) or "no launcher count"
-        rows.append(Check("world size", "ok", f"{size} ranks ({said})"))
+        return [Check("world size", "FAIL", f"MPI world has {size} ranks but {said}: the "
+                      "ranks did not join one MPI job (use srun --mpi=pmix, or the mpirun "
+                      "of the MPI that mpi4py was built with)")]
+    said = ", ".join(f"{k}={v}" for k, v in expected.items()) or "no launcher count"
+    return [Check("world size", "ok", f"{size} ranks ({said})")]
 
-    # hosts and the node layout the trainer will use
-    by_host: Dict[str, List[int]] = {}
-    for r, h in enumerate(hosts):
-        by_host.setdefault(h, []).append(r)
+
+def _check_node_layout(job: _Job) -> List[Check]:
+    """The hosts and the node layout the trainer will use, against SLURM's node count."""
+    args, env, by_host = job.args, job.env, job.by_host
     layout = "; ".join(f"{h}: ranks {_ranks_text(rs)}" for h, rs in by_host.items())
     how = f"--ranks-per-node {args.ranks_per_node}" if args.ranks_per_node else "host names"
-    detail = f"{n_nodes} node(s) by {how}, {len(by_host)} host(s): {layout}"
-    slurm_nodes = (env.get("SLURM_STEP_NUM_NODES") if by_srun else None) \
+    detail = f"{job.n_nodes} node(s) by {how}, {len(by_host)} host(s): {layout}"
+    slurm_nodes = (env.get("SLURM_STEP_NUM_NODES") if job.by_srun else None) \
         or env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES")
     status = "ok"
     if slurm_nodes and slurm_nodes.isdigit() and int(slurm_nodes) != len(by_host):
         # srun spreads a step over its nodes; mpirun may use fewer on purpose
-        status = "FAIL" if by_srun else "warn"
+        status = "FAIL" if job.by_srun else "warn"
         detail += f"; SLURM allocated {slurm_nodes} node(s)"
-    elif len({len(m) for m in members}) > 1:
+    elif len({len(m) for m in job.members}) > 1:
         status, detail = "warn", detail + "; nodes hold different numbers of ranks"
-    rows.append(Check("node layout", status, detail))
+    return [Check("node layout", status, detail)]
 
-    # GPUs per node, CUDA-aware MPI
+
+def _check_gpus(job: _Job) -> List[Check]:
+    """GPUs per node; with --device cuda and --backend mpi, CUDA-aware MPI too."""
+    facts, hosts, members = job.facts, job.hosts, job.members
     gpus_per_node = {hosts[m[0]]: facts[m[0]]["gpus"] for m in members}
     gpu_text = ", ".join(f"{h}: {g}" for h, g in gpus_per_node.items())
-    if args.device != "cuda":
-        rows.append(Check("GPUs", "info", f"per node {gpu_text} (not used: --device cpu)"))
+    if job.args.device != "cuda":
+        return [Check("GPUs", "info", f"per node {gpu_text} (not used: --device cpu)")]
+    no_gpu = [h for h, g in gpus_per_node.items() if g == 0]
+    shared = [hosts[m[0]] for m in members if 0 < facts[m[0]]["gpus"] < len(m)]
+    if no_gpu:
+        rows = [Check("GPUs", "FAIL", f"--device cuda, but no GPU on {', '.join(no_gpu)}"
+                      f" (per node {gpu_text})")]
+    elif shared:
+        rows = [Check("GPUs", "warn", f"more ranks than GPUs on {', '.join(shared)}: "
+                      f"ranks share GPUs (per node {gpu_text})")]
     else:
-        no_gpu = [h for h, g in gpus_per_node.items() if g == 0]
-        shared = [hosts[m[0]] for m in members if 0 < facts[m[0]]["gpus"] < len(m)]
-        if no_gpu:
-            rows.append(Check("GPUs", "FAIL", f"--device cuda, but no GPU on {', '.join(no_gpu)}"
-                              f" (per node {gpu_text})"))
-        elif shared:
-            rows.append(Check("GPUs", "warn", f"more ranks than GPUs on {', '.join(shared)}: "
-                              f"ranks share GPUs (per node {gpu_text})"))
-        else:
-            rows.append(Check("GPUs", "ok", f"per node {gpu_text}"))
-        if args.backend == "mpi":
-            status = {"yes": "ok", "no": "FAIL", "unknown": "warn"}[cuda_aware]
-            rows.append(Check("CUDA-aware MPI", status, {
-                "yes": "MPIX_Query_cuda_support() = 1",
-                "no": "MPIX_Query_cuda_support() = 0: --device cuda with --backend mpi needs an "
-                      "MPI built with CUDA (Open MPI with UCX and CUDA)",
-                "unknown": "this MPI library cannot say (no MPIX_Query_cuda_support); a GPU "
-                           "buffer handed to an MPI without CUDA support crashes"}[cuda_aware]))
+        rows = [Check("GPUs", "ok", f"per node {gpu_text}")]
+    if job.args.backend == "mpi":
+        rows.append(_cuda_aware_row(job.cuda_aware))
+    return rows
 
-    # network interfaces MPI is told to use, and what each node has
+
+def _cuda_aware_row(cuda_aware: str) -> Check:
+    status = {"yes": "ok", "no": "FAIL", "unknown": "warn"}[cuda_aware]
+    return Check("CUDA-aware MPI", status, {
+        "yes": "MPIX_Query_cuda_support() = 1",
+        "no": "MPIX_Query_cuda_support() = 0: --device cuda with --backend mpi needs an "
+              "MPI built with CUDA (Open MPI with UCX and CUDA)",
+        "unknown": "this MPI library cannot say (no MPIX_Query_cuda_support); a GPU "
+                   "buffer handed to an MPI without CUDA support crashes"}[cuda_aware])
+
+
+def _check_network(job: _Job) -> List[Check]:
+    """The network interfaces MPI is told to use, and what each node has."""
+    facts, env, by_host = job.facts, job.env, job.by_host
     told = {k: env[k] for k in NETWORK_ENV if env.get(k)}
     per_node = []
     missing = []
@@ -272,63 +310,69 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
     detail = ("MPI told: " + ", ".join(f"{k}={v}" for k, v in told.items()) if told
               else "MPI chooses (no interface variables set)") + "; " + "; ".join(per_node)
     if missing:
-        rows.append(Check("network interfaces", "FAIL", "; ".join(missing) + "; " + detail))
-    elif len(by_host) > 1 and any(not any(a for n, a in facts[rs[0]]["interfaces"].items()
-                                          if n != "lo") for rs in by_host.values()):
-        rows.append(Check("network interfaces", "warn", "a node has no IPv4 address besides "
-                          "loopback (fine for InfiniBand verbs, not for TCP); " + detail))
-    else:
-        rows.append(Check("network interfaces", "info", detail))
+        return [Check("network interfaces", "FAIL", "; ".join(missing) + "; " + detail)]
+    if len(by_host) > 1 and any(not any(a for n, a in facts[rs[0]]["interfaces"].items()
+                                        if n != "lo") for rs in by_host.values()):
+        return [Check("network interfaces", "warn", "a node has no IPv4 address besides "
+                      "loopback (fine for InfiniBand verbs, not for TCP); " + detail)]
+    return [Check("network interfaces", "info", detail)]
 
-    # the probe
-    if probe is None:
-        rows.append(Check("latency/bandwidth", "info", "not measured (--no-probe)"))
-    else:
-        parts = []
-        for key, label in (("intra", "inside nodes"), ("inter", "between nodes")):
-            link = probe.get(key)
-            if link:
-                parts.append(f"{label} {link['latency_s'] * 1e6:.1f} us, "
-                             f"{link['bandwidth_Bps'] / 1e9:.2f} GB/s")
-        rows.append(Check("latency/bandwidth", "info",
-                          "; ".join(parts) or "one rank: nothing to measure"))
 
-    # Horovod
+def _check_probe(job: _Job) -> List[Check]:
+    """The latency/bandwidth probe's figures (measured before the judging)."""
+    if job.probe is None:
+        return [Check("latency/bandwidth", "info", "not measured (--no-probe)")]
+    parts = []
+    for key, label in (("intra", "inside nodes"), ("inter", "between nodes")):
+        link = job.probe.get(key)
+        if link:
+            parts.append(f"{label} {link['latency_s'] * 1e6:.1f} us, "
+                         f"{link['bandwidth_Bps'] / 1e9:.2f} GB/s")
+    return [Check("latency/bandwidth", "info",
+                  "; ".join(parts) or "one rank: nothing to measure")]
+
+
+def _check_horovod(job: _Job) -> List[Check]:
+    """Horovod on every rank: a failure with --backend horovod, else a warning or a note."""
+    facts, backend = job.facts, job.args.backend
     states = {f["horovod"] for f in facts}
     broken = [r for r, f in enumerate(facts) if f["horovod"].startswith("broken")]
     absent = [r for r, f in enumerate(facts) if f["horovod"] == "not installed"]
     if broken:
-        rows.append(Check("Horovod", "FAIL" if args.backend == "horovod" else "warn",
-                          f"ranks {_ranks_text(broken)}: {facts[broken[0]]['horovod']}"))
-    elif absent:
-        rows.append(Check("Horovod", "FAIL" if args.backend == "horovod" else "info",
-                          f"not installed on ranks {_ranks_text(absent)} (make horovod)"
-                          if len(absent) < size else "not installed (make horovod)"))
-    else:
-        rows.append(Check("Horovod", "ok", "horovod.torch imports on every rank"
-                          if states == {"available"} else ", ".join(sorted(states))))
+        return [Check("Horovod", "FAIL" if backend == "horovod" else "warn",
+                      f"ranks {_ranks_text(broken)}: {facts[broken[0]]['horovod']}")]
+    if absent:
+        return [Check("Horovod", "FAIL" if backend == "horovod" else "info",
+                      f"not installed on ranks {_ranks_text(absent)} (make horovod)"
+                      if len(absent) < job.size else "not installed (make horovod)")]
+    return [Check("Horovod", "ok", "horovod.torch imports on every rank"
+                  if states == {"available"} else ", ".join(sorted(states)))]
 
-    # the data folder, on every rank
+
+def _check_data(job: _Job) -> List[Check]:
+    """The data folder, on every rank (a built-in data set has none)."""
+    facts, dataset = job.facts, job.args.dataset
     bad = [r for r, f in enumerate(facts) if f["data_error"]]
-    if args.dataset not in ("cifar10", "imagefolder"):
-        rows.append(Check("data folder", "ok", f"{args.dataset} is built in: nothing to stage"))
-    elif bad:
-        where = ", ".join(sorted({hosts[r] for r in bad}))
-        rows.append(Check("data folder", "FAIL", f"ranks {_ranks_text(bad)} on {where}: "
-                          f"{facts[bad[0]]['data_error']}"))
-    else:
-        dirs = sorted({f["data_dir"] for f in facts})
-        rows.append(Check("data folder", "ok", f"{args.dataset} readable on every rank in "
-                          f"{', '.join(dirs)}"))
+    if dataset not in ("cifar10", "imagefolder"):
+        return [Check("data folder", "ok", f"{dataset} is built in: nothing to stage")]
+    if bad:
+        where = ", ".join(sorted({job.hosts[r] for r in bad}))
+        return [Check("data folder", "FAIL", f"ranks {_ranks_text(bad)} on {where}: "
+                      f"{facts[bad[0]]['data_error']}")]
+    dirs = sorted({f["data_dir"] for f in facts})
+    return [Check("data folder", "ok", f"{dataset} readable on every rank in {', '.join(dirs)}")]
 
-    # the run directory: free space and a test write, on every rank
-    need = args.min_free_gb * 1e9
+
+def _check_run_dir(job: _Job) -> List[Check]:
+    """The run directory: free space and a test write, on every rank."""
+    facts, min_free_gb = job.facts, job.args.min_free_gb
+    need = min_free_gb * 1e9
     low = [r for r, f in enumerate(facts) if 0 <= f["run_dir"]["free_bytes"] < need]
     unknown = [r for r, f in enumerate(facts) if f["run_dir"]["free_bytes"] < 0]
     ro = [r for r, f in enumerate(facts) if not f["run_dir"]["writable"]]
     least = min(facts, key=lambda f: f["run_dir"]["free_bytes"])["run_dir"]
     detail = f"{least['path']}: {_gib(max(least['free_bytes'], 0))} free where least " \
-             f"(on {least['existing']}), need {args.min_free_gb:g} GB"
+             f"(on {least['existing']}), need {min_free_gb:g} GB"
     problems = []
     if low:
         problems.append(f"too little space for ranks {_ranks_text(low)}")
@@ -336,8 +380,23 @@ def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
         problems.append(f"free space unknown for ranks {_ranks_text(unknown)}")
     if ro:
         problems.append(f"cannot write a file there on ranks {_ranks_text(ro)}")
-    rows.append(Check("run directory", "FAIL" if problems else "ok",
-                      "; ".join(problems + [detail])))
+    return [Check("run directory", "FAIL" if problems else "ok", "; ".join(problems + [detail]))]
+
+
+#: The checks, in the order of the table's rows; each gives one row (GPUs: two with the MPI
+#: backend and --device cuda, the second for CUDA-aware MPI).
+CHECKS = (_check_mpi_library, _check_world_size, _check_node_layout, _check_gpus,
+          _check_network, _check_probe, _check_horovod, _check_data, _check_run_dir)
+
+
+def evaluate(facts: List[dict], args, env: Dict[str, str], mpi_library: str,
+             cuda_aware: str, probe: Optional[dict]) -> List[Check]:
+    """The table's rows from every rank's facts (facts[r] is rank r's), one check of CHECKS
+    after the other; no MPI here."""
+    job = _Job.of(facts, args, env, mpi_library, cuda_aware, probe)
+    rows: List[Check] = []
+    for check in CHECKS:
+        rows.extend(check(job))
     return rows
 
 

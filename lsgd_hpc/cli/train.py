@@ -84,11 +84,13 @@ def _init(backend: str, cfg):
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The trainer: options, the world, the start every rank agrees on, then the run; the
+    exit status."""
     # First, before the heavy imports (torch, MPI): a warning signal is a request from now on.
     stop = StopSignals()
     started = time.monotonic()
     env = dict(os.environ)
-    from lsgd_hpc.cli.config import ConfigError, check_world, parse_config
+    from lsgd_hpc.cli.config import ConfigError, parse_config
     from lsgd_hpc.comm.launcher import launched_alone
 
     cfg, error, code = None, None, EXIT_USAGE
@@ -100,61 +102,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         error = str(exc)
 
     from lsgd_hpc.comm import CommError
-    from lsgd_hpc.data.errors import DataError
     # MPI_Init or the torch process group: every rank gets here, even one whose options
     # failed, so that all of them can agree on the outcome
     try:
         comm = _init(boot_backend(cfg, argv, env), cfg)
     except (CommError, ValueError) as exc:
         return usage_error(str(exc))
-    if error is None and cfg.run_dir and comm.rank == 0:
-        # A record left by an earlier attempt (a resumed or repeated run) goes first: the
-        # record in a run directory is always the latest attempt's.
-        from lsgd_hpc.runtime.completion import clear_completion
-        try:
-            clear_completion(cfg.run_dir)
-        except OSError:
-            pass
     trainer = None
     if error is None:
-        try:
-            check_world(cfg, comm.size, env)
-            if cfg.backend == "horovod":   # hvd.init is collective: every rank must have it
-                from lsgd_hpc.comm.horovod import NOT_INSTALLED, horovod_available
-                if not horovod_available():
-                    raise CommError(NOT_INSTALLED)
-            trainer = Trainer(cfg, env, comm)            # local only: data, model
-            trainer.started = started
-        except (ConfigError, CommError, DataError) as exc:
-            error = str(exc)
-        except Exception as exc:           # not the user's mistake: show it, then agree
-            traceback.print_exc(file=sys.stderr)
-            error, code = f"rank {comm.rank} failed to start: {type(exc).__name__}: {exc}", 1
+        _clear_record(cfg, comm)
+        trainer, error, code = _build_trainer(cfg, env, comm, started)
     message, code, stopped = agree_on_start(comm, error, code, stop.signum)
     if message is not None:
         if comm.rank == 0 and env_rank(env) == 0:
             print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
         return code
     if stopped:
-        # Signalled before step 1: nothing to lose. Warned of the time limit under SLURM, the
-        # job goes back to the queue and starts again (from the last checkpoint set, if any).
-        # Stopped on purpose: a "stopped" record (at the last checkpoint's step), written
-        # before the requeue too, since SLURM may end the ranks as soon as it takes it.
-        requeued = False
-        step = _checkpointed_step(cfg.run_dir) if cfg.run_dir and comm.rank == 0 else None
-        if comm.rank == 0:
-            print("[lsgd_hpc] stop requested during start-up, before any step; nothing to "
-                  "checkpoint", flush=True)
-            if cfg.run_dir:
-                _record(cfg.run_dir, comm, "stopped", step, trainer.total_steps, started,
-                        exit_status=EXIT_STOPPED)
-            if signal.SIGUSR1 in stopped:
-                requeued = _requeue(env)
-        requeued = comm.allgather_object(requeued)[0]
-        if requeued and cfg.run_dir:
-            _record(cfg.run_dir, comm, "stopped", step, trainer.total_steps, started,
-                    requeued=True, exit_status=0)
-        return 0 if requeued else EXIT_STOPPED
+        return _stopped_at_start(cfg, trainer, comm, env, stopped, started)
     if cfg.backend == "horovod":            # every rank agreed: join Horovod now
         comm.groups.free()
         try:
@@ -169,10 +133,76 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if comm.rank == 0:
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    return _run_trainer(trainer, comm)
+
+
+def _clear_record(cfg, comm) -> None:
+    """Rank 0 removes a completion record left by an earlier attempt (a resumed or repeated
+    run): the record in a run directory is always the latest attempt's."""
+    if cfg.run_dir and comm.rank == 0:
+        from lsgd_hpc.runtime.completion import clear_completion
+        try:
+            clear_completion(cfg.run_dir)
+        except OSError:
+            pass
+
+
+def _build_trainer(cfg, env: dict, comm, started: float):
+    """The checks that need the world, then the Trainer's local part (data, model):
+    ``(trainer, error, exit status)``, with error None when it was built. A user's mistake is
+    its one line (exit 2), anything else a traceback on stderr and exit 1."""
+    from lsgd_hpc.cli.config import ConfigError, check_world
+    from lsgd_hpc.comm import CommError
+    from lsgd_hpc.data.errors import DataError
+    try:
+        check_world(cfg, comm.size, env)
+        if cfg.backend == "horovod":   # hvd.init is collective: every rank must have it
+            from lsgd_hpc.comm.horovod import NOT_INSTALLED, horovod_available
+            if not horovod_available():
+                raise CommError(NOT_INSTALLED)
+        trainer = Trainer(cfg, env, comm)            # local only: data, model
+        trainer.started = started
+    except (ConfigError, CommError, DataError) as exc:
+        return None, str(exc), EXIT_USAGE
+    except Exception as exc:           # not the user's mistake: show it, then agree
+        traceback.print_exc(file=sys.stderr)
+        return None, f"rank {comm.rank} failed to start: {type(exc).__name__}: {exc}", 1
+    return trainer, None, EXIT_USAGE
+
+
+def _stopped_at_start(cfg, trainer, comm, env: dict, stopped, started: float) -> int:
+    """Signalled before step 1: nothing to lose. Warned of the time limit under SLURM, the
+    job goes back to the queue and starts again (from the last checkpoint set, if any).
+    Stopped on purpose: a "stopped" record (at the last checkpoint's step), written before the
+    requeue too, since SLURM may end the ranks as soon as it takes it. The exit status."""
+    run_dir = cfg.run_dir
+    requeued = False
+    step = _checkpointed_step(run_dir) if run_dir and comm.rank == 0 else None
+    if comm.rank == 0:
+        print("[lsgd_hpc] stop requested during start-up, before any step; nothing to "
+              "checkpoint", flush=True)
+        if run_dir:
+            _record(run_dir, comm, "stopped", step, trainer.total_steps, started,
+                    exit_status=EXIT_STOPPED)
+        if signal.SIGUSR1 in stopped:
+            requeued = _requeue(env)
+    requeued = comm.allgather_object(requeued)[0]
+    if requeued and run_dir:
+        _record(run_dir, comm, "stopped", step, trainer.total_steps, started,
+                requeued=True, exit_status=0)
+    return 0 if requeued else EXIT_STOPPED
+
+
+def _run_trainer(trainer: "Trainer", comm) -> int:
+    """``trainer.run()`` (after --inject-failure's testing hook): its status, or an error's.
+    An unrecoverable loss of ranks is one line on every survivor (no traceback); any other
+    exception ends every rank now (fail fast: comm.abort). After the run, the warning signals
+    are ignored."""
+    cfg = trainer.cfg
     if cfg.inject_failure:                 # testing: ranks that SIGKILL themselves
-        from lsgd_hpc.comm.faults import inject_failures
+        from lsgd_hpc.comm.injection import inject_failures
         inject_failures(cfg.inject_failure, comm)
-    from lsgd_hpc.comm.faults import EXIT_UNRECOVERABLE, UnrecoverableFailure
+    from lsgd_hpc.comm.failures import EXIT_UNRECOVERABLE, UnrecoverableFailure
     try:
         status = trainer.run()
     except UnrecoverableFailure as exc:
@@ -310,66 +340,26 @@ class Trainer:
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> int:
-        from lsgd_hpc.cli.build import lr_at
-        from lsgd_hpc.cli.config import straggler_of
+        """Train to the end of the budget (or of the method's own schedule), or until a stop
+        request; the exit status. ``compute_seconds`` is the metrics writer's clock (the
+        writer times every ``method.step``: runtime.run_metrics.RunMetrics)."""
         from lsgd_hpc.comm.monitor import MONITOR
-        torch, cfg, method, metrics = self.torch, self.cfg, self.method, self.metrics
-        resumed = self.checkpointer.restore() if cfg.resume else None
-        if resumed is None:
-            self._start_fresh()
-        metrics.flush()
-        step = method.steps
-        self.progress.start(resumed, self.checkpointer.skipped, time.perf_counter(), step)
-        loss_fn = torch.nn.CrossEntropyLoss()
+        method = self.method
+        step = self._begin()
+        loss_fn = self.torch.nn.CrossEntropyLoss()
         self.model.train()
         # A method that owns its schedule ends training itself (ranks take uneven steps).
         owns = self.rule.owns_schedule
         last_step = math.inf if owns else self.total_steps
-        straggler = straggler_of(cfg)
-        sleep_s = straggler[1] if straggler and straggler[0] == self.rank else 0.0
-        stats = self.comm.stats
-        # traffic inside a worker (--worker-ranks) is communication too, counted apart
-        wstats = method.worker_stats
+        sleep_s = self._straggler_seconds()
         MONITOR.step = step
+        last = None          # the last step's (loss, output, labels, lr)
         while step < last_step:
             # to the end of this step's epoch (where a reshard after lost ranks begins)
             for xb, yb in self.batches.from_step(step):
-                xb = xb.to(self.device, non_blocking=True)
-                yb = yb.to(self.device, non_blocking=True)
-                t0 = time.perf_counter()
-                comm0 = stats.seconds + stats.overhead_seconds + stats.probe_seconds \
-                    + (wstats.seconds if wstats is not None else 0.0)
-                lr = lr_at(cfg, min(step, self.total_steps), self.total_steps)
-                for group in self.opt.param_groups:
-                    group["lr"] = lr
-                with torch.autocast(self.device.type, dtype=self.amp_dtype,
-                                    enabled=self.amp_dtype is not None):
-                    out = self.model(xb)
-                    loss = loss_fn(out, yb)
-                method.zero_grad()
-                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-                if cfg.grad_clip:
-                    method.synchronize()         # clip the averaged gradient (allreduce)
-                    if self.scaler is not None:
-                        self.scaler.unscale_(self.opt)
-                    torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-                if sleep_s:
-                    time.sleep(sleep_s)      # --straggler: this rank is slow
-                MONITOR.step = step + 1
-                loss_v = float(loss.detach())
-                # the optimizer step and the method's communication (with the consensus
-                # probe between the two, at the same point of every method's cycle)
-                method.step(loss_v, scaler=self.scaler)
+                last = self._train_step(step, xb, yb, loss_fn, sleep_s)
                 step = method.steps
-                metrics.compute_seconds += (time.perf_counter() - t0) - (
-                    stats.seconds + stats.overhead_seconds + stats.probe_seconds - comm0
-                    + (wstats.seconds if wstats is not None else 0.0))
-                self.progress.losses.append(loss_v)
-                if step % cfg.log_every == 0 or step == self.total_steps:
-                    self._log_train(step, loss_v, out, yb, lr)
-                if step % cfg.eval_every == 0 or step == self.total_steps:
-                    with metrics.measuring():
-                        self.progress.evaluated(step, self.evaluate(step), time.perf_counter())
+                self._log_and_evaluate(step, *last)
                 # what the method agreed on after this step (the same on every rank)
                 if method.checkpoint_due:
                     self.checkpointer.save()
@@ -379,10 +369,77 @@ class Trainer:
                     last_step = step
                 if step >= last_step:
                     break
-        method.drain()
+        return self._finish(step, owns, last)
+
+    def _begin(self) -> int:
+        """Resume from the latest checkpoint (--resume) or start fresh; the step to go on
+        from."""
+        resumed = self.checkpointer.restore() if self.cfg.resume else None
+        if resumed is None:
+            self._start_fresh()
+        self.metrics.flush()
+        step = self.method.steps
+        self.progress.start(resumed, self.checkpointer.skipped, time.perf_counter(), step)
+        return step
+
+    def _straggler_seconds(self) -> float:
+        """--straggler: the seconds this rank sleeps in every step (0: not the slow rank)."""
+        from lsgd_hpc.cli.config import straggler_of
+        straggler = straggler_of(self.cfg)
+        return straggler[1] if straggler and straggler[0] == self.rank else 0.0
+
+    def _train_step(self, step: int, xb, yb, loss_fn, sleep_s: float):
+        """One training step on a minibatch: forward, backward (gradient clipping), then
+        ``method.step`` (the optimizer step and the method's communication). Returns
+        ``(loss, output, labels, lr)`` for the step's rows."""
+        from lsgd_hpc.cli.build import lr_at
+        from lsgd_hpc.comm.monitor import MONITOR
+        torch, cfg, method = self.torch, self.cfg, self.method
+        xb = xb.to(self.device, non_blocking=True)
+        yb = yb.to(self.device, non_blocking=True)
+        lr = lr_at(cfg, min(step, self.total_steps), self.total_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast(self.device.type, dtype=self.amp_dtype,
+                            enabled=self.amp_dtype is not None):
+            out = self.model(xb)
+            loss = loss_fn(out, yb)
+        method.zero_grad()
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if cfg.grad_clip:
+            method.synchronize()         # clip the averaged gradient (allreduce)
+            if self.scaler is not None:
+                self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if sleep_s:
+            time.sleep(sleep_s)      # --straggler: this rank is slow
+        MONITOR.step = step + 1
+        loss_v = float(loss.detach())
+        # the optimizer step and the method's communication (with the consensus
+        # probe between the two, at the same point of every method's cycle)
+        method.step(loss_v, scaler=self.scaler)
+        return loss_v, out, yb, lr
+
+    def _log_and_evaluate(self, step: int, loss_v: float, out, yb, lr: float) -> None:
+        """The /train row every --log-every steps and an evaluation every --eval-every steps
+        (and both at the last step of the budget)."""
+        cfg = self.cfg
+        self.progress.losses.append(loss_v)
+        if step % cfg.log_every == 0 or step == self.total_steps:
+            self._log_train(step, loss_v, out, yb, lr)
+        if step % cfg.eval_every == 0 or step == self.total_steps:
+            with self.metrics.measuring():
+                self.progress.evaluated(step, self.evaluate(step), time.perf_counter())
+
+    def _finish(self, step: int, owns: bool, last) -> int:
+        """The end of the run at ``step`` (``owns``: the method owns its schedule; ``last``:
+        that step's (loss, output, labels, lr)): the last rows, the final checkpoint, the
+        metrics closed, then rank 0 records the run as complete. The exit status (0)."""
+        cfg, metrics = self.cfg, self.metrics
+        self.method.drain()
         if owns and step != self.total_steps:   # the last step's rows (uneven steps)
             if step % cfg.log_every:
-                self._log_train(step, loss_v, out, yb, lr)
+                self._log_train(step, *last)
             if step % cfg.eval_every:
                 with metrics.measuring():
                     self.evaluate(step)
@@ -391,10 +448,10 @@ class Trainer:
         self.progress.done(step, metrics.wall(), os.path.join(self.run_dir, "metrics"))
         # every rank's file is closed before rank 0 records the run as complete (the last
         # step: the furthest rank's, for a method whose ranks take uneven steps)
-        last = max(self.comm.allgather_object(step))
+        furthest = max(self.comm.allgather_object(step))
         if self.watchdog is not None:
             self.watchdog.stop()
-        _record(self.run_dir, self.comm, "complete", last, self.total_steps, self.started)
+        _record(self.run_dir, self.comm, "complete", furthest, self.total_steps, self.started)
         self.comm.groups.free()
         return 0
 

@@ -102,6 +102,12 @@ class GradBuckets:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i)))
         self._reset()
 
+    def abandon(self) -> None:
+        """Forget the allreduces in flight and a failure kept (their communicator died with
+        lost ranks, on_failure="shrink"); the next backward starts afresh."""
+        self.failure = None
+        self._reset()
+
     def _reset(self) -> None:
         self.missing = list(self.expected)
         self.arrived = [False] * len(self.bucket_of)
@@ -141,7 +147,7 @@ class GradBuckets:
         try:
             call(*args)
         except Exception as exc:                  # noqa: BLE001
-            from lsgd_hpc.comm.faults import is_process_failure
+            from lsgd_hpc.comm.failures import is_process_failure
             if not is_process_failure(exc):
                 raise
             self.failure = exc

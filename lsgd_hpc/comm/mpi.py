@@ -106,14 +106,14 @@ def _buffer_key(t: torch.Tensor) -> tuple:
 
 def _failure_of(exc: BaseException, comm=None):
     """The ProcessFailure an mpi4py error stands for (a dead rank, a revoked communicator:
-    lsgd_hpc.comm.faults), or None."""
-    from lsgd_hpc.comm.faults import mpi_failure
+    lsgd_hpc.comm.failures), or None."""
+    from lsgd_hpc.comm.failures import mpi_failure
     return mpi_failure(exc, comm)
 
 
 class _Watched(_Inside):
     """A blocking collective, numbered for the watchdog; an MPI error of a dead rank or a
-    revoked communicator leaves it as ProcessFailure (lsgd_hpc.comm.faults)."""
+    revoked communicator leaves it as ProcessFailure (lsgd_hpc.comm.failures)."""
 
     __slots__ = ("mpi_comm",)
 

@@ -24,20 +24,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams
-from lsgd_hpc.comm.faults import injection_point
-from lsgd_hpc.comm.workers import WorkerRanks, build_workers, worker_layout, \
-    worker_layout_problem
+from lsgd_hpc.comm.accounting import uncounted
+from lsgd_hpc.comm.injection import injection_point
+from lsgd_hpc.comm.stack import compose
+from lsgd_hpc.comm.workers import WorkerRanks, worker_layout, worker_layout_problem
+from lsgd_hpc.methods.recovery import Recoverable, refusal
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
-                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule,
-                                    uncounted)
+                                    GossipRule, LeaderRule, LocalSGDRule, SlowMoRule)
 from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.rules.workers import WorkerRule
 from lsgd_hpc.methods.spec import (COMMON_OPTIONS, QUANTIZED_COMM_DTYPES, MethodSpec, OptionError,
@@ -58,18 +58,45 @@ def _check_count(name: str, value, low: int) -> int:
     return value
 
 
-#: the workers built on a job's world, per (node layout, worker_ranks): every method on that
-#: world with that grouping shares them (as methods share the world and its counters)
-_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consensus_every,
+                  stop_check_every, comm_dtype, error_feedback) -> None:
+    """The options every method takes (the same checks on every rank, before any
+    collective)."""
+    if max_steps is not None:
+        _check_count("max_steps", max_steps, 1)
+    _check_count("checkpoint_every", checkpoint_every, 0)
+    _check_count("consensus_every", consensus_every, 0)
+    _COMMON["stop_check_every"].check(stop_check_every)
+    _COMMON["comm_dtype"].check(comm_dtype)
+    problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), name)
+    if problem:
+        raise OptionError("comm_dtype", problem)
+    _COMMON["error_feedback"].check(error_feedback)
+    problem = error_feedback_problem(error_feedback, comm_dtype)
+    if problem:
+        raise OptionError("error_feedback", problem)
+    if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
+        from lsgd_hpc.comm.quantized import kind_problem
+        first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
+        problem = kind_problem(comm_dtype, None if first is None else first.device)
+        if problem:
+            raise OptionError("comm_dtype", problem)
 
 
-def _workers_of(comm, worker_ranks):
-    """Collective over ``comm.world`` the first time (every rank builds a method alike)."""
-    per_world = _WORKERS.setdefault(comm.world, {})
-    key = (tuple(comm.groups.node_of), worker_ranks)
-    if key not in per_world:
-        per_world[key] = build_workers(comm.world, comm.groups, worker_ranks)
-    return per_world[key]
+def _agree_on_model(world, model, optimizer, where: str) -> None:
+    """Collective: every rank checks its own model and all agree before anything else, so a
+    model one rank cannot handle stops every rank with the same message."""
+    problem = _model_problem(model, optimizer)
+    n = sum(p.numel() for p in model.parameters()) if problem is None else -1
+    shapes = world.allgather_object((problem, n))
+    bad = [r for r, (p, _) in enumerate(shapes) if p]
+    if bad:
+        detail = "" if len(bad) == len(shapes) else f" (on rank {bad[0]} of {len(shapes)})"
+        raise ValueError(f"{where}: {shapes[bad[0]][0]}{detail}")
+    if len({s for _, s in shapes}) > 1:
+        raise ValueError(f"{where}: the ranks' models differ in size "
+                         f"({sorted({s for _, s in shapes})} parameters); every rank must "
+                         "build the same model")
 
 
 def _model_problem(model, optimizer) -> Optional[str]:
@@ -104,7 +131,7 @@ def _model_problem(model, optimizer) -> Optional[str]:
     return None
 
 
-class Method:
+class Method(Recoverable):
     """A training method in the user's own loop (see the module docstring).
 
     Options common to every method:
@@ -160,82 +187,58 @@ class Method:
         layout = self._worker_layout(comm, worker_ranks)
         opts = self.spec.resolve(options, world_size=comm.size if layout is None
                                  else layout.n_workers, where=type(self).__name__)
-        if max_steps is not None:
-            _check_count("max_steps", max_steps, 1)
-        _check_count("checkpoint_every", checkpoint_every, 0)
-        _check_count("consensus_every", consensus_every, 0)
-        _COMMON["stop_check_every"].check(stop_check_every)
-        _COMMON["comm_dtype"].check(comm_dtype)
-        problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), self.spec.name)
-        if problem:
-            raise OptionError("comm_dtype", problem)
-        _COMMON["error_feedback"].check(error_feedback)
-        problem = error_feedback_problem(error_feedback, comm_dtype)
-        if problem:
-            raise OptionError("error_feedback", problem)
-        if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
-            from lsgd_hpc.comm.quantized import kind_problem
-            first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
-            problem = kind_problem(comm_dtype, None if first is None else first.device)
-            if problem:
-                raise OptionError("comm_dtype", problem)
+        _check_common(comm, model, self.spec.name, max_steps=max_steps,
+                      checkpoint_every=checkpoint_every, consensus_every=consensus_every,
+                      stop_check_every=stop_check_every, comm_dtype=comm_dtype,
+                      error_feedback=error_feedback)
         self.check_usage(opts, model, optimizer)
-        from lsgd_hpc.methods import recovery
-        if getattr(comm, "_ft", None) is not None:              # on_failure="shrink"
-            problem = recovery.refusal(self.name, opts, worker_ranks)
+        self._fault_tolerance = getattr(comm, "fault_tolerance", None)
+        if self._fault_tolerance is not None:              # on_failure="shrink"
+            problem = refusal(self.name, opts, worker_ranks)
             if problem:
                 raise ValueError(problem)
-        # Every rank checks its own model; all agree before anything else, so a model one
-        # rank cannot handle stops every rank with the same message.
-        problem = _model_problem(model, optimizer)
-        n = sum(p.numel() for p in model.parameters()) if problem is None else -1
-        shapes = comm.world.allgather_object((problem, n))
-        bad = [r for r, (p, _) in enumerate(shapes) if p]
-        if bad:
-            where = "" if len(bad) == len(shapes) else f" (on rank {bad[0]} of {len(shapes)})"
-            raise ValueError(f"{type(self).__name__}: {shapes[bad[0]][0]}{where}")
-        if len({s for _, s in shapes}) > 1:
-            raise ValueError(f"{type(self).__name__}: the ranks' models differ in size "
-                             f"({sorted({s for _, s in shapes})} parameters); every rank must "
-                             "build the same model")
-        self.model, self.optimizer, self.comm = model, optimizer, comm
-        self.options = opts
-        self.world, self.groups = comm.world, comm.groups
-        self.worker_ranks = worker_ranks
-        #: this rank's worker and the world of workers (None: every rank is a worker)
-        self.workers = None if layout is None else _workers_of(comm, worker_ranks)
-        if self.workers is not None:              # the method runs between workers
-            self.groups = self.workers.groups
-            self.world = self.groups.world
-        self.comm_dtype, self.error_feedback = comm_dtype, error_feedback
-        #: the quantized groups (int8/fp8), whose residuals are part of state_dict
-        self.wire = None
-        if comm_dtype in QUANTIZED_COMM_DTYPES:   # what the method sends, in one byte
-            from lsgd_hpc.comm.quantized import quantized_groups
-            self.groups = self.wire = quantized_groups(self.groups, comm_dtype, error_feedback)
-            self.world = self.groups.world
-        elif comm_dtype != "fp32":                # what the method sends, in bfloat16
-            from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
-            self.groups = low_precision_groups(self.groups, WIRE_DTYPES[comm_dtype])
-            self.world = self.groups.world
+        _agree_on_model(comm.world, model, optimizer, type(self).__name__)
+        self.model, self.optimizer, self.comm, self.options = model, optimizer, comm, opts
+        self.worker_ranks, self.comm_dtype = worker_ranks, comm_dtype
+        self.error_feedback = error_feedback
+        #: the communicators: workers, wire format, failure policy (lsgd_hpc.comm.stack)
+        self.stack = compose(comm, workers=layout is not None, worker_ranks=worker_ranks,
+                             comm_dtype=comm_dtype, error_feedback=error_feedback)
+        self.world, self.groups = self.stack.world, self.stack.groups
+        self.workers, self.wire = self.stack.workers, self.stack.wire
         self.flat = FlatParams(model)
         self.log = metrics.log if metrics is not None else (lambda group, **row: None)
-        self.rule = self.build(opts)
-        # a rule with collectives in flight across steps moves them on during backward
+        self.rule = self._build_rule(opts, metrics, consensus_every)
+        self._init_loop(max_steps, checkpoint_every, consensus_every, stop, stop_check_every)
+        if broadcast_initial:
+            self.broadcast_initial()
+        if self._fault_tolerance is not None:   # restored after every recovery
+            self._fault_tolerance.register(self)
+
+    def _build_rule(self, opts, metrics, consensus_every: int):
+        """The method's rule over its communicators, with allreduce SGD inside each worker
+        when workers span ranks; a rule with collectives in flight across steps moves them
+        on during backward (gradient hooks)."""
+        rule = self.build(opts)
         self._progress_hooks = []
-        if self.rule.overlaps and self.world.size > 1:
-            progress = self.rule.progress
+        if rule.overlaps and self.world.size > 1:
+            progress = rule.progress
             self._progress_hooks = [p.register_post_accumulate_grad_hook(
-                lambda _p: progress()) for p in model.parameters() if p.requires_grad]
+                lambda _p: progress()) for p in self.model.parameters() if p.requires_grad]
         if metrics is not None:
-            self.rule.track = getattr(metrics, "track", self.rule.track)
+            rule.track = getattr(metrics, "track", rule.track)
         if self.workers is not None:              # allreduce SGD inside each worker
             allreduce = SPECS["allreduce"]
-            self.rule = WorkerRule(
-                self.rule, self.workers, self.flat,
+            rule = WorkerRule(
+                rule, self.workers, self.flat,
                 bucket_bytes=int(allreduce.option("bucket_mb").default * 2**20),
                 check_every=allreduce.option("check_replicas_every").default)
-        self.rule.consensus_every = consensus_every
+        rule.consensus_every = consensus_every
+        return rule
+
+    def _init_loop(self, max_steps, checkpoint_every: int, consensus_every: int, stop,
+                   stop_check_every: int) -> None:
+        """The loop's counters and flags, and the agreement on a stop signal."""
         self.consensus_every = consensus_every
         self.max_steps, self.checkpoint_every = max_steps, checkpoint_every
         self.stop_signals = stop
@@ -244,32 +247,25 @@ class Method:
         #: callables run (no argument) at the end of every ``step``, its communication done
         #: (RunMetrics' compute clock: lsgd_hpc/runtime/run_metrics.py)
         self.step_listeners: List[Callable[[], None]] = []
-        self.done = False
-        self.closed = False
-        self.stopping = False
-        self.checkpoint_due = False
+        self.done = self.closed = self.stopping = self.checkpoint_due = False
         self._synced = False
         # on_failure="shrink" (methods/recovery.py): the part of a step running now, and a
         # step to drop after a recovery inside the user's synchronize()
         self._phase = None
         self._drop_next = False
-        params = [p for p in model.parameters()]
-        self._grad_views = [(p, self.flat.grad[off:off + n].view_as(p))
-                            for p, (_, off, n) in zip(params, self.flat.slices) if p.requires_grad]
+        self._grad_views = [(p, self.flat.grad[off:off + n].view_as(p)) for p, (_, off, n)
+                            in zip(self.model.parameters(), self.flat.slices) if p.requires_grad]
+        self._agreement = None
         if self.rule.owns_schedule:
             if max_steps is None:
                 raise ValueError(f"{type(self).__name__}: max_steps is required (its ranks take "
                                  "uneven numbers of steps and agree on when to end)")
             self.rule.set_schedule(max_steps, checkpoint_every)
-            self._agreement = None
-        else:
+        elif stop:
             from lsgd_hpc.runtime.stopping import StopAgreement
             # (with workers, a signal may reach any rank: agreed over every rank of the job)
-            over = self.world if self.workers is None else comm.world
-            self._agreement = StopAgreement(over, stop_check_every) if stop else None
-        if broadcast_initial:
-            self.broadcast_initial()
-        recovery.attach(self)          # on_failure="shrink": restored after every recovery
+            over = self.world if self.workers is None else self.comm.world
+            self._agreement = StopAgreement(over, stop_check_every)
 
     # -- what subclasses define --------------------------------------------------------------
     def check_usage(self, opts: Dict[str, Any], model, optimizer) -> None:
@@ -348,11 +344,10 @@ class Method:
         for the others). Call it after backward and before anything that reads or changes
         the gradients, such as ``clip_grad_norm_`` or ``GradScaler.unscale_``; ``step``
         then does not communicate the gradients again."""
-        if getattr(self.comm, "_ft", None) is None or self._synced:
+        if self._fault_tolerance is None or self._synced:
             return self._synchronize()
-        from lsgd_hpc.methods.recovery import guarded
         self._phase = "sync"
-        guarded(self, self._synchronize)
+        self._guarded(self._synchronize)
         if self._phase == "sync":
             self._phase = None
 
@@ -378,17 +373,16 @@ class Method:
                                "released its hooks; build a new one to train on")
         if self.done:
             raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
-        if getattr(self.comm, "_ft", None) is None:
+        if self._fault_tolerance is None:
             # the testing hook (a no-op without a plan) under on_failure="abort" too
             injection_point("step", self.steps + 1, self.comm)
             self._step(loss, scaler)
             return self._stepped()
-        from lsgd_hpc.methods.recovery import guarded
         if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
             self._drop_next = self._synced = False
             return None
         injection_point("step", self.steps + 1, self.comm)
-        guarded(self, self._step, loss, scaler)
+        self._guarded(self._step, loss, scaler)
         self._phase = None
         self._stepped()
 
@@ -510,28 +504,13 @@ class Method:
         self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
                          and self.steps >= self.max_steps)
 
-    # -- after a failure (on_failure="shrink"; methods/recovery.py) ---------------------------
-    def _ft_prepare(self, ctx) -> None:
-        from lsgd_hpc.methods.recovery import prepare
-        prepare(self, ctx)
-
-    def _ft_restore(self, ctx) -> None:
-        from lsgd_hpc.methods.recovery import restore
-        restore(self, ctx)
-
-    def _rejoin(self, info) -> str:
-        """A full-size resume of a survivors' checkpoint (Checkpointer.restore): the lost
-        ranks take their parameters (methods/recovery.py, ``rejoin``); collective."""
-        from lsgd_hpc.methods.recovery import rejoin
-        return rejoin(self, info)
-
     def close(self) -> None:
         """Finish what is in flight and release hooks (the communicators stay the user's).
         ``step`` is refused afterwards; closing twice does nothing."""
         if self.closed:
             return
-        if getattr(self.comm, "_ft", None) is not None:
-            self.comm._ft.unregister(self)
+        if self._fault_tolerance is not None:
+            self._fault_tolerance.unregister(self)
         self.drain()
         self._remove_hooks()
         self.closed = True
@@ -551,8 +530,8 @@ class Method:
         if exc_type is None:
             self.close()
         else:            # leave in-flight collectives alone: other ranks may never post theirs
-            if getattr(self.comm, "_ft", None) is not None:
-                self.comm._ft.unregister(self)
+            if self._fault_tolerance is not None:
+                self._fault_tolerance.unregister(self)
             self._remove_hooks()
             self.closed = True
         return False

@@ -153,40 +153,53 @@ def _valid_topology(name: str, p: int) -> bool:
     return True
 
 
-def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
-    """Predicted cost of every method, with the recommended periods and topology."""
-    c = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter, mem_Bps=inp.mem_Bps)
-    w = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
-                    element_bytes=WIRE_BYTES[inp.comm_dtype])
-    # what a method that cannot send that dtype sends (int8 and fp8 are refused for allreduce
-    # SGD and gossip: they run in fp32)
-    w_full = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+class _Costing:
+    """``cost(method, **options)``: a method's predicted cost on the plan's cluster, with what
+    it sends (``inp.comm_dtype``; fp32 for a method that cannot send it: int8 and fp8 are
+    refused for allreduce SGD and gossip, which then run in fp32)."""
 
-    def load(method: str) -> cm.Workload:
-        return w_full if comm_dtype_problem(inp.comm_dtype, "mpi", method) else w
+    def __init__(self, inp: PlanInputs, facts: ModelFacts):
+        self.inp = inp
+        self.cluster = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter,
+                                  mem_Bps=inp.mem_Bps)
+        self.workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
+                                    element_bytes=WIRE_BYTES[inp.comm_dtype])
+        self.full_workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+        self.coll = cm.Collectives(inp.allreduce)
+        # the cluster the methods run on: the ranks, or the workers' first ranks
+        # (--worker-ranks)
+        c = self.cluster
+        self.methods_cluster = c if inp.worker_ranks == 1 else \
+            cm.workers_cluster(c, cm.worker_size(c, inp.worker_ranks))
 
-    coll = cm.Collectives(inp.allreduce)
-    share = inp.max_comm_share
+    def load(self, method: str) -> cm.Workload:
+        return self.full_workload if comm_dtype_problem(self.inp.comm_dtype, "mpi", method) \
+            else self.workload
 
-    def cost(method: str, **options) -> cm.MethodCost:
-        return cm.method_cost(method, load(method), c, options, coll=coll,
-                              worker_ranks=inp.worker_ranks)
+    def __call__(self, method: str, **options) -> cm.MethodCost:
+        return cm.method_cost(method, self.load(method), self.cluster, options, coll=self.coll,
+                              worker_ranks=self.inp.worker_ranks)
 
-    # the cluster the methods run on: the ranks, or the workers' first ranks (--worker-ranks)
-    cw = c if inp.worker_ranks == 1 else cm.workers_cluster(c, cm.worker_size(c, inp.worker_ranks))
+
+def _lsgd_periods(cost: _Costing, share: float) -> Tuple[int, int]:
+    """LSGD's (tau_L, tau_G): tau_G first (with tau_L = tau_G), then the smallest tau_L that
+    divides it (on a cluster of several nodes of several ranks each)."""
+    tau_g, _ = cm.smallest_period(lambda t: cost("lsgd", tau_local=t, tau_global=t), share)
+    cw = cost.methods_cluster
+    if 1 < cw.nodes < cw.ranks:
+        for t in (2 ** k for k in range(0, int(math.log2(tau_g)) + 1)):
+            if cost("lsgd", tau_local=t, tau_global=tau_g).comm_share <= share:
+                return t, tau_g
+    return tau_g, tau_g
+
+
+def _periodic_methods(cost: _Costing, share: float) -> Tuple[List[cm.MethodCost], Dict]:
+    """Allreduce SGD and the periodic methods at their recommended periods: their costs, and
+    the recommended settings (plan's "recommended", less local SGD's cost ratio and gossip)."""
     # allreduce SGD at its defaults (buckets of bucket_mb), no overlap counted (a CPU MPI
     # progresses non-blocking collectives only inside MPI calls)
     rows: List[cm.MethodCost] = [cost("allreduce")]
-    multi = 1 < cw.nodes < cw.ranks
-
-    # LSGD: tau_G first (with tau_L = tau_G), then the smallest tau_L that divides it.
-    tau_g, _ = cm.smallest_period(lambda t: cost("lsgd", tau_local=t, tau_global=t), share)
-    tau_l = tau_g
-    if multi:
-        for t in (2 ** k for k in range(0, int(math.log2(tau_g)) + 1)):
-            if cost("lsgd", tau_local=t, tau_global=tau_g).comm_share <= share:
-                tau_l = t
-                break
+    tau_l, tau_g = _lsgd_periods(cost, share)
     rows.append(cost("lsgd", tau_local=tau_l, tau_global=tau_g))
     tau_e, easgd_cost = cm.smallest_period(lambda t: cost("easgd", easgd_tau=t), share)
     rows.append(easgd_cost)
@@ -199,9 +212,17 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     # multiple of T)
     slow_every = T * max(1, math.ceil(SLOWMO_EVERY / T))
     rows.append(cost("slowmo", local_steps=T, slowmo_every=slow_every))
+    return rows, {"lsgd": {"tau_local": tau_l, "tau_global": tau_g},
+                  "easgd": {"tau": tau_e}, "diloco": {"H": H},
+                  "slowmo": {"T": T, "every": slow_every}, "local-sgd": {"T": T}}
 
+
+def _gossip_rows(cost: _Costing) -> List[Dict]:
+    """Gossip on every topology that fits the methods' cluster: cost and spectral gap per step
+    (``"cost"``: the MethodCost)."""
+    cw = cost.methods_cluster
     node_of = cw.node_of()
-    gossip_rows = []
+    rows = []
     for name in _topologies():
         if name == "hypercube" and cw.ranks & (cw.ranks - 1):
             continue
@@ -209,45 +230,57 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
             g_cost = cost("gossip", topology=name)
         except ValueError:
             continue
-        gossip_rows.append({"topology": name, "step_s": g_cost.step_s,
-                            "comm_share": g_cost.comm_share,
-                            "bytes_per_step": g_cost.bytes_per_step,
-                            "gap_per_step": _per_step_gap(name, cw.ranks, node_of),
-                            "cost": g_cost})
+        rows.append({"topology": name, "step_s": g_cost.step_s,
+                     "comm_share": g_cost.comm_share, "bytes_per_step": g_cost.bytes_per_step,
+                     "gap_per_step": _per_step_gap(name, cw.ranks, node_of), "cost": g_cost})
+    return rows
+
+
+def _best_gossip(gossip_rows: List[Dict], share: float) -> Tuple[Dict, str]:
+    """The recommended topology and why: the largest spectral gap per step among those within
+    ``share``, else the cheapest."""
     within = [g for g in gossip_rows
               if g["comm_share"] <= share and not math.isnan(g["gap_per_step"])]
     if within:
         best = max(within, key=lambda g: (g["gap_per_step"], -g["step_s"]))
-        why = f"largest spectral gap per step with comm share <= {share:.0%}"
-    else:
-        best = min(gossip_rows, key=lambda g: g["step_s"])
-        why = f"no topology within {share:.0%} comm share: the cheapest"
-    rows.append(best["cost"])
+        return best, f"largest spectral gap per step with comm share <= {share:.0%}"
+    best = min(gossip_rows, key=lambda g: g["step_s"])
+    return best, f"no topology within {share:.0%} comm share: the cheapest"
 
-    # cost ratio r of one averaging round to one local step (what local SGD's auto T
-    # measures; with workers a local step includes the gradient's allreduce inside them)
+
+def _cost_ratio(cost: _Costing) -> float:
+    """Cost ratio r of one averaging round to one local step (what local SGD's auto T
+    measures; with workers a local step includes the gradient's allreduce inside them)."""
     one = cost("local-sgd", local_steps=1)
     round_s = getattr(one, "between_s", one.comm_s)
-    local_step_s = w.compute_s + getattr(one, "inside_s", 0.0)
+    local_step_s = cost.workload.compute_s + getattr(one, "inside_s", 0.0)
+    return round_s / local_step_s if local_step_s > 0 else math.inf
 
-    def method_row(r: cm.MethodCost) -> Dict:
-        row = dict(method=r.method, setting=r.setting, step_s=r.step_s,
-                   compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
-                   bytes_per_step=r.bytes_per_step)
-        if isinstance(r, cm.WorkerCost):
-            row.update(inside_s=r.inside_s, between_s=r.between_s,
-                       worker_bytes_per_step=r.worker_bytes_per_step)
-        return row
+
+def _method_row(r: cm.MethodCost) -> Dict:
+    row = dict(method=r.method, setting=r.setting, step_s=r.step_s,
+               compute_s=r.compute_s, comm_s=r.comm_s, comm_share=r.comm_share,
+               bytes_per_step=r.bytes_per_step)
+    if isinstance(r, cm.WorkerCost):
+        row.update(inside_s=r.inside_s, between_s=r.between_s,
+                   worker_bytes_per_step=r.worker_bytes_per_step)
+    return row
+
+
+def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
+    """Predicted cost of every method, with the recommended periods and topology."""
+    cost = _Costing(inp, facts)
+    share = inp.max_comm_share
+    rows, recommended = _periodic_methods(cost, share)
+    gossip_rows = _gossip_rows(cost)
+    best, why = _best_gossip(gossip_rows, share)
+    rows.append(best["cost"])
+    recommended["local-sgd"]["cost_ratio"] = _cost_ratio(cost)
+    recommended["gossip"] = {"topology": best["topology"], "why": why}
     return {
         "inputs": _inputs_dict(inp, facts),
-        "methods": [method_row(r) for r in rows],
-        "recommended": {"lsgd": {"tau_local": tau_l, "tau_global": tau_g},
-                        "easgd": {"tau": tau_e}, "diloco": {"H": H},
-                        "slowmo": {"T": T, "every": slow_every},
-                        "local-sgd": {"T": T,
-                                      "cost_ratio": round_s / local_step_s
-                                      if local_step_s > 0 else math.inf},
-                        "gossip": {"topology": best["topology"], "why": why}},
+        "methods": [_method_row(r) for r in rows],
+        "recommended": recommended,
         "gossip": [{k: v for k, v in g.items() if k != "cost"} for g in gossip_rows],
     }
 

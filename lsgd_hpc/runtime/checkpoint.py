@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from lsgd_hpc.comm.faults import injection_point
+from lsgd_hpc.comm.injection import injection_point
 
 __all__ = ["Checkpointer", "Rejoin", "save_rank", "commit_set", "latest_checkpoint",
            "load_rank", "atomic_write", "resume_problem"]
@@ -236,7 +236,7 @@ class Checkpointer:
         """Collective: save every object; returns the set's step label. With
         ``on_failure="shrink"`` a rank lost during the save makes the survivors recover and
         save again, numbered as the new world (the lowest survivor commits)."""
-        ft = getattr(self.comm, "_ft", None)
+        ft = getattr(self.comm, "fault_tolerance", None)
         if ft is None:
             return self._save()
         return ft.transaction(self._save)
@@ -320,7 +320,7 @@ class Checkpointer:
         sampler, method = self.objects.get("sampler"), self.objects.get("method")
         self.rejoined = [] if rejoin is None else list(rejoin.joined)
         if rejoin is not None and method is not None:
-            how = method._rejoin(rejoin)
+            how = method.rejoin(rejoin)
             if self.comm.rank == 0:
                 print(f"[lsgd_hpc] resumed the survivors' checkpoint of step {step} at the "
                       f"full {self.comm.size} ranks: rank(s) {_ranks(rejoin.joined)} rejoin "
@@ -343,7 +343,7 @@ class Rejoin:
 
 
 def _ranks(ranks) -> str:
-    from lsgd_hpc.comm.faults import format_ranks
+    from lsgd_hpc.ranklists import format_ranks
     return format_ranks(ranks)
 
 

@@ -30,7 +30,8 @@ class RunMetrics(MetricsWriter):
     and in checkpoints is left out of the training time.
 
     ``compute_seconds``, with a method attached (``open_metrics(..., method=method)``): the
-    seconds of the training steps outside communication, as the trainer counts them. A step
+    seconds of the training steps outside communication (the trainer, cli/train.py, writes
+    this clock's figure; it has none of its own). A step
     is timed from the first forward of the model in training mode to the end of
     ``method.step``, less the communication inside it (``comm.stats``' seconds, overhead and
     probe seconds, and the worker's traffic) and less anything timed by ``measuring()``,
@@ -131,7 +132,7 @@ class RunMetrics(MetricsWriter):
     def log_fault(self, event) -> None:
         """The /faults row of a recovery (open_metrics registers it with the comm), flushed
         at once."""
-        from lsgd_hpc.comm.faults import format_ranks
+        from lsgd_hpc.ranklists import format_ranks
         def fit(text: str) -> str:        # the columns hold 256 bytes (S256)
             if len(text.encode()) <= 256:
                 return text
@@ -303,8 +304,9 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         method.set_metrics(writer)
         writer.method = method
         writer.time_steps_of(method)
-    if getattr(comm, "_ft", None) is not None:       # on_failure="shrink": /faults rows
-        comm._ft.listeners.append(writer.log_fault)
+    ft = getattr(comm, "fault_tolerance", None)
+    if ft is not None:                               # on_failure="shrink": /faults rows
+        ft.listeners.append(writer.log_fault)
     error = None
     try:
         if os.path.exists(writer.path):

@@ -51,6 +51,11 @@ class StopAgreement:
                 self.pending = self.world.iallreduce_(flag, "sum", agreed=True)
         return stop
 
+    def abandon(self) -> None:
+        """Forget the request in flight: it died with lost ranks (on_failure="shrink"); the
+        flags raised since are posted again at the next check."""
+        self.pending = None
+
     def drain(self) -> None:
         """Complete the request in flight (before a checkpoint's barriers or MPI_Finalize)."""
         if self.pending is not None:

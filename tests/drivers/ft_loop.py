@@ -4,7 +4,7 @@ outside, then every survivor prints one ``FTRESULT {json}`` line with what the t
 
     mpirun --with-ft ulfm -np 4 python tests/drivers/ft_loop.py METHOD RUN_DIR [options]
 
---kill SPEC       lsgd_hpc.comm.faults.inject_failures SPEC ("1:5,2:9", "leader:8")
+--kill SPEC       lsgd_hpc.comm.injection.inject_failures SPEC ("1:5,2:9", "leader:8")
 --park R:S        rank R (initial) writes RUN_DIR/park.R with its pid at step S and sleeps
                   there (the test SIGKILLs it from outside)
 --steps N         the step budget (max_steps)
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 import lsgd_hpc
-from lsgd_hpc.comm import faults
-from lsgd_hpc.methods.recovery import _digest
+from lsgd_hpc.comm import injection
+from lsgd_hpc.methods.rules.state import digest as _digest
 
 OPTIONS = {"lsgd": dict(tau_local=2, tau_global=4), "easgd": dict(easgd_tau=2),
            "local-sgd": dict(local_steps=3), "allreduce": dict(bucket_mb=0.0005),
@@ -191,7 +191,7 @@ def main():
         print(f"rank refused: {exc}", flush=True)
         sys.exit(2)
     if args.kill:
-        faults.inject_failures(args.kill, comm)
+        injection.inject_failures(args.kill, comm)
     park = tuple(int(v) for v in args.park.split(":")) if args.park else None
     for name, run_dir in zip(args.method.split(","), args.run_dir.split(",")):
         all_info = run(name, run_dir, comm, args, park)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lsgd_hpc.comm import FlatParams, GradBuckets, NodeGroups
 from lsgd_hpc.methods.rules.base import Rule
+from lsgd_hpc.methods.rules.state import REPLICA
 
 __all__ = ["AllreduceRule"]
 
@@ -22,6 +23,8 @@ class AllreduceRule(Rule):
     """
 
     name = "allreduce"
+    #: the replicas (parameters, buffers, optimizer state) are bit-identical
+    shared_state = (REPLICA,)
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, log=None, bucket_bytes: int = 0):
         super().__init__(groups, flat, log)
@@ -37,3 +40,13 @@ class AllreduceRule(Rule):
     def after_step(self, step: int, loss: float) -> None:
         if self.buffers.numel():
             self.world.broadcast_(self.buffers, 0)
+
+    def suspend(self, complete: bool, recovery) -> None:
+        """The gradient averaging cut off is not redone (a survivor's own gradient is gone:
+        the in-place allreduce overwrote it); the source's replica is taken instead."""
+        if self.buckets is not None:
+            self.buckets.abandon()
+        return None
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        return f"the replica of rank {source} (parameters and optimizer state)"

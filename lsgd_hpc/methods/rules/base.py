@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
+
+import copy
 
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.comm.accounting import uncounted  # re-exported: it moved to the comm layer
+from lsgd_hpc.comm.accounting import uncounted
+from lsgd_hpc.methods.rules.state import REPLICA
 
-__all__ = ["Rule", "uncounted", "MetricsSink"]
+__all__ = ["Rule", "MetricsSink"]
 
 #: log(group, **row): the trainer's metrics writer (or a list-appender in tests)
 MetricsSink = Callable[..., None]
@@ -22,6 +25,13 @@ class Rule:
     The trainer calls ``before_step`` after backward (gradients in ``flat.grad``) and
     ``after_step`` after the optimizer step with the number of completed steps and the
     minibatch loss. Anything a method keeps across steps is in ``state_dict``.
+
+    Its state is declared once (lsgd_hpc.methods.rules.state): ``state_dict`` /
+    ``load_state_dict`` serialise it, ``shared_state`` names the keys that every member of
+    the group holds identically (the rest is the rank's own), and ``suspend`` / ``resume``
+    hand over what is in flight when ranks die. Checkpoints, the survivors' recovery and the
+    rejoin of lost ranks all work from that; the hooks below have defaults that suit a rule
+    with nothing in flight across steps.
     """
 
     name = "base"
@@ -35,6 +45,11 @@ class Rule:
     #: --consensus-every, set by the trainer: a method that owns its schedule measures the
     #: consensus distance at its own agreed moments when this is non-zero (0: never)
     consensus_every = 0
+    #: the keys of ``state_dict`` that must be identical on every member of the group, and
+    #: ``REPLICA`` for the parameters, buffers and optimizer state (rules/state.py)
+    shared_state: Tuple[str, ...] = ()
+    #: the rank's own state (attributes), which ``state_dict`` also saves by default
+    own_state: Tuple[str, ...] = ()
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, log: Optional[MetricsSink] = None):
         self.groups = groups
@@ -72,10 +87,52 @@ class Rule:
         return {}
 
     def state_dict(self) -> dict:
-        return {}
+        """Default: the declared attributes (``shared_state`` and ``own_state``) by name, as
+        copies (tensors cloned, an object with a ``state_dict`` as its state)."""
+        return {k: _saved(getattr(self, k)) for k in self.shared_state + self.own_state
+                if k != REPLICA}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """Default: the declared attributes back (tensors copied into in place)."""
+        for k in self.shared_state + self.own_state:
+            if k == REPLICA:
+                continue
+            current = getattr(self, k)
+            if isinstance(current, torch.Tensor):
+                current.copy_(state[k])
+            elif hasattr(current, "load_state_dict"):
+                current.load_state_dict(copy.deepcopy(state[k]))
+            else:
+                setattr(self, k, copy.deepcopy(state[k]))
+
+    def take_shared(self, shared: dict) -> None:
+        """Load another member's ``shared_state`` keys (a survivor's, at a recovery); this
+        rank's own state stays. Default: through ``load_state_dict``."""
+        state = self.state_dict()
+        state.update(shared)
+        self.load_state_dict(state)
+
+    # -- ranks lost (on_failure="shrink"): what is in flight --------------------------------------
+    def suspend(self, complete: bool, recovery) -> object:
+        """Local, when a failure cut this rank's step off (``complete``: the step's
+        communication had completed): forget the requests in flight (they died with the old
+        communicators) and return what every survivor must know of them (picklable), or
+        None. ``recovery``: a ``rules.state.Recovery``."""
+        return None
+
+    def resume(self, recovery) -> None:
+        """Collective over the survivors, after the shared state is agreed (taken from
+        ``recovery.source``): complete or drop, alike on every survivor, what was in flight
+        (``recovery.reports``: each survivor's ``suspend`` result), rebuild communicators of
+        the rule's own. Called again from the start if a rank dies during it."""
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        """Collective, at a full-size resume of a survivors' checkpoint: the ranks that were
+        lost (``joined``) take their parameters; returns what they took (for the log).
+        Default: the parameters of ``source``, the lowest survivor."""
+        from lsgd_hpc.methods.rules.state import take_parameters
+        take_parameters(world, self.flat, source, joined)
+        return f"rank {source}'s parameters and a fresh optimizer state"
 
     # -- shared pieces ----------------------------------------------------------------------
     def measure_consensus(self, step: int) -> float:
@@ -99,3 +156,11 @@ class Rule:
         distance = float(sq.item())
         self.log("consensus", step=step, distance=distance)
         return distance
+
+
+def _saved(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if hasattr(value, "state_dict"):
+        return copy.deepcopy(value.state_dict())
+    return copy.deepcopy(value)

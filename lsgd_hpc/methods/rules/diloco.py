@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
-from lsgd_hpc.comm.faults import is_process_failure
+from lsgd_hpc.comm.failures import is_process_failure
 from lsgd_hpc.methods.rules.base import Rule, MetricsSink
 
 __all__ = ["DiLoCoRule", "split_tensors", "fragment_tensors"]
@@ -149,6 +149,9 @@ class DiLoCoRule(Rule):
 
     name = "diloco"
     extra_columns = {"train": {"outer_grad_norm": "f8"}}
+    #: every worker's x_prev and outer optimizer(s) are the same (a streaming allreduce in
+    #: flight is completed by state_dict, and redone by the survivors of a failure)
+    shared_state = ("prev", "outer", "outer_steps", "outer_grad_norm")
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, local_steps: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, outer_nesterov: bool = True,
@@ -192,9 +195,9 @@ class DiLoCoRule(Rule):
         self.stream_comm = self.world.dup() if self.delay > 0 else None
         #: [fragment, sync step, request or None (completed)] of the allreduce in flight
         self._inflight: Optional[list] = None
-        #: on_failure="shrink" (methods/recovery.py sets it): a copy of this rank's
-        #: contribution to the allreduce in flight, which the survivors redo
-        self.contribution: Optional[torch.Tensor] = None
+        #: a copy of this rank's contribution to the allreduce in flight, which the
+        #: survivors of a failure redo (on_failure="shrink")
+        self.contribution = torch.empty_like(self.scratch)
         #: a rank failure that progress() met in a gradient hook (raised in the next step)
         self.progress_failure: Optional[BaseException] = None
 
@@ -297,8 +300,7 @@ class DiLoCoRule(Rule):
     def _start(self, f: int, sync_step: int) -> None:
         buf = self.scratch[:self.fragments[f].size]
         self.contribute(f, buf)
-        if self.contribution is not None:
-            self.contribution[:buf.numel()].copy_(buf)
+        self.contribution[:buf.numel()].copy_(buf)
         if self.stream_comm is None:
             self._inflight = [f, sync_step, None]        # (in flight while it runs)
             self.world.allreduce_(buf, "mean")
@@ -385,3 +387,53 @@ class DiLoCoRule(Rule):
         self.outer_steps = int(state.get("outer_steps", 0))
         self.last_grad_norm = float(state.get("outer_grad_norm", math.nan))
         self._anchor_pending = False
+
+    # -- ranks lost: a survivor behind the outer steps, the streaming allreduce in flight ---------
+    def take_shared(self, shared: dict) -> None:
+        """A survivor that missed outer steps of the source restarts the inner phase of
+        what they synced from x_prev (all of it; Streaming: the fragments they synced, outer
+        step k syncing fragment (k - 1) mod P)."""
+        missed = range(self.outer_steps + 1, int(shared["outer_steps"]) + 1)
+        super().take_shared(shared)
+        x = self.flat.flat
+        if missed and not self.streaming:
+            x[:self.n_params].copy_(self.prev.data)
+        elif missed:
+            for f in sorted({(k - 1) % self.P for k in missed}):
+                for a, b in self.fragments[f].params:
+                    x[a:b].copy_(self.prev.data[a:b])
+
+    def suspend(self, complete: bool, recovery):
+        if not self.streaming:
+            return None
+        self.progress_failure = None            # (the failure this recovery is about)
+        flight, self._inflight = self._inflight, None     # its request died with the world
+        return {"inflight": None if flight is None else (int(flight[0]), int(flight[1]))}
+
+    def resume(self, recovery) -> None:
+        """Streaming: the fragment allreduce the source had in flight is done again over
+        the survivors (each from its saved contribution; one that had not started it yet
+        contributes now), and lands at its sync step -- at once when the survivors have
+        passed it. None in flight on the source: none anywhere."""
+        if not self.streaming:
+            return
+        if self.stream_comm is not None:           # the allreduces' own communicator, rebuilt
+            self.stream_comm = self.world.dup()
+        key = recovery.reports[recovery.source]["inflight"]
+        if key is None:
+            return
+        f, due = key
+        buf = self.scratch[:self.fragments[f].size]
+        if recovery.mine["inflight"] == tuple(key):
+            buf.copy_(self.contribution[:buf.numel()])
+        else:
+            self.contribute(f, buf)
+        self.world.allreduce_(buf, "mean")          # (the registered prefix, on every rank)
+        self._inflight = [f, due, None]
+        if due <= recovery.steps:
+            self._sync(f, due)
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        if joined:            # its inner phase starts at x_prev (buffers: the survivor's)
+            self.flat.flat[:self.n_params].copy_(self.prev.data)
+        return "x_prev (the last outer step's parameters) and a fresh inner optimizer state"

@@ -22,6 +22,7 @@ class EASGDRule(Rule):
 
     name = "easgd"
     extra_columns = {"eval": {"center_test_loss": "f8", "center_test_accuracy": "f8"}}
+    shared_state = ("center",)
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, alpha: float, tau: int, log=None):
         super().__init__(groups, flat, log)
@@ -42,8 +43,7 @@ class EASGDRule(Rule):
     def eval_models(self):
         return {"center": self.center}
 
-    def state_dict(self) -> dict:
-        return {"center": self.center.clone()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.center.copy_(state["center"])
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        if joined:
+            self.flat.flat.copy_(self.center)
+        return "the centre and a fresh optimizer state"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
@@ -27,6 +29,8 @@ class GossipRule(Rule):
         if topology.n != self.world.size:
             raise ValueError(f"topology has {topology.n} nodes, world has {self.world.size}")
         self.topology = topology
+        #: the topology asked for (rebuilt under this name over the survivors of a failure)
+        self.topology_name = topology.name
         self._recv = {}
 
     def after_step(self, step: int, loss: float) -> None:
@@ -45,3 +49,20 @@ class GossipRule(Rule):
         x.mul_(w_self)
         for k, j in enumerate(src):
             x.add_(recv[k], alpha=w[j])
+
+    def resume(self, recovery) -> None:
+        """The topology rebuilt over the survivors (a ring when it cannot be built at the new
+        size), with a warning from the lowest survivor."""
+        from lsgd_hpc.topology import build_topology
+        name, n = self.topology_name, recovery.world.size
+        try:
+            topo = build_topology(name, n, node_of=self.groups.node_of)
+            note = f"topology {name} rebuilt over the {n} survivors"
+        except ValueError as exc:
+            topo = build_topology("ring", n)
+            note = f"topology {name} cannot be built over {n} ranks ({exc}); a ring instead"
+        self.topology = topo
+        self._recv = {}
+        if recovery.world.rank == 0 and recovery.ctx.first_attempt:
+            print(f"[lsgd_hpc] warning: GossipSGD: {note}, with its weights for {n} ranks",
+                  file=sys.stderr, flush=True)

@@ -35,6 +35,8 @@ class LocalSGDRule(Rule):
     """
 
     name = "local-sgd"
+    #: the period state; the decay samples (segments, current) are the rank's own
+    shared_state = ("T", "law", "since_avg", "last_estimate", "decision")
     extra_columns = {"train": {"local_steps": "i8", "local_law": "i1", "local_rate": "f8",
                                "local_cost_ratio": "f8"}}
     file_attrs = {"local_law_codes": ", ".join(f"{k}={v}" for k, v in LAW_NAMES.items())}
@@ -131,7 +133,8 @@ class LocalSGDRule(Rule):
                 "segments": [list(map(list, seg)) for seg in self.segments],
                 "current": [list(p) for p in self.current],
                 "decision": [self.last_decision.law, self.last_decision.rate,
-                             self.last_decision.r2, self.last_decision.cost_ratio]}
+                             self.last_decision.r2, self.last_decision.cost_ratio,
+                             self.last_decision.T, self.last_decision.reason]}
 
     def load_state_dict(self, state: dict) -> None:
         self.T = int(state["T"])
@@ -143,5 +146,11 @@ class LocalSGDRule(Rule):
                              for seg in state.get("segments", []))
         self.current = [(int(s), float(l)) for s, l in state.get("current", [])]
         if "decision" in state:
-            law, rate, r2, ratio = state["decision"]
-            self.last_decision = Decision(int(law), float(rate), float(r2), float(ratio))
+            law, rate, r2, ratio, *rest = state["decision"]   # (older checkpoints: 4)
+            self.last_decision = Decision(int(law), float(rate), float(r2), float(ratio),
+                                          *rest)
+
+    def suspend(self, complete: bool, recovery) -> None:
+        if not complete and self.since_avg >= self.T:
+            self.since_avg = 0          # the averaging that was cut off is skipped
+        return None

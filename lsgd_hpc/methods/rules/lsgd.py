@@ -9,12 +9,14 @@ from typing import Callable, Dict, Optional
 import torch
 
 from lsgd_hpc.comm import Election, FlatParams, NodeGroups
-from lsgd_hpc.comm.faults import injection_point, is_process_failure
+from lsgd_hpc.comm.failures import is_process_failure
+from lsgd_hpc.comm.injection import injection_point
 from lsgd_hpc.comm.hierarchy import HierarchicalBroadcast
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
+from lsgd_hpc.methods.rules.state import broadcast_copy, take_parameters
 
-__all__ = ["LeaderRule", "BN_POLICIES", "window_score"]
+__all__ = ["LeaderRule", "BN_POLICIES", "window_score", "to_the_leader"]
 
 GLOBAL, LOCAL = 0, 1
 
@@ -100,7 +102,7 @@ class LeaderRule(Rule):
         self.multi_level = 1 < groups.n_nodes < groups.world.size
         self.last_global: Optional[Election] = None
         self.score_fn = score_fn
-        # fault recovery (methods/recovery.py): the pull whose broadcast is in flight, as
+        # fault recovery (suspend/resume): the pull whose broadcast is in flight, as
         # (level, is_leader), and how many pulls of each level this rank completed
         self.pull_in_flight = None
         self.pulls_done = {LOCAL: 0, GLOBAL: 0}
@@ -303,3 +305,142 @@ class LeaderRule(Rule):
                 if got is not None:
                     self.incoming[level].copy_(got["copy"])
                     self.delayed[level] = [int(got["pull_step"]), None, False]
+
+    # -- ranks lost (on_failure="shrink") ------------------------------------------------------
+    # A pull cut off by the failure is finished on every survivor of its group or on none:
+    # the survivors report whether they hold a complete copy of the leader (they finished
+    # its broadcast, or are that leader); if one does, it is re-broadcast from the lowest
+    # such rank and the others pull; if none does (the leader died before anyone had its
+    # copy), nobody pulled. With pull_delay the broadcasts in flight are treated alike. A
+    # dead rank is never elected again: the new world does not hold it.
+    def suspend(self, complete: bool, recovery) -> dict:
+        node = recovery.node_key
+        pending = None
+        if self.pull_in_flight is not None:
+            level, is_leader = self.pull_in_flight
+            pending = (int(level), int(self.pulls_done[level]),
+                       str(node) if level == LOCAL else "", bool(is_leader))
+        self.pull_in_flight = None
+        last = self.last_global
+        self._last_global_initial = None if last is None else \
+            (recovery.ctx.initial_of(last.world_rank), last.score)
+        # pull_delay: the broadcasts in flight, as (level, pulls landed before it, node,
+        # pull step, this rank holds the whole copy: the broadcast completed or it is the
+        # leader); whether one completed is not asked of the broken communicators
+        delayed = []
+        if self.pull_delay:
+            self.progress_failure = None        # (the failure this recovery is about)
+            for level, (pull_step, request, is_leader) in sorted(self.delayed.items()):
+                delayed.append((int(level), int(self.pulls_done[level]),
+                                str(node) if level == LOCAL else "", int(pull_step),
+                                bool(request is None or is_leader)))
+        return {"pending": pending, "done": {int(k): int(v) for k, v in self.pulls_done.items()},
+                "node": str(node), "delayed": delayed}
+
+    def resume(self, recovery) -> None:
+        world, reports, mine = recovery.world, recovery.reports, recovery.mine
+        pulls: Dict[tuple, list] = {}
+        for r, rep in enumerate(reports):
+            if rep["pending"] is not None:
+                pulls.setdefault(rep["pending"][:3], []).append(r)
+        for key in sorted(pulls):
+            level, count, node = key
+            holders = [r for r, rep in enumerate(reports)
+                       if (level != LOCAL or rep["node"] == node)
+                       and (rep["done"].get(level, 0) == count + 1
+                            or (rep["pending"] is not None and rep["pending"][:3] == key
+                                and rep["pending"][3]))]
+            in_it = mine["pending"] is not None and mine["pending"][:3] == key
+            if holders:
+                broadcast_copy(world, self.copies[level], min(holders),
+                               self.copies[level] if in_it else None)
+                if in_it:
+                    if not mine["pending"][3]:
+                        self.apply_pull(level, self.pull_local if level == LOCAL
+                                        else self.pull_global)
+                    self.pulls_done[level] = count + 1
+                    self.have_copy[level] = True
+            elif in_it:
+                self.have_copy[level] = False              # its copy is half a broadcast
+            if in_it:
+                mine["pending"] = None                       # done, should the resume rerun
+                if holders:
+                    mine["done"][level] = count + 1
+        if self.pull_delay:
+            self._resume_delayed(recovery)
+        last, self.last_global = self._last_global_initial, None
+        if last is not None:
+            now = recovery.ctx.now_of_initial(last[0])
+            if now is not None:                  # a dead leader is never reported again
+                self.last_global = Election(now, now, last[1])
+        groups = self.groups
+        self.multi_level = 1 < groups.n_nodes < groups.world.size
+        if self.pull_delay:           # the delayed broadcasts' own communicators, rebuilt
+            self.delay_node = {GLOBAL: groups.node.dup()}
+            if self.multi_level:
+                self.delay_node[LOCAL] = groups.node.dup()
+            self.delay_roots = groups.roots.dup() if groups.roots is not None else None
+
+    def _resume_delayed(self, recovery) -> None:
+        """pull_delay: each broadcast in flight is completed on every survivor of its group
+        (re-broadcast from the lowest that holds the whole copy: it completed, it is the
+        leader, or it already pulled it) or dropped on all (nobody holds it: nobody pulls).
+        A completed one lands now when its pull step is behind the agreed step, else at it."""
+        world, reports, mine = recovery.world, recovery.reports, recovery.mine
+        for key in sorted({d[:4] for rep in reports for d in rep["delayed"]}):
+            level, count, node, pull_step = key
+            holders, started, landed, group = [], 0, False, 0
+            for r, rep in enumerate(reports):
+                if level == LOCAL and rep["node"] != node:
+                    continue
+                group += 1
+                mine_r = [d for d in rep["delayed"] if d[:4] == key]
+                landed_r = rep["done"].get(level, 0) == count + 1
+                started += bool(mine_r) or landed_r
+                landed = landed or landed_r
+                if landed_r or (mine_r and mine_r[0][4]):
+                    holders.append(r)
+            if started < group and not landed:
+                # a member whose election of it failed never started it: nobody pulls
+                holders = []
+            in_it = any(d[:4] == key for d in mine["delayed"])
+            if holders:
+                # the root's whole copy: the one in flight, or the one it pulled already
+                source = self.incoming[level] if in_it else self.copies[level]
+                broadcast_copy(world, source, min(holders),
+                               self.incoming[level] if in_it else None)
+            if in_it:
+                mine["delayed"] = [d for d in mine["delayed"] if d[:4] != key]
+                if not holders:
+                    self.delayed.pop(level, None)          # nobody holds it: nobody pulls
+                    continue
+                self.delayed[level] = [pull_step, None, False]
+                if pull_step <= recovery.steps:              # its step is behind: land now
+                    self._land(level)
+                mine["done"][level] = self.pulls_done[level]
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        """The rejoining ranks take the global leader's parameters (the survivor with the best
+        score: the window mean of its last losses, restored from its checkpoint; theirs is
+        +inf), which is also their copy of the global leader."""
+        leader = to_the_leader(self, world, joined, source)
+        if joined:
+            self.copies[GLOBAL].copy_(self.flat.flat[:self.copies[GLOBAL].numel()])
+            self.have_copy[GLOBAL], self.have_copy[LOCAL] = True, False
+            if self.pull_delay:           # a local leader's copy in the survivor's state is
+                self.delayed.pop(LOCAL, None)     # its node's: not necessarily this rank's
+        return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
+
+
+def to_the_leader(rule, world, joined: bool, source: int) -> int:
+    """Leader rules at a rejoin: elect the survivor with the best score (the window mean of
+    its last losses; a rejoining rank has none), give the rejoining ranks its parameters and
+    remember it as the last global leader. Returns its rank: the lowest survivor when no
+    score is finite."""
+    if joined:
+        rule.losses.clear()
+    el = world.elect(rule.score())
+    leader = el.world_rank if math.isfinite(el.score) else source
+    take_parameters(world, rule.flat, leader, joined)
+    rule.last_global = Election(leader, leader, el.score)
+    return leader

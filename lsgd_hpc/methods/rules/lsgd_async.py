@@ -46,7 +46,8 @@ import torch
 from lsgd_hpc.comm import Communicator, FlatParams, NodeGroups, Request
 from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.methods.rules.base import Rule, MetricsSink
-from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL, window_score
+from lsgd_hpc.methods.rules.lsgd import GLOBAL, LOCAL, to_the_leader, window_score
+from lsgd_hpc.methods.rules.state import broadcast_copy
 
 __all__ = ["AsyncLeaderRule", "ACTIONS"]
 
@@ -288,3 +289,80 @@ class AsyncLeaderRule(Rule):
             # a level the checkpoint lacks (a node level its writer no longer had after lost
             # ranks) starts a fresh round count
             lv.load_state_dict(levels.get(lv.scope, {"round_steps": 0, "rounds": 0}))
+
+    # -- ranks lost (on_failure="shrink") ------------------------------------------------------
+    # Nothing is shared but the rounds. Every request in flight died with the old
+    # communicators: probes are dropped (fresh ones decide again, from the survivors' sums:
+    # their steps done against their budgets), and the newest round of each level's group --
+    # its broadcast cut off, or its probe completed on some members only -- is completed on
+    # every survivor of the group or on none, like LeaderSGD's pull (re-broadcast from the
+    # lowest survivor holding the leader's snapshot: the leader itself, or a member that
+    # pulled it and has nothing newer in flight). A level's communicator is rebuilt over the
+    # survivors; a node level with one rank left, or with one node left, ends. An action
+    # decided on some ranks only (a checkpoint, the end) is decided again.
+    def suspend(self, complete: bool, recovery) -> dict:
+        levels = {}
+        for lv in self.levels:
+            flight = None
+            if lv.bcast is not None:
+                flight = (lv.rounds + 1, bool(lv.leader.rank == lv.comm.rank))
+            levels[int(lv.scope)] = {"rounds": int(lv.rounds), "flight": flight}
+            lv.probe = lv.bcast = None              # their requests died with the old world
+        self.action, self.draining = None, False
+        return {"node": str(recovery.node_key), "levels": levels,
+                "checkpoints_done": int(self.checkpoints_done)}
+
+    def resume(self, recovery) -> None:
+        world, reports, mine = recovery.world, recovery.reports, recovery.mine
+        by_scope = {lv.scope: lv for lv in self.levels}
+        # each level's groups: the world, and each node's ranks that have a node level
+        groups_of = sorted({(scope, rep["node"] if scope == LOCAL else "")
+                            for rep in reports for scope in rep["levels"]})
+        for scope, node in groups_of:
+            members = [(r, rep["levels"][scope]) for r, rep in enumerate(reports)
+                       if scope in rep["levels"] and (scope == GLOBAL or rep["node"] == node)]
+            # a round's probe completes only once every member has finished the round before
+            # it, so members are at most one round apart: T is the newest round any reached
+            T = max(lvr["rounds"] + (lvr["flight"] is not None) for _, lvr in members)
+            behind = [r for r, lvr in members if lvr["rounds"] < T]
+            if not behind:
+                continue
+            holders = [r for r, lvr in members
+                       if (lvr["rounds"] == T and lvr["flight"] is None)
+                       or lvr["flight"] == (T, True)]
+            mylv = mine["levels"].get(scope)
+            me_in = world.rank in behind and (scope == GLOBAL or mine["node"] == node)
+            lv = by_scope.get(scope)
+            if holders:
+                broadcast_copy(world, lv.buf if lv is not None else self.world_level.buf,
+                               min(holders), lv.buf if me_in else None)
+            if me_in:
+                leads = mylv["flight"] == (T, True)
+                mylv["flight"] = None                    # done, should the resume rerun
+                if holders:
+                    if not leads and lv.pull > 0:
+                        x = lv.flat.flat
+                        x.sub_(x - lv.buf, alpha=lv.pull)     # x <- x - c (x - x_L)
+                    lv.rounds = mylv["rounds"] = T
+        self.checkpoints_done = max(rep["checkpoints_done"] for rep in reports)
+        self.last_global = None
+        self._rebuild_levels(by_scope.get(LOCAL))
+
+    def _rebuild_levels(self, node_level) -> None:
+        """The levels over the rebuilt groups (each a communicator of its own, as at the
+        start); the next step posts a fresh probe on each."""
+        groups = self.groups
+        multi_level = 1 < groups.n_nodes < groups.world.size
+        self.levels = []
+        if node_level is not None and multi_level and groups.node.size > 1:
+            node_level.comm = groups.node.dup()
+            self.levels.append(node_level)
+        self.world_level.comm = groups.world.dup()
+        self.levels.append(self.world_level)
+        for lv in self.levels:
+            lv.idle = True
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        """As LeaderSGD's: the global leader's parameters (best window score)."""
+        leader = to_the_leader(self, world, joined, source)
+        return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"

@@ -34,6 +34,7 @@ class SlowMoRule(Rule):
     """
 
     name = "slowmo"
+    shared_state = ("old", "u", "u_norm")
     extra_columns = {"train": {"slowmo_u_norm": "f8"}}
 
     def __init__(self, groups: NodeGroups, flat: FlatParams, local_steps: int = 1,
@@ -92,3 +93,8 @@ class SlowMoRule(Rule):
         self.u.copy_(state["u"])
         self.last_u_norm = float(state.get("u_norm", math.nan))
         self._anchor_pending = False
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        if joined:
+            self.flat.params.copy_(self.old)
+        return "x_old (the last slow step's parameters) and a fresh optimizer state"

@@ -1,0 +1,97 @@
+"""A method's communicators, composed in one place from its options.
+
+Three layers over one communicator protocol (:class:`~lsgd_hpc.comm.base.Communicator`),
+each unaware of the others:
+
+- **who forms a worker**: a rank, K consecutive ranks of a node, or a node
+  (:mod:`lsgd_hpc.comm.workers`): the method runs between workers, over the world of
+  workers and its node hierarchy;
+- **what the wire carries**: fp32, bf16 (:mod:`lsgd_hpc.comm.lowprec`), int8/fp8 with or
+  without error feedback (:mod:`lsgd_hpc.comm.quantized`), wrapped around the communicators
+  the method runs on;
+- **what happens when a rank dies**: the session's policy (``lsgd_hpc.init(on_failure=)``):
+  abort, or shrink (:mod:`lsgd_hpc.comm.faults`), under all of them.
+
+:func:`compose` assembles them; :meth:`Stack.refresh` points the wire's wrappers at the
+node communicators that a recovery rebuilt.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["Stack", "compose", "QUANTIZED", "LOW_PRECISION"]
+
+#: the wire formats of one byte per element plus per-block scales (comm/quantized.py)
+QUANTIZED = ("int8", "fp8")
+#: the wire formats that round to a lower-precision float (comm/lowprec.py)
+LOW_PRECISION = ("bf16",)
+
+#: the workers built on a job's world, per (node layout, worker_ranks): every method on that
+#: world with that grouping shares them (as methods share the world and its counters)
+_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Stack:
+    """What a method communicates over: ``world`` and ``groups`` (the method's, after every
+    layer), ``workers`` (this rank's worker; None when every rank is one), ``wire`` (the
+    quantized groups holding the error-feedback residuals; None otherwise) and ``base``,
+    the session's node groups under them."""
+
+    world: Any
+    groups: Any
+    base: Any
+    workers: Optional[Any] = None
+    wire: Optional[Any] = None
+
+    def refresh(self) -> None:
+        """After a recovery rebuilt ``base``'s node communicators: point the wire's wrappers
+        at the new ones (in place, so a rule's reference stays valid)."""
+        groups, base = self.groups, self.base
+        if groups is base:
+            return
+        wrap = getattr(groups.node, "inner", None) is not None
+
+        def like(template, inner):
+            if inner is None or not wrap:
+                return inner
+            w = object.__new__(type(template))        # (a wrapper may forward __getattr__)
+            w.__dict__.update({k: (dict(v) if isinstance(v, dict) else v)
+                               for k, v in vars(template).items()})
+            w.inner = inner
+            return w
+        groups.node = like(groups.node, base.node)
+        groups.roots = like(groups.node, base.roots)
+        groups.node_of = base.node_of
+
+
+def _workers_of(comm, worker_ranks):
+    """Collective over ``comm.world`` the first time (every rank builds a method alike)."""
+    from lsgd_hpc.comm.workers import build_workers
+    per_world = _WORKERS.setdefault(comm.world, {})
+    key = (tuple(comm.groups.node_of), worker_ranks)
+    if key not in per_world:
+        per_world[key] = build_workers(comm.world, comm.groups, worker_ranks)
+    return per_world[key]
+
+
+def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "fp32",
+            error_feedback: bool = False) -> Stack:
+    """The stack of a method on the session ``comm``: between workers of ``worker_ranks``
+    ranks when ``workers``, sending ``comm_dtype``. Collective over ``comm.world`` the first
+    time a grouping is used (every rank composes alike); options arrive checked."""
+    stack = Stack(comm.world, comm.groups, comm.groups)
+    if workers:
+        stack.workers = _workers_of(comm, worker_ranks)
+        stack.groups = stack.workers.groups
+    if comm_dtype in QUANTIZED:
+        from lsgd_hpc.comm.quantized import quantized_groups
+        stack.groups = stack.wire = quantized_groups(stack.groups, comm_dtype, error_feedback)
+    elif comm_dtype in LOW_PRECISION:
+        from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
+        stack.groups = low_precision_groups(stack.groups, WIRE_DTYPES[comm_dtype])
+    stack.world = stack.groups.world
+    return stack
