@@ -47,9 +47,13 @@ class Stack:
     workers: Optional[Any] = None
     wire: Optional[Any] = None
 
-    def refresh(self) -> None:
-        """After a recovery rebuilt ``base``'s node communicators: point the wire's wrappers
-        at the new ones (in place, so a rule's reference stays valid)."""
+    def refresh(self, comm, generation: int) -> None:
+        """Collective over the survivors, after a recovery shrank ``comm.world`` and rebuilt
+        its node groups (``generation``: the recovery's world): the workers go on with the
+        ranks they have left, and the wire's wrappers point at the rebuilt communicators (in
+        place, so a rule's references stay valid)."""
+        if self.workers is not None:
+            self.workers.rebuild(comm.world, comm.groups, comm.initial_ranks, generation)
         groups, base = self.groups, self.base
         if groups is base:
             return
@@ -74,7 +78,12 @@ def _workers_of(comm, worker_ranks):
     per_world = _WORKERS.setdefault(comm.world, {})
     key = (tuple(comm.groups.node_of), worker_ranks)
     if key not in per_world:
-        per_world[key] = build_workers(comm.world, comm.groups, worker_ranks)
+        workers = build_workers(comm.world, comm.groups, worker_ranks)
+        initial = getattr(comm, "initial_ranks", range(comm.world.size))
+        workers.initial_worker_of = {i: workers.layout.worker_of[r]
+                                     for r, i in enumerate(initial)}
+        workers.generation = getattr(comm, "generation", 0)
+        per_world[key] = workers
     return per_world[key]
 
 
@@ -86,7 +95,7 @@ def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "f
     stack = Stack(comm.world, comm.groups, comm.groups)
     if workers:
         stack.workers = _workers_of(comm, worker_ranks)
-        stack.groups = stack.workers.groups
+        stack.groups = stack.base = stack.workers.groups
     if comm_dtype in QUANTIZED:
         from lsgd_hpc.comm.quantized import quantized_groups
         stack.groups = stack.wire = quantized_groups(stack.groups, comm_dtype, error_feedback)

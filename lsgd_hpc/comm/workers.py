@@ -31,7 +31,7 @@ ranks in the job, so an election names a worker by its representative.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -40,8 +40,8 @@ from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, ch
                                 sanitize_score)
 from lsgd_hpc.comm.groups import NodeGroups
 
-__all__ = ["WorkerLayout", "worker_layout", "worker_layout_problem", "WorkerView", "Workers",
-           "build_workers"]
+__all__ = ["WorkerLayout", "worker_layout", "worker_layout_problem", "surviving_layout",
+           "WorkerView", "Workers", "build_workers"]
 
 WorkerRanks = Union[int, str]
 
@@ -285,6 +285,10 @@ class Workers:
     index: int                  # this rank's worker
     worker: Communicator        # the ranks of this worker (own stats: ``stats``)
     groups: NodeGroups          # the workers' hierarchy, of WorkerViews
+    #: the worker of every initial rank of the job (the identity a worker keeps when it
+    #: loses ranks), and the recovery generation the communicators were built for
+    initial_worker_of: Dict[int, int] = field(default_factory=dict)
+    generation: int = 0
 
     @property
     def world(self) -> WorkerView:
@@ -307,15 +311,52 @@ class Workers:
     def is_representative(self) -> bool:
         return self.worker.rank == 0
 
+    def rebuild(self, world: Communicator, groups: NodeGroups, initial_ranks: Sequence[int],
+                generation: int) -> None:
+        """Collective over ``world``, the survivors of lost ranks (on_failure="shrink"): each
+        worker goes on with the ranks it has left (a worker left with none leaves the world
+        of workers), its communicators rebuilt over them, in place: the views and the node
+        groups a rule holds stay the same objects. Once per ``generation`` (the recovery's
+        world), however many methods share these workers."""
+        if generation == self.generation:
+            return
+        layout = surviving_layout(self.initial_worker_of, initial_ranks, groups.node_of)
+        new = build_workers(world, groups, self.worker_ranks, layout, self.worker.stats)
+        old_groups, new_groups = self.groups, new.groups
+        for name in ("world", "node", "roots"):
+            old, fresh = getattr(old_groups, name), getattr(new_groups, name)
+            if old is not None and fresh is not None:
+                old.__dict__.update(fresh.__dict__)
+                setattr(new_groups, name, old)
+        old_groups.__dict__.update(new_groups.__dict__)
+        self.layout, self.index, self.worker = new.layout, new.index, new.worker
+        self.generation = generation
 
-def build_workers(world: Communicator, groups: NodeGroups,
-                  worker_ranks: WorkerRanks) -> Workers:
+
+def surviving_layout(initial_worker_of: Dict[int, int], initial_ranks: Sequence[int],
+                     node_of: Sequence[int]) -> WorkerLayout:
+    """The layout of the workers over the survivors of lost ranks (``initial_ranks``: the
+    initial rank of every current rank; ``node_of``: the current node of every rank): each
+    rank stays in its worker, the workers keep their order, numbered again from 0, and a
+    worker's first surviving rank is its representative."""
+    ids = [initial_worker_of[i] for i in initial_ranks]
+    order = sorted(set(ids), key=ids.index)
+    number = {w: k for k, w in enumerate(order)}
+    first = [ids.index(w) for w in order]
+    return WorkerLayout([number[w] for w in ids], first, [node_of[f] for f in first])
+
+
+def build_workers(world: Communicator, groups: NodeGroups, worker_ranks: WorkerRanks,
+                  layout: Optional[WorkerLayout] = None,
+                  worker_stats: Optional[CommStats] = None) -> Workers:
     """Collective over ``world`` (every rank, once): this rank's worker, and the world of
     workers with its node hierarchy. ``groups``: the job's node groups (``comm.groups``).
     Raises ValueError, the same on every rank before any collective, when ``worker_ranks``
     does not fit the node layout. Every communicator is split from ``world`` (Horovod splits
-    its world only)."""
-    layout = worker_layout(groups.node_of, worker_ranks)
+    its world only). ``layout`` (after lost ranks: ``surviving_layout``) replaces the one
+    ``worker_ranks`` gives; ``worker_stats`` goes on counting the traffic inside the
+    worker."""
+    layout = layout or worker_layout(groups.node_of, worker_ranks)
     me = world.rank
     w = layout.worker_of[me]
     rep = layout.first[w] == me
@@ -323,7 +364,7 @@ def build_workers(world: Communicator, groups: NodeGroups,
     my_node = node_w[w]
     first_of_node = [i for i in range(layout.n_workers) if node_w.index(node_w[i]) == i]
     worker = world.split(w, key=me)
-    _own_stats(worker, CommStats())
+    _own_stats(worker, worker_stats or CommStats())
     between_all = world.split(0 if rep else -1, key=me)
     between_node = world.split(my_node if rep else -1, key=me)
     node_root = w in first_of_node

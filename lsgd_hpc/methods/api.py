@@ -34,7 +34,7 @@ from lsgd_hpc.comm.accounting import uncounted
 from lsgd_hpc.comm.injection import injection_point
 from lsgd_hpc.comm.stack import compose
 from lsgd_hpc.comm.workers import WorkerRanks, worker_layout, worker_layout_problem
-from lsgd_hpc.methods.recovery import Recoverable, refusal
+from lsgd_hpc.methods.recovery import Recoverable
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, EASGDRule,
                                     GossipRule, LeaderRule, LocalSGDRule, SlowMoRule)
@@ -193,10 +193,6 @@ class Method(Recoverable):
                       error_feedback=error_feedback)
         self.check_usage(opts, model, optimizer)
         self._fault_tolerance = getattr(comm, "fault_tolerance", None)
-        if self._fault_tolerance is not None:              # on_failure="shrink"
-            problem = refusal(self.name, opts, worker_ranks)
-            if problem:
-                raise ValueError(problem)
         _agree_on_model(comm.world, model, optimizer, type(self).__name__)
         self.model, self.optimizer, self.comm, self.options = model, optimizer, comm, opts
         self.worker_ranks, self.comm_dtype = worker_ranks, comm_dtype

@@ -46,17 +46,7 @@ from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.methods.rules.state import (Recovery, broadcast_object, check_agreed, shared_of,
                                           take_shared)
 
-__all__ = ["Recoverable", "refusal"]
-
-
-def refusal(name: str, options: dict, worker_ranks=1):
-    """Why a method built with these options cannot recover from lost ranks, or None: the
-    state that is not restored yet after a shrink is refused up front, on every rank."""
-    if worker_ranks == 1:
-        return None
-    return ("on_failure='shrink' does not support worker_ranks != 1 (a worker that lost one "
-            "of its ranks would have to be rebuilt from the survivors of its node) yet; leave "
-            "it out, or use on_failure='abort' and resume from a checkpoint")
+__all__ = ["Recoverable"]
 
 
 class Recoverable:
@@ -96,7 +86,7 @@ class Recoverable:
     def recovery_restore(self, ctx) -> None:
         """Collective over the new world (may run again if a rank dies during it)."""
         world = self.comm.world                          # exact, whatever comm_dtype
-        self.stack.refresh()
+        self.stack.refresh(self.comm, ctx.ft.generation)  # workers over their survivors
         reports = world.allgather_object(self._report)
         K = max(r["steps"] for r in reports)
         at_k = [i for i, r in enumerate(reports) if r["steps"] == K]
@@ -111,6 +101,8 @@ class Recoverable:
             if world.rank != source:
                 take_shared(self, shared)
         self.rule.resume(rec)
+        if self.workers is not None:         # every rank of a worker holds the same again
+            self._spread_in_worker(0)
         check_agreed(self, world, "after the recovery")
         ctx.step = K
         self.stopping = self.stopping or any(r["stopping"] for r in reports)
@@ -142,5 +134,25 @@ class Recoverable:
                                       source)
             if world.rank != source:
                 take_shared(self, shared)
+        if self.workers is not None:      # a rank rejoins its worker: it takes its replica
+            mates = self.workers.worker.allgather_object(joined)
+            self._spread_in_worker(mates.index(False) if False in mates else 0)
         check_agreed(self, world, "after the lost ranks rejoined")
         return how
+
+    def _spread_in_worker(self, root: int) -> None:
+        """Collective inside this rank's worker: its rank ``root``'s replica (parameters,
+        buffers, optimizer state) and rule state to its other ranks, so that they hold the
+        same bits whatever point each had reached when ranks were lost."""
+        worker = self.workers.worker
+        if worker.size == 1:
+            return
+        inner = self.rule.rule                      # (the worker's counters stay each rank's)
+        mine = worker.rank == root
+        state = broadcast_object(worker, {"flat": self.flat.flat.detach().clone(),
+                                          "optimizer": self.optimizer.state_dict(),
+                                          "rule": inner.state_dict()} if mine else None, root)
+        if not mine:
+            self.flat.flat.copy_(state["flat"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            inner.load_state_dict(state["rule"])

@@ -34,13 +34,13 @@ def run_ft(tmp_path, method, *args, check=True, mpi_args=ULFM, np_=4):
     return proc, _results(proc), run_dir
 
 
-def check_survivors(proc, res, lost, steps=STEPS):
+def check_survivors(proc, res, lost, steps=STEPS, np_=4):
     """Every survivor finished the budget, in one world of the right size, and heard of
     the failure through its callback."""
     out = proc.stdout[-3000:] + proc.stderr[-3000:]
-    n = 4 - len(lost)
+    n = np_ - len(lost)
     assert len(res) == n, out
-    assert sorted(r["initial_rank"] for r in res) == sorted(set(range(4)) - set(lost)), out
+    assert sorted(r["initial_rank"] for r in res) == sorted(set(range(np_)) - set(lost)), out
     assert {r["size"] for r in res} == {n}
     assert sorted(r["rank"] for r in res) == list(range(n))
     assert {r["steps"] for r in res} == {steps}, out
@@ -112,6 +112,52 @@ def test_every_method_survives_a_lost_rank(lost_rank_runs, capsys, method):
     printed = capsys.readouterr().out
     assert "failure: rank(s) 1 lost; 3 rank(s) went on" in printed
     assert "lost (recovery at step" in printed
+
+
+# workers that span ranks under shrink: (ranks, ranks per node, worker_ranks, kills, lost):
+# 4 ranks as 2 nodes with a worker per node, one rank of worker 0 lost (or all of worker
+# 1); 8 ranks as 2 nodes with workers of 2 ranks, one rank of worker 0 lost at step 5 and
+# the whole of worker 3 at step 9
+WORKER_JOBS = {
+    "node-one": (4, 2, "node", "1:5", [1]),
+    "node-whole": (4, 2, "node", "2:5,3:5", [2, 3]),
+    "k2-both": (8, 4, 2, "1:5,6:9,7:9", [1, 6, 7]),
+}
+WORKER_CASES = [(m, "node-one") for m in ("lsgd", "diloco", "local-sgd", "allreduce")] + \
+    [("diloco", "node-whole")] + \
+    [(m, "k2-both") for m in ("lsgd", "diloco", "local-sgd", "allreduce")]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method,job", WORKER_CASES)
+def test_workers_go_on_with_the_ranks_they_have_left(tmp_path, method, job):
+    """A worker that loses some of its ranks goes on with the rest (its replicas identical,
+    its gradient averaged over fewer ranks), a worker that loses all of them leaves the
+    world of workers, and every survivor finishes the budget with the method's shared state
+    equal everywhere. Allreduce SGD trains one replica over all ranks already: it runs
+    without workers and recovers as a rank-level method."""
+    np_, rpn, k, kills, lost = WORKER_JOBS[job]
+    proc, res, _ = run_ft(tmp_path, method, "--kill", kills, "--rpn", str(rpn),
+                          "-o", f"worker_ranks={k}", np_=np_)
+    check_survivors(proc, res, lost, np_=np_)
+    if method in SHARED:
+        assert len({r["digest"] for r in res}) == 1, [r["digest"] for r in res]
+    if method == "allreduce":
+        assert all("worker" not in r for r in res)
+        return
+    size = 2 if k == "node" else k
+    by_worker = {}
+    for r in res:
+        by_worker.setdefault(r["worker"], []).append(r)
+    expected = {}                 # initial worker -> its surviving ranks
+    for rank in sorted(set(range(np_)) - set(lost)):
+        expected.setdefault(rank // size, []).append(rank)
+    assert {r["n_workers"] for r in res} == {len(expected)}
+    assert sorted(sorted(r["initial_rank"] for r in rs) for rs in by_worker.values()) == \
+        sorted(expected.values())
+    for rs in by_worker.values():
+        assert len({r["replica"] for r in rs}) == 1, [r["replica"] for r in rs]
+        assert {r["worker_size"] for r in rs} == {len(rs)}
 
 
 @pytest.mark.mpi

@@ -143,6 +143,11 @@ def run(name, run_dir, comm, args, park):
             "lost": list(comm.lost_ranks), "after_restore": after_restore,
             "finite": bool(torch.isfinite(method.flat.flat).all()),
             "loss": float(loss.item()) if math.isfinite(loss.item()) else None}
+    if method.workers is not None:    # workers that span ranks: which, and its replica
+        info["worker"] = method.workers.index
+        info["n_workers"] = method.workers.n_workers
+        info["worker_size"] = method.workers.size
+        info["replica"] = _digest({"flat": method.flat.flat, "opt": opt.state_dict()["state"]})
     if method.wire is not None and method.error_feedback:
         info["residual_norm"] = sum(float(e.norm()) for e in
                                     method.wire.world.shared.residuals.values())

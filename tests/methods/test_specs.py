@@ -189,16 +189,3 @@ def test_streaming_and_pull_delay_flags_parse_and_refuse():
                                           r"level in flight\), got 4 vs 4"):
         parse_config(["--pull-delay", "4"], env={})              # tau_local 4: digits preset
     assert "pull_delay" not in SPECS["lsgd-async"].defaults      # synchronous LSGD only
-
-
-@pytest.mark.parametrize("name,options,workers,why", [
-    ("diloco", {}, "node", "worker_ranks != 1"),
-    ("lsgd", {}, 2, "worker_ranks != 1"),
-])
-def test_what_shrink_refuses_is_named(name, options, workers, why):
-    from lsgd_hpc.methods.recovery import refusal
-    assert why in refusal(name, options, workers)
-    # what it restores: the rest, int8 with error feedback included
-    assert refusal("lsgd", {"pull_delay": 2}, 1) is None
-    assert refusal("diloco", {"fragments": 2}, 1) is None
-    assert refusal("lsgd-async", {}, 1) is None

@@ -105,6 +105,11 @@ class Rule:
             else:
                 setattr(self, k, copy.deepcopy(state[k]))
 
+    def shared_state_dict(self) -> dict:
+        """The ``shared_state`` keys of ``state_dict`` (``REPLICA`` is the method's)."""
+        state = self.state_dict()
+        return {k: state[k] for k in self.shared_state if k != REPLICA}
+
     def take_shared(self, shared: dict) -> None:
         """Load another member's ``shared_state`` keys (a survivor's, at a recovery); this
         rank's own state stays. Default: through ``load_state_dict``."""

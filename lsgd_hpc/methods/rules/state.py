@@ -62,10 +62,8 @@ def shared_of(method) -> Dict[str, Any]:
     rule = method.rule
     keys = rule.shared_state
     out: Dict[str, Any] = {}
-    rest = [k for k in keys if k != REPLICA]
-    if rest:
-        state = rule.state_dict()
-        out.update({k: state[k] for k in rest})
+    if any(k != REPLICA for k in keys):
+        out.update(rule.shared_state_dict())
     if REPLICA in keys:
         out[REPLICA] = {"flat": method.flat.flat.detach().clone(),
                         "optimizer": method.optimizer.state_dict()}

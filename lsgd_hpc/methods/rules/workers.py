@@ -101,6 +101,24 @@ class WorkerRule:
                 "changed while their averaging was in flight? Call method.synchronize() "
                 "before clipping or unscaling them")
 
+    # -- ranks lost (on_failure="shrink"): the worker goes on with its survivors --------------------
+    def suspend(self, complete: bool, recovery):
+        if self.buckets is not None:
+            self.buckets.abandon()
+        return self.rule.suspend(complete, recovery)
+
+    def resume(self, recovery) -> None:
+        """The workers were rebuilt over the survivors (``Workers.rebuild``): the gradient
+        averaging runs over the ranks this worker has left (its batch per step shrinks with
+        it), then the rule resumes between the workers."""
+        self.comm = self.workers.worker
+        if self.buckets is not None:
+            self.buckets.comm = self.comm
+        self.rule.resume(recovery)
+
+    def rejoin(self, world, joined: bool, source: int) -> str:
+        return self.rule.rejoin(world, joined, source)
+
     # -- what the rule reports -----------------------------------------------------------------
     def train_columns(self) -> Dict[str, float]:
         s = self.workers.stats
