@@ -13,7 +13,7 @@ Names are imported on first use, so ``import lsgd_hpc`` (and the offline tools,
 ``python -m lsgd_hpc.aggregate``) load neither torch nor mpi4py.
 """
 
-__version__ = "0.2.0"
+from lsgd_hpc._version import __version__
 
 #: public name -> module that defines it
 _EXPORTS = {
@@ -24,7 +24,7 @@ _EXPORTS = {
     "EASGD": "methods", "LocalSGD": "methods", "GossipSGD": "methods",
     "DiLoCo": "methods", "SlowMo": "methods", "DATASETS": "data.specs",
     "MetricsWriter": "runtime", "open_metrics": "runtime", "Checkpointer": "runtime",
-    "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "runtime",
+    "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "data.sampler",
     "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",
     "make_run_dir": "runtime", "write_completion": "runtime", "read_completion": "runtime",
 }

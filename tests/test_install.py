@@ -81,7 +81,8 @@ def _project_copy(tmp_path: Path) -> Path:
     (proj / "lsgd_hpc").mkdir(parents=True)
     for f in ("setup.py", "setup.cfg", "README.md"):
         shutil.copy(REPO / f, proj / f)
-    shutil.copy(REPO / "lsgd_hpc" / "__init__.py", proj / "lsgd_hpc" / "__init__.py")
+    for f in ("__init__.py", "_version.py"):       # (setup.cfg reads the version there)
+        shutil.copy(REPO / "lsgd_hpc" / f, proj / "lsgd_hpc" / f)
     return proj
 
 

@@ -376,7 +376,7 @@ class Method(Recoverable):
             return self._stepped()
         if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
             self._drop_next = self._synced = False
-            return None
+            return self._stepped()
         injection_point("step", self.steps + 1, self.comm)
         self._guarded(self._step, loss, scaler)
         self._phase = None

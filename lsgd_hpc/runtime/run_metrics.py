@@ -274,7 +274,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
         if taken:
             raise ValueError(f"extra_columns: /{group} already has {sorted(taken)}")
         extra.setdefault(group, {}).update(cols)
-    from lsgd_hpc import __version__
+    from lsgd_hpc._version import __version__
     make_run_dir(run_dir, comm)
     shared = comm.allgather_object(
         {"git_sha": git_sha(), "start": _dt.datetime.now(_dt.timezone.utc).isoformat()}

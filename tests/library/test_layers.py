@@ -14,6 +14,8 @@ ones inside functions, relative ones resolved), not by importing it.
 * No module but an ``__init__.py`` only re-exports names (a body of imports, ``__all__`` and
   a docstring): code imports each name from the module that defines it, and the package
   faces (``lsgd_hpc``, ``lsgd_hpc.runtime``, ...) are the only re-exporters.
+* No function or method under ``lsgd_hpc/`` is longer than 80 lines (from its ``def`` line,
+  decorators left out, to its last line).
 """
 
 from __future__ import annotations
@@ -188,6 +190,42 @@ def reexport_modules(pkg: Path = PKG) -> List[str]:
             and _only_reexports(ast.parse(path.read_text(), str(path)))]
 
 
+# -- function length -------------------------------------------------------------------------
+MAX_FUNCTION_LINES = 80
+
+
+def function_lengths(tree: ast.AST) -> List[Tuple[str, int]]:
+    """``(qualified name, lines)`` of every function and method of a module, nested ones too
+    (``Class.method``, ``outer.inner``): from the ``def`` line (decorators left out) to the
+    last line, both counted."""
+    out: List[Tuple[str, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                out.append((name, child.end_lineno - child.lineno + 1))
+                visit(child, name + ".")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, prefix + child.name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(tree, "")
+    return out
+
+
+def long_functions(pkg: Path = PKG, limit: int = MAX_FUNCTION_LINES) -> List[str]:
+    """'file:function:lines' of each function of ``pkg`` longer than ``limit`` lines."""
+    bad = []
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg.parent)
+        bad += [f"{rel}:{name}:{lines}"
+                for name, lines in function_lengths(ast.parse(path.read_text(), str(path)))
+                if lines > limit]
+    return bad
+
+
 # -- sys.path ----------------------------------------------------------------------------------
 def _names_bound(tree: ast.AST) -> Dict[str, List[ast.AST]]:
     """name -> the expressions assigned to it, or iterated over into it, in the file."""
@@ -323,6 +361,12 @@ def test_no_module_only_reexports():
         "that defines it; only a package's __init__.py re-exports):\n" + "\n".join(shims)
 
 
+def test_no_function_is_longer_than_80_lines():
+    bad = long_functions()
+    assert not bad, f"functions longer than {MAX_FUNCTION_LINES} lines (file:function:lines; " \
+        "split them into steps with names of their own):\n" + "\n".join(bad)
+
+
 # -- the checks can fail -----------------------------------------------------------------------
 def test_find_cycle_on_a_made_up_graph():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"a"}}
@@ -421,3 +465,31 @@ def test_reexport_modules_on_a_made_up_package(tmp_path):
     (pkg / "consts.py").write_text('"""Constants."""\nimport os\n\nSEP = os.sep\n')
     (pkg / "empty.py").write_text('"""Nothing yet."""\n')
     assert reexport_modules(pkg) == ["lsgd_hpc/runtime/bare.py", "lsgd_hpc/runtime/blocks.py"]
+
+
+def test_long_functions_on_a_made_up_package(tmp_path):
+    """Functions, methods, nested and async ones are measured from the ``def`` line to the
+    last, decorators left out: 81 lines is too long, 80 is not."""
+    pkg = tmp_path / "lsgd_hpc"
+    (pkg / "comm").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+
+    def body(lines: int, indent: str = "    ") -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(lines - 1))
+
+    (pkg / "comm" / "__init__.py").write_text(
+        "def ok():\n" + body(80)
+        + "\n\ndef too_long():\n" + body(81))
+    (pkg / "comm" / "base.py").write_text(
+        "import functools\n\n\nclass Comm:\n"
+        + "".join("    @functools.lru_cache()\n" for _ in range(5))
+        + "    def decorated(self):\n" + body(80, "        ")
+        + "\n    async def method(self):\n" + body(82, "        ")
+        + "\n\ndef outer():\n    def inner():\n" + body(81, "        ") + "    return inner\n")
+    assert long_functions(pkg) == [
+        "lsgd_hpc/comm/__init__.py:too_long:81",
+        "lsgd_hpc/comm/base.py:Comm.method:82",
+        "lsgd_hpc/comm/base.py:outer:83",
+        "lsgd_hpc/comm/base.py:outer.inner:81",
+    ]
+    assert long_functions(pkg, limit=83) == []
