@@ -28,9 +28,10 @@ from lsgd_hpc.cli.startup import (EXIT_STOPPED, EXIT_USAGE, PROG, agree_on_start
 # up is a request to stop, not the default action's death.
 from lsgd_hpc.runtime.signals import StopSignals
 
-__all__ = ["main", "make_optimizer", "EXIT_USAGE", "EXIT_STOPPED"]
+__all__ = ["main", "EXIT_USAGE", "EXIT_STOPPED"]
 
-from lsgd_hpc.cli.build import make_optimizer  # noqa: E402  (re-exported: tests, benchmarks)
+from lsgd_hpc.cli.build import lr_at, make_optimizer  # noqa: E402
+from lsgd_hpc.comm.monitor import MONITOR  # noqa: E402
 from lsgd_hpc.cli.evaluate import Evaluator  # noqa: E402
 from lsgd_hpc.cli.progress import Progress  # noqa: E402
 
@@ -343,7 +344,6 @@ class Trainer:
         """Train to the end of the budget (or of the method's own schedule), or until a stop
         request; the exit status. ``compute_seconds`` is the metrics writer's clock (the
         writer times every ``method.step``: runtime.run_metrics.RunMetrics)."""
-        from lsgd_hpc.comm.monitor import MONITOR
         method = self.method
         step = self._begin()
         loss_fn = self.torch.nn.CrossEntropyLoss()
@@ -392,18 +392,19 @@ class Trainer:
         """One training step on a minibatch: forward, backward (gradient clipping), then
         ``method.step`` (the optimizer step and the method's communication). Returns
         ``(loss, output, labels, lr)`` for the step's rows."""
-        from lsgd_hpc.cli.build import lr_at
-        from lsgd_hpc.comm.monitor import MONITOR
         torch, cfg, method = self.torch, self.cfg, self.method
         xb = xb.to(self.device, non_blocking=True)
         yb = yb.to(self.device, non_blocking=True)
         lr = lr_at(cfg, min(step, self.total_steps), self.total_steps)
         for group in self.opt.param_groups:
             group["lr"] = lr
-        with torch.autocast(self.device.type, dtype=self.amp_dtype,
-                            enabled=self.amp_dtype is not None):
+        if self.amp_dtype is None:
             out = self.model(xb)
             loss = loss_fn(out, yb)
+        else:
+            with torch.autocast(self.device.type, dtype=self.amp_dtype):
+                out = self.model(xb)
+                loss = loss_fn(out, yb)
         method.zero_grad()
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if cfg.grad_clip:

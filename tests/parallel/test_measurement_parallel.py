@@ -14,7 +14,7 @@ from lsgd_hpc.methods.rules import (AllreduceRule, DiLoCoRule, EASGDRule, Gossip
                                     LocalSGDRule, SlowMoRule)
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.topology import build_topology
-from lsgd_hpc.cli.train import make_optimizer
+from lsgd_hpc.cli.build import make_optimizer
 
 @pytest.fixture(scope="module")
 def flat_groups(world):

@@ -151,9 +151,12 @@ class Rule:
         method's communication of that step. Two uncounted allreduces (the mean, then the
         mean of the squared deviations), booked as measurement (probe_seconds).
         """
+        world = getattr(self.world, "inner", self.world)    # exact, whatever --comm-dtype
+        if world.size == 1:                                  # one worker: D = 0, no traffic
+            self.log("consensus", step=step, distance=0.0)
+            return 0.0
         x = self.flat.params
         mean = x.detach().clone()
-        world = getattr(self.world, "inner", self.world)    # exact, whatever --comm-dtype
         with uncounted(world, probe=True):
             world.allreduce_(mean, "mean")
             sq = (x.detach().double() - mean.double()).pow(2).sum().reshape(1).cpu()
