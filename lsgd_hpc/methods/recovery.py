@@ -95,11 +95,7 @@ class Recoverable:
         rec.world, rec.groups, rec.ctx = world, self.comm.groups, ctx
         rec.reports, rec.mine = [r["rule"] for r in reports], self._report["rule"]
         rec.steps, rec.source = K, source
-        if self.rule.shared_state:
-            shared = broadcast_object(world, shared_of(self) if world.rank == source else None,
-                                      source)
-            if world.rank != source:
-                take_shared(self, shared)
+        self._take_shared_from(world, source)
         self.rule.resume(rec)
         if self.workers is not None:         # every rank of a worker holds the same again
             self._spread_in_worker(0)
@@ -129,16 +125,21 @@ class Recoverable:
         if joined and self.wire is not None:
             self.wire.load_state_dict({})       # error feedback: no residual of its own yet
         how = self.rule.rejoin(world, joined, source)
-        if self.rule.shared_state:
-            shared = broadcast_object(world, shared_of(self) if world.rank == source else None,
-                                      source)
-            if world.rank != source:
-                take_shared(self, shared)
+        self._take_shared_from(world, source)
         if self.workers is not None:      # a rank rejoins its worker: it takes its replica
             mates = self.workers.worker.allgather_object(joined)
             self._spread_in_worker(mates.index(False) if False in mates else 0)
         check_agreed(self, world, "after the lost ranks rejoined")
         return how
+
+    def _take_shared_from(self, world, source: int) -> None:
+        """Collective over ``world``: every rank takes ``source``'s declared shared state."""
+        if not self.rule.shared_state:
+            return
+        shared = broadcast_object(world, shared_of(self) if world.rank == source else None,
+                                  source)
+        if world.rank != source:
+            take_shared(self, shared)
 
     def _spread_in_worker(self, root: int) -> None:
         """Collective inside this rank's worker: its rank ``root``'s replica (parameters,
