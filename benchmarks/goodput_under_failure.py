@@ -1,7 +1,8 @@
-"""Goodput under a lost rank: 4 ranks as 2 nodes, one rank SIGKILLed at 30 % of the step budget.
+"""Goodput under failures: one kill per policy, then seeded Poisson kills beside the model.
 
-For LSGD and allreduce SGD (digits, the trainer's defaults otherwise), three ways to finish the
-same step budget, each its own job, interleaved per method:
+**One kill.** 4 ranks as 2 nodes, one rank SIGKILLed at 30 % of the step budget. For LSGD and
+allreduce SGD (digits, the trainer's defaults otherwise), the ways to finish the same step
+budget, each its own job, interleaved per method:
 
 * ``no failure``: ``mpirun --with-ft ulfm ... --on-failure shrink``, nothing killed (the
   reference: the same launch and checkpoints as the shrink run);
@@ -9,38 +10,85 @@ same step budget, each its own job, interleaved per method:
   shrink the world and finish the budget at 3 ranks;
 * ``abort + resume``: ``--inject-failure 1:K`` under plain mpirun (``--on-failure abort``,
   today's behaviour): the job ends; a second job at full size resumes from the last complete
-  checkpoint (``--resume``) and finishes. The queue wait of a real requeue is left out.
+  checkpoint (``--resume``) and finishes. The queue wait of a real requeue is left out;
+* ``heal`` (when ``python -m lsgd_hpc.train --help`` lists it; "not available" otherwise):
+  as shrink with ``--on-failure heal``: a replacement is spawned and joins.
 
 Checkpoints every 10 % of the budget in all three. Time to finish = wall seconds of the
 mpirun job(s), start-up included (a restart pays it again). Recovery seconds = the largest
 ``recovery_seconds`` of the survivors' ``/faults`` rows.
 
 ``ratio`` = shrink's time to finish over abort + resume's (target < 1: shrink finishes
-first); ``recovery_s`` is checked against the target of at most 5 s.
+first); ``recovery_s`` is checked against the target of at most 5 s; heal's time to do the
+budget's work against shrink's (target <= 1).
+
+**Poisson kills.** Allreduce SGD, 4 ranks, a longer budget: a clean run, then one run per
+policy (abort + resume, shrink, heal) under ranks SIGKILLed from outside at seeded random
+times (a Poisson process, about three kills per run), checkpoints at the Daly interval.
+Each run's measured goodput (useful training time over wall time) stands beside
+lsgd_hpc.planning.goodput's prediction fed with the costs measured in that run; target:
+within 25 % (``goodput_model_error``). The notes of the result define every figure.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import random
+import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 from _common import driver_main, row
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
-from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
+from lsgd_hpc.planning import goodput as gp  # noqa: E402
+from lsgd_hpc.testing import (kill_session, mpi_env, mpirun_cmd, run_group,  # noqa: E402
+                              session_pids)
 
 NP = 4
 RANKS_PER_NODE = 2
 KILLED = 1
-FULL_STEPS, QUICK_STEPS = 200, 60
+#: the budget: long enough here (about 20 s of training at 4 ranks) for a heal's replacement
+#: (start-up about 10 s beside 3 training ranks) to join before the end
+FULL_STEPS, QUICK_STEPS = 2000, 60
 METHODS = [("lsgd", ["--algorithm", "lsgd"]), ("allreduce", ["--algorithm", "allreduce"])]
 ULFM = ["--with-ft", "ulfm"]
 RECOVERY_TARGET_S = 5.0
+
+
+def _heal_once(run_dir: Path, steps: int, opts, inject, survivors, log, label: str,
+               timeout: float) -> dict:
+    """The one-kill run under --on-failure heal: its seconds (launch to exit, or to its done
+    line when the job hangs after it: then ``heal_exit_hung``) and its time to do the
+    budget's work; or the error (a run past 3 x the clean one's time is cut off)."""
+    job = _Job(mpirun_cmd(NP, _argv(steps, run_dir, [*opts, "--on-failure", "heal",
+                                                      *inject]), ULFM))
+    deadline = job.launched + timeout
+    while not job.over() and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    rc = job.end(min(deadline, time.perf_counter() + EXIT_GRACE_S))
+    hung = rc is None and job.done is not None
+    seconds = (job.done if hung else time.perf_counter()) - job.launched
+    log(f"  goodput_under_failure: {label} heal: {seconds:.1f} s, "
+        f"{'hung after its done line' if hung else f'exit {rc}'}")
+    try:
+        if (rc != 0 and not hung) or _last_step(run_dir, survivors) != steps:
+            raise RuntimeError(f"exit {rc}, the survivors did not finish")
+        return {"heal_s": seconds, "heal_exit_hung": hung,
+                "heal_work_s": _work_time(run_dir, steps, seconds)[0]}
+    except Exception as exc:
+        tail = " ".join("".join(job.lines).split())[-400:]
+        return {"heal_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: {tail}"}
 
 
 def _argv(steps: int, run_dir: Path, opts) -> list:
@@ -86,6 +134,8 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
     survivors = [r for r in range(NP) if r != KILLED]
     tmp = Path(tempfile.mkdtemp(prefix="lsgd_bench_goodput_"))
     rows, runs, errors = [], {}, {}
+    heal = heal_available()
+    log(f"  goodput_under_failure: --on-failure heal {'available' if heal else 'not available'}")
     try:
         for label, opts in METHODS:
             d = tmp / label
@@ -107,6 +157,7 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
                 if _last_step(d / "shrink", survivors) != steps:
                     raise RuntimeError("shrink run: the survivors did not finish the budget")
                 res["recovery_s"] = _recovery(d / "shrink", survivors)
+                res["shrink_work_s"], _ = _work_time(d / "shrink", steps, res["shrink_s"])
                 # abort, then resume at full size from the last complete checkpoint
                 p, first = _job(mpirun_cmd(NP, _argv(steps, d / "abort", [*opts, *inject])),
                                 timeout, log, f"{label} abort")
@@ -121,10 +172,15 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
                     raise RuntimeError("resume run: the ranks did not finish the budget")
                 res.update(abort_s=first, resume_s=second, abort_resume_s=first + second)
                 runs[label] = res
+                if heal:          # its own failure leaves the others' figures standing
+                    res.update(_heal_once(d / "heal", steps, opts, inject, survivors, log,
+                                          label, min(timeout, 3 * res["no_failure_s"] + 60)))
             except Exception as exc:              # report it, go on with the next method
                 errors[label] = f"{type(exc).__name__}: {exc}"
+        pois = poisson(quick, tmp, timeout, log, heal)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    errors.update({f"poisson {k}": v for k, v in pois["errors"].items()})
 
     worst_ratio, worst_recovery = None, None
     for label, _ in METHODS:
@@ -137,21 +193,35 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
         worst_ratio = ratio if worst_ratio is None else max(worst_ratio, ratio)
         worst_recovery = r["recovery_s"] if worst_recovery is None else \
             max(worst_recovery, r["recovery_s"])
+        heal_s = (f"heal {r['heal_s']:.1f} s (the budget's work: {r['heal_work_s']:.1f} s"
+                  f"{'; to its done line: the job hung after it' if r['heal_exit_hung'] else ''}), "
+                  if "heal_s" in r else f"heal failed ({r['heal_error']}), " if "heal_error"
+                  in r else "heal not available, ")
         rows.append(row(
             f"goodput_under_failure: {label}",
             f"rank {KILLED} killed at step {kill_at} of {steps}: shrink vs abort + resume "
-            "(vs no failure)",
+            "(vs heal, vs no failure)",
             f"recovery {r['recovery_s']:.2f} s; to finish: no failure {r['no_failure_s']:.1f} s, "
-            f"shrink {r['shrink_s']:.1f} s, abort + resume {r['abort_s']:.1f} + "
+            f"shrink {r['shrink_s']:.1f} s (the budget's work: {r['shrink_work_s']:.1f} s), "
+            f"{heal_s}abort + resume {r['abort_s']:.1f} + "
             f"{r['resume_s']:.1f} = {r['abort_resume_s']:.1f} s",
             ratio, "shrink / (abort + resume) seconds", **r))
+    heal_ratio = max((r["heal_work_s"] / r["shrink_work_s"] for r in runs.values()
+                      if "heal_work_s" in r), default=None)
+    rows += _poisson_rows(pois)
+    model_error = max((abs(r["error"]) for r in pois["runs"].values() if "error" in r),
+                      default=None)
     return {
         "name": "goodput_under_failure", "doc": __doc__.strip(), "np": NP,
         "ranks_per_node": RANKS_PER_NODE, "steps": steps, "kill_at": kill_at,
         "killed_rank": KILLED, "runs": runs, "errors": errors, "rows": rows,
         "ratio": worst_ratio, "target": "< 1", "recovery_s": worst_recovery,
+        "poisson": pois, "heal_available": heal,
         "extra_targets": {"goodput_recovery_s": {"value": worst_recovery,
-                                                 "target": f"<= {RECOVERY_TARGET_S:g}"}},
+                                                 "target": f"<= {RECOVERY_TARGET_S:g}"},
+                          "goodput_heal_vs_shrink": {"value": heal_ratio, "target": "<= 1"},
+                          "goodput_model_error": {"value": model_error,
+                                                  "target": f"<= {MODEL_ERROR_TARGET:g}"}},
         "notes": [
             f"digits, {NP} ranks = {NP // RANKS_PER_NODE} nodes x {RANKS_PER_NODE} "
             f"(--ranks-per-node), {steps} steps, checkpoints every {max(1, steps // 10)} "
@@ -166,8 +236,541 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
             "On a machine with fewer cores than ranks, 3 survivors step faster than 4 ranks, "
             "so shrink can finish before the run without a failure: compare shrink with "
             "abort + resume, not with the reference.",
-        ],
+            "The budget's work is NP x steps rank-steps: shrink's survivors finish the steps "
+            "with fewer ranks, so its time to do the work adds the rank-steps it left out at "
+            "its end rate (ranks alive, median step of its last fifth); heal's likewise for "
+            "the steps its replacement missed. goodput_heal_vs_shrink (targets table) = the "
+            "largest heal / shrink of those times, target <= 1 ('not available' without "
+            "--on-failure heal).",
+        ] + _poisson_notes(pois),
     }
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _poisson_rows(pois: dict) -> list:
+    """One row per policy of the Poisson runs: measured goodput / predicted at the run's own
+    failure rate (the ratio), the prediction at the drawn rate beside it."""
+    ref, rows = pois["reference"], []
+    if ref is None:
+        return [row("goodput_under_failure: poisson", "", "failed: the clean reference: "
+                    f"{pois['errors']['reference']}", None, "")]
+    rows.append(row(
+        "goodput_under_failure: poisson none", "no kill (the clean reference): measured vs "
+        "predicted goodput (checkpoints only)",
+        f"measured {_pct(ref['measured'])}, predicted {_pct(ref['predicted'])}; "
+        f"{pois['steps']} steps in {ref['wall_s']:.1f} s ({1e3 * ref['step_s']:.2f} ms/step), "
+        f"checkpoint {1e3 * ref['checkpoint_s']:.1f} ms every {ref['every']} steps",
+        ref["measured"] / ref["predicted"], "measured / predicted goodput"))
+    for policy in POLICIES:
+        r = pois["runs"].get(policy)
+        label = f"goodput_under_failure: poisson {policy}"
+        if policy in pois["errors"]:
+            rows.append(row(label, "", f"failed: {pois['errors'][policy]}", None, ""))
+            continue
+        if not r or not r.get("available", True):
+            rows.append(row(label, "", "not available: python -m lsgd_hpc.train --help lists "
+                            "no heal among --on-failure's choices", None, ""))
+            continue
+        costs = (f"restart wait {r['down_s']:.1f} s" if policy == "abort" else
+                 f"pause {r['pause_s']:.2f} s per kill" + (
+                     f", {r['short_s']:.1f} s short of a rank per kill" if policy == "heal"
+                     else "") + f"; capacity with 1..{NP - 1} ranks lost "
+                 + ", ".join(f"{c:.2f}" for c in r["capacity"][1:]))
+        own = r["own_rank_mtbf_s"] / NP
+        rows.append(row(
+            label, f"{r['kills']} seeded Poisson kill(s) (about {POISSON_KILLS:g} expected): "
+            "measured vs predicted goodput",
+            f"measured {_pct(r['measured'])}; predicted {_pct(r['predicted'])} at the run's own "
+            f"rate (job MTBF {own:.1f} s), {_pct(r['predicted_drawn'])} at the drawn rate "
+            f"({r['drawn_rank_mtbf_s'] / NP:.1f} s); wall {r['wall_s']:.1f} s in {r['jobs']} "
+            f"job(s){' (the last hung after its done line)' if r['exit_hung'] else ''}, "
+            f"useful {r['useful_s']:.1f} s; checkpoint {1e3 * r['checkpoint_s']:.1f} ms every "
+            f"{pois['checkpoint_every']} steps, {costs}",
+            r["measured"] / r["predicted"], "measured / predicted goodput"))
+    return rows
+
+
+def _poisson_notes(pois: dict) -> list:
+    ref = pois["reference"]
+    if ref is None:
+        return []
+    return [
+        f"Poisson runs: allreduce SGD, digits, {NP} ranks, {pois['steps']} steps each. Failures "
+        f"are SIGKILLs from outside, drawn with seed {POISSON_SEED} in exposed seconds (each "
+        "job's training: from its start line, after start-up and checkpoint load, to its done "
+        "line), a Poisson process of rate (mortal ranks)/theta, each arrival SIGKILLing a "
+        "random mortal rank: abort and heal NP/theta (the victim a rank of the training world; "
+        "heal: a replacement once it joined), shrink (live ranks)/theta, the last rank "
+        "spared (the model's floor). Job MTBF theta/NP = the clean "
+        f"run's {ref['wall_s']:.1f} s / {POISSON_KILLS:g} = {pois['job_mtbf_s']:.1f} s for "
+        "abort and heal; shrink, whose lost ranks are not replaced, draws theta = T / ln(NP / "
+        f"(NP - {POISSON_KILLS:g})) (3 of its {NP} ranks lost in the clean run's T on "
+        f"average): job MTBF {pois['rank_mtbf_s']['shrink'] / NP:.1f} s at the start. "
+        f"Checkpoints every {pois['checkpoint_every']} steps (Daly's interval for "
+        f"{pois['job_mtbf_s']:.1f} s and the measured checkpoint cost).",
+        "Goodput = useful seconds / wall seconds. Useful = the rank-steps of the budget done "
+        "(a step counts the ranks that took it) / NP x the run's own mean step at full size "
+        "(training time per step, away from the failures: the machine's load moves from run "
+        "to run). Wall = the first job's start line to the last step (the last job's done "
+        "line less what followed its last row: final evaluation and checkpoint); start-up of "
+        "the first job is left out, a clean run pays it too; abort's relaunches are in.",
+        "Predicted = lsgd_hpc.planning.goodput fed with this run's own costs: the checkpoint's "
+        "blocking seconds (increments of checkpoint_seconds), abort's wait from the kill to "
+        "the relaunched job's start line (teardown, launch, checkpoint load), the pause per "
+        "kill (training time of the steps within 2 rows of each /faults event beyond the "
+        "mean step), heal's time a rank short per kill, and the capacity with k ranks lost "
+        "(NP - k ranks' work rate against NP's, from the run's own steps at each size; a size "
+        "it never had takes the nearest one's step: ranks share 2 cores here, so 3 ranks step "
+        "faster than 4); shrink's over the run's own wall time. The ratio and "
+        "goodput_model_error (targets table, target <= 25 %) use the run's own failure rate "
+        "(exposed rank-seconds / kills): with one run of about three kills the count alone "
+        "moves goodput by tens of percent (a Poisson count of mean 3 is 1 to 5 most of the "
+        "time), which the prediction at the drawn rate shows.",
+    ]
+
+
+# -- Poisson kills: measured goodput beside the model's ----------------------------------------
+#: The Poisson runs: allreduce SGD (synchronous data parallel: what the model describes), a
+#: step budget of about 25 s of training here, about three kills per run.
+POISSON_STEPS, POISSON_QUICK_STEPS = 3000, 800
+#: seconds a job may take from its done line to its exit before it is ended (and reported)
+EXIT_GRACE_S = 30.0
+POISSON_KILLS = 3.0
+POISSON_SEED = 0
+POISSON_OPTS = ["--algorithm", "allreduce"]
+POLICIES = ("abort", "shrink", "heal")
+MODEL_ERROR_TARGET = 0.25
+START_LINE = re.compile(r"^\[lsgd_hpc\] \S+ on \d+ ranks")
+DONE_LINE = re.compile(r"^\[lsgd_hpc\] done: \d+ steps in ([0-9.]+) s")
+JOIN_LINE = re.compile(r"^\[lsgd_hpc\] heal: replacement\(s\) ready at step \d+; joining")
+
+
+def heal_available() -> bool:
+    """Whether ``python -m lsgd_hpc.train --help`` lists heal among --on-failure's choices."""
+    p = subprocess.run([sys.executable, "-m", "lsgd_hpc.train", "--help"], env=mpi_env(),
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    text = re.sub(r"\s+", " ", p.stdout)
+    block = text.partition("--on-failure ON_FAILURE")[2].partition(" --")[0]
+    return bool(re.search(r"\bheal\b", block))
+
+
+class _Job:
+    """One mpirun job whose output lines are read in a thread and timestamped: the trainer's
+    start line (printed once the model and any checkpoint are loaded, before the first step)
+    and its done line."""
+
+    def __init__(self, cmd):
+        self.launched = time.perf_counter()
+        self.p = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: List[str] = []
+        self.started: Optional[float] = None
+        self.done: Optional[float] = None
+        self.done_at_s: Optional[float] = None     # the run's own clock at its done line
+        self.joins = 0                             # heal: replacements that joined
+        self.th = threading.Thread(target=self._read, daemon=True)
+        self.th.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            now = time.perf_counter()
+            self.lines.append(line)
+            if self.started is None and START_LINE.match(line):
+                self.started = now
+            elif self.done is None and DONE_LINE.match(line):
+                self.done, self.done_at_s = now, float(DONE_LINE.match(line).group(1))
+            elif JOIN_LINE.match(line):
+                self.joins += 1
+
+    def over(self) -> bool:
+        return self.done is not None or self.p.poll() is not None
+
+    def wait_start(self, deadline: float) -> None:
+        while self.started is None and self.p.poll() is None and time.perf_counter() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.05)                       # the reader may hold the last lines
+
+    def end(self, deadline: float) -> Optional[int]:
+        try:
+            rc = self.p.wait(timeout=max(1.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            kill_session(self.p.pid)
+            self.p.wait()
+            rc = None
+        self.th.join(5)
+        return rc
+
+    def ranks(self) -> List[int]:
+        """Pids of the job's ranks alive now (python processes with OMPI_COMM_WORLD_RANK:
+        the started ranks and any replacement)."""
+        out = []
+        for pid in session_pids(self.p.pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    env = fh.read()
+                exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+                with open(f"/proc/{pid}/stat") as fh:
+                    state = fh.read().rpartition(")")[2].split()[0]
+            except OSError:
+                continue
+            if exe.startswith("python") and b"OMPI_COMM_WORLD_RANK=" in env and state != "Z":
+                out.append(pid)
+        return sorted(out)
+
+
+def _policy_launch(policy: str, steps: int, every: int, run_dir: Path, resume: bool) -> list:
+    args = _argv(steps, run_dir, POISSON_OPTS)
+    args[args.index("--checkpoint-every") + 1] = str(every)
+    if policy == "abort":
+        return mpirun_cmd(NP, args + (["--resume"] if resume else []))
+    return mpirun_cmd(NP, args + ["--on-failure", policy], ULFM)
+
+
+class _Killer:
+    """The seeded failure process, in exposed seconds (training time of the jobs, from each
+    start line to the done line or the job's end): a Poisson process whose rate is the
+    mortal ranks over theta, each arrival killing a random one of them. abort and heal:
+    NP/theta throughout (lost ranks are replaced: by the restart, or by the replacement;
+    heal's victims are the ranks of the training world, a replacement once it has joined:
+    the model leaves failures during a start-up out); shrink: the live ranks over theta,
+    none once one is left (the model's floor of one)."""
+
+    def __init__(self, policy: str, theta: float, seed: int):
+        self.policy, self.theta = policy, theta
+        self.rng = random.Random(f"{seed}:{policy}")
+        self.next_at = self._draw(theta / NP)
+
+    def _draw(self, mean: float) -> float:
+        return math.inf if math.isinf(mean) else self.rng.expovariate(1 / mean)
+
+    def due(self, pids: List[int]) -> Optional[float]:
+        """The exposed second of the next kill, or None."""
+        if self.policy == "shrink" and len(pids) <= 1:
+            return None
+        return self.next_at
+
+    def victim(self, pids: List[int]) -> int:
+        """A victim among ``pids``; draws the next arrival."""
+        v = self.rng.choice(pids)
+        mortal = NP if self.policy != "shrink" else len(pids) - 1
+        self.next_at += self._draw(self.theta / mortal) if mortal > 1 else math.inf
+        return v
+
+
+def _expose(job: _Job, killer: _Killer, clock: Dict, deadline: float, log, label: str):
+    """Run one job's exposed stretch: kill at the drawn moments until the job is done, or
+    (abort) one kill has ended it. Adds to clock's exposure (and, for shrink, its
+    rank-seconds of mortal ranks: every live rank while more than one lives)."""
+    kills = []
+    seg = last = job.started
+    pids = job.ranks()
+    eligible, joins = set(pids), 0
+    while not job.over() and time.perf_counter() < deadline:
+        nxt = killer.due(pids)
+        exposed = clock["exposure"] + time.perf_counter() - seg
+        if nxt is None or exposed < nxt:
+            time.sleep(0.02)
+            continue
+        pids = job.ranks()
+        if job.joins > joins:          # the replacements started so far have joined
+            eligible |= set(pids)
+            joins = job.joins
+        victims = [p for p in pids if p in eligible]
+        if not victims:                # nobody to kill: the draw passes
+            if pids:
+                killer.victim(pids)
+            time.sleep(0.02)
+            continue
+        victim = killer.victim(victims)
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        now = time.perf_counter()
+        clock["mortal_s"] += (len(pids) if len(pids) > 1 else 0) * (now - last)
+        last = now
+        pids = [p for p in pids if p != victim]
+        kills.append({"wall": now, "exposed": exposed})
+        clock["kills"] = clock.get("kills", 0) + 1
+        log(f"  goodput_under_failure: {label}: kill {clock['kills']} at {exposed:.1f} "
+            "exposed s")
+        if killer.policy == "abort":
+            break
+    end = job.done if job.done is not None else time.perf_counter()
+    if killer.policy != "abort" or not kills:
+        clock["mortal_s"] += (len(pids) if len(pids) > 1 else 0) * max(0.0, end - last)
+    clock["exposure"] += max(0.0, (kills[-1]["wall"] if killer.policy == "abort" and kills
+                                   else end) - seg)
+    return kills
+
+
+def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Path,
+                 timeout: float, log) -> dict:
+    """One policy's run under the seeded kills: abort relaunches with --resume after each
+    (from scratch while no checkpoint is complete), shrink and heal go on. Returns the
+    driver's timings: first start line to the last done line, exposure, kills, the waits."""
+    killer = _Killer(policy, theta, POISSON_SEED)
+    clock = {"exposure": 0.0, "mortal_s": 0.0}
+    kills, downs, jobs, first, resume = [], [], 0, None, False
+    deadline = time.perf_counter() + 3 * timeout
+    while True:
+        if not resume:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        job = _Job(_policy_launch(policy, steps, every, run_dir, resume))
+        jobs += 1
+        job.wait_start(min(deadline, time.perf_counter() + timeout))
+        if job.started is None:
+            job.end(time.perf_counter() + 30)
+            raise RuntimeError(f"{policy}: job {jobs} never started: "
+                               f"{''.join(job.lines)[-300:]}")
+        first = first if first is not None else job.started
+        if kills and policy == "abort":
+            downs.append(job.started - kills[-1]["wall"])
+        new = _expose(job, killer, clock, deadline, log, policy)
+        kills += new
+        rc = job.end(min(deadline, time.perf_counter() +
+                         (EXIT_GRACE_S if job.done is not None else timeout)))
+        if policy == "abort" and new and job.done is None:
+            resume = (run_dir / "checkpoints" / "latest.json").exists()
+            continue
+        if job.done is None:
+            raise RuntimeError(f"{policy}: the job did not finish (exit {rc}): "
+                               f"{''.join(job.lines)[-400:]}")
+        if rc is None:
+            log(f"  goodput_under_failure: {policy}: the job hung after its done line; ended")
+        return {"span_s": job.done - first, "done_at_s": job.done_at_s, "exit_hung": rc is None,
+                "exposure_s": clock["exposure"],
+                "mortal_rank_s": clock["mortal_s"], "kills": len(kills),
+                "kills_exposed_s": [round(k["exposed"], 2) for k in kills],
+                "down_s": downs, "jobs": jobs, "startup_s": job.started - job.launched}
+
+
+# -- what the run's metrics say ----------------------------------------------------------------
+def _ranges(text: str) -> List[int]:
+    out = []
+    for part in str(text).split(","):
+        a, _, b = part.strip().partition("-")
+        if a:
+            out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _read_metrics(run_dir: Path) -> Dict[str, dict]:
+    """Per metrics file: its steps, training_time, wall_time, checkpoint_seconds, and the
+    (lost ranks, step) of its /faults rows."""
+    import h5py
+    out = {}
+    for path in sorted((run_dir / "metrics").glob("rank*.h5")):
+        with h5py.File(path, "r", locking=False) as f:
+            t = f["train"]
+            d = {k: t[k][:].tolist() for k in ("step", "training_time", "wall_time",
+                                                "checkpoint_seconds")}
+            d["faults"] = []
+            if "faults" in f:
+                g = f["faults"]
+                for lost, step in zip(g["lost_ranks"][:], g["step"][:]):
+                    lost = lost.decode() if isinstance(lost, bytes) else str(lost)
+                    d["faults"].append((_ranges(lost), int(step)))
+        out[path.stem] = d
+    return out
+
+
+def _alive_per_step(files: Dict[str, dict], steps: int) -> List[int]:
+    """Ranks that did each step 1..steps: every file's steps (a replacement's rows go on in
+    the dead rank's file), a lost rank's filled from its last row before each loss up to the
+    step that loss was recovered at (its rows after its last flush died with it)."""
+    lost: Dict[int, set] = {}
+    for d in files.values():
+        for ranks, step in d["faults"]:
+            for r in ranks:
+                lost.setdefault(r, set()).add(step)
+    alive = [0] * (steps + 1)
+    for name, d in files.items():
+        done = {s for s in d["step"] if 1 <= s <= steps}
+        for e in lost.get(int(name[4:]), ()):
+            before = [s for s in done if s < e]
+            if before:
+                done |= set(range(max(before) + 1, min(steps, e - 1) + 1))
+        for s in done:
+            alive[s] += 1
+    return alive[1:]
+
+
+def _survivor(files: Dict[str, dict], steps: int) -> dict:
+    done = [d for _, d in sorted(files.items()) if d["step"] and d["step"][-1] >= steps]
+    if not done:
+        raise RuntimeError("no rank's metrics reach the step budget")
+    return done[0]
+
+
+def _deltas(d: dict) -> List[float]:
+    tt = d["training_time"]
+    return [b - a for a, b in zip(tt, tt[1:])]
+
+
+def _median(xs: List[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _checkpoint_cost(d: dict) -> float:
+    """Mean blocking seconds of one checkpoint (the increments of checkpoint_seconds)."""
+    c = d["checkpoint_seconds"]
+    inc = [b - a for a, b in zip(c, c[1:]) if b - a > 0]
+    return sum(inc) / len(inc) if inc else 0.0
+
+
+def _events(files: Dict[str, dict], alive: List[int]) -> set:
+    """Steps where the world changed: /faults rows (a loss recovered), and steps where more
+    ranks took part than in the one before (a replacement joined)."""
+    ev = {step for d in files.values() for _, step in d["faults"]}
+    ev |= {s + 1 for s in range(1, len(alive)) if alive[s] > alive[s - 1]}
+    return ev
+
+
+def _phases(d: dict, alive: List[int], events: set) -> Tuple[Dict[int, float], float, float]:
+    """From a survivor's rows (training time per step: checkpoints, evaluations and flushes
+    left out): the mean step at each number of live ranks away from the events, the seconds
+    lost in pauses near the events (2 rows either side, beyond that mean), and the seconds
+    during which fewer than NP ranks stepped."""
+    steps, ds = d["step"], _deltas(d)
+    near = {s for e in events for s in range(e - 2, e + 3)}
+    med = _median(ds)
+    # consecutive rows; a step logged twice is the step a failure cut short, done again
+    pairs = [(s, x) for p, s, x in zip(steps, steps[1:], ds)
+             if s in (p, p + 1) and 1 <= s <= len(alive) and x > 0]
+    by: Dict[int, List[float]] = {}
+    for s, x in pairs:
+        if s not in near:
+            by.setdefault(alive[s - 1], []).append(x)
+    t = {a: sum(xs) / len(xs) for a, xs in by.items()}
+    t_full = t.get(NP, med)
+    pause = sum(max(0.0, x - t.get(alive[s - 1], t_full)) for s, x in pairs if s in near)
+    short = sum(x for s, x in pairs if alive[s - 1] < NP)
+    return t, pause, short
+
+
+def _capacity(t: Dict[int, float]) -> List[float]:
+    """Work rate with k = 0..NP-1 ranks lost, relative to NP ranks: a x (1/t_a) over NP x
+    (1/t_NP); a count the run never had takes the step time of the nearest one it had."""
+    seen = sorted(t)
+    cap = []
+    for k in range(NP):
+        a = NP - k
+        near = min(seen, key=lambda b: (abs(b - a), -b))
+        cap.append((a / t[near]) / (NP / t[NP]))
+    return cap
+
+
+def _measure(policy: str, res: dict, steps: int, run_dir: Path) -> dict:
+    """The costs a run measured in its own rows, and its goodput: useful seconds (rank-steps
+    / NP x its own step at full size) over the wall seconds from the first start line to
+    the done line."""
+    files = _read_metrics(run_dir)
+    d = _survivor(files, steps)
+    kills = res["kills"]
+    full = policy in ("abort", "none")
+    alive = [NP] * steps if full else _alive_per_step(files, steps)
+    t, pause, short = _phases(d, alive, set() if full else _events(files, alive))
+    # the wall: to the last step (the done line less what came after the last row: the
+    # final evaluation, checkpoint and completion, which a clean run pays too)
+    res["wall_s"] = res["span_s"] - max(0.0, res["done_at_s"] - d["wall_time"][-1])
+    if NP not in t:
+        raise RuntimeError(f"{policy}: no step at {NP} ranks away from the failures")
+    out = {"checkpoint_s": _checkpoint_cost(d), "step_s": t[NP], "capacity": _capacity(t),
+           "rank_steps": sum(alive), "pause_s": pause / kills if kills else 0.0,
+           "short_s": short / kills if kills else 0.0}
+    if policy == "abort":
+        out["down_s"] = (sum(res["down_s"]) / len(res["down_s"]) if res["down_s"]
+                         else res["startup_s"])
+    out["useful_s"] = out["rank_steps"] / NP * out["step_s"]
+    out["measured"] = out["useful_s"] / res["wall_s"]
+    return out
+
+
+def _predict(policy: str, res: dict, meas: dict, every: int, theta: float) -> float:
+    """The model's goodput for this run's costs at per-rank MTBF ``theta``."""
+    tau = every * meas["step_s"]
+    if policy in ("abort", "none"):
+        return gp.abort_goodput(tau, meas["checkpoint_s"], theta / NP, 0.0,
+                                meas.get("down_s", 0.0))
+    m = gp.FailureModel(nodes=NP, node_mtbf_s=theta, checkpoint_s=meas["checkpoint_s"],
+                        restart_s=0.0, shrink_pause_s=meas["pause_s"],
+                        replacement_s=meas["short_s"], capacity=meas["capacity"],
+                        checkpoint_interval_s=tau, job_s=meas["useful_s"],
+                        floor=1 if policy == "shrink" else 0)
+    if policy == "shrink":
+        return gp.shrink_goodput(m, window_s=res["wall_s"])
+    return gp.heal_goodput(m)
+
+
+def _reference(steps: int, tmp: Path, timeout: float, log) -> dict:
+    """The clean run (nothing killed): its span sets the failure rate, its step and
+    checkpoint the checkpoint interval; measured and predicted goodput as for the others."""
+    every = max(1, steps // 40)
+    ref = _poisson_run("shrink", steps, every, math.inf, tmp / "clean", timeout, log)
+    ref.update(_measure("none", ref, steps, tmp / "clean"), every=every)
+    ref["predicted"] = _predict("none", ref, ref, every, math.inf)
+    return ref
+
+
+def _work_time(run_dir: Path, steps: int, wall: float) -> Tuple[float, int]:
+    """(seconds to do the budget's work of NP x steps rank-steps, rank-steps done): the wall
+    seconds, plus the rank-steps the run did not do at the end's rate (the ranks alive at the
+    end, a median step of the last fifth of a survivor's rows)."""
+    files = _read_metrics(run_dir)
+    alive = _alive_per_step(files, steps)
+    d = _survivor(files, steps)
+    tail = _deltas(d)[-max(1, len(d["step"]) // 5):]
+    missing = NP * steps - sum(alive)
+    return wall + missing * _median(tail) / max(1, alive[-1]), sum(alive)
+
+
+def _own_theta(policy: str, res: dict) -> float:
+    """The per-rank MTBF the run's own kills give: exposed rank-seconds over kills."""
+    if not res["kills"]:
+        return math.inf
+    exposed = res["mortal_rank_s"] if policy == "shrink" else NP * res["exposure_s"]
+    return exposed / res["kills"]
+
+
+def poisson(quick: bool, tmp: Path, timeout: float, log, heal: bool) -> dict:
+    """Every policy under about three seeded Poisson kills, measured and predicted."""
+    steps = POISSON_QUICK_STEPS if quick else POISSON_STEPS
+    try:
+        ref = _reference(steps, tmp, timeout, log)
+    except Exception as exc:
+        return {"steps": steps, "reference": None, "runs": {},
+                "errors": {"reference": f"{type(exc).__name__}: {exc}"}}
+    mtbf = ref["wall_s"] / POISSON_KILLS            # job MTBF: ~3 kills in a clean run's time
+    # per-rank MTBF: abort and heal replace lost ranks (rate NP/theta throughout); shrink
+    # does not, so its ranks fail faster: NP (1 - e^{-T/theta}) = 3 in the clean run's T
+    thetas = {"abort": NP * mtbf, "heal": NP * mtbf,
+              "shrink": ref["wall_s"] / math.log(NP / (NP - POISSON_KILLS))}
+    every = max(1, round(gp.daly_interval(ref["checkpoint_s"], mtbf) / ref["step_s"]))
+    out = {"steps": steps, "reference": ref, "job_mtbf_s": mtbf, "rank_mtbf_s": thetas,
+           "checkpoint_every": every, "runs": {}, "errors": {}}
+    for policy in POLICIES:
+        if policy == "heal" and not heal:
+            out["runs"][policy] = {"available": False}
+            continue
+        try:
+            theta = thetas[policy]
+            res = _poisson_run(policy, steps, every, theta, tmp / f"poisson_{policy}",
+                               timeout, log)
+            meas = _measure(policy, res, steps, tmp / f"poisson_{policy}")
+            own = _own_theta(policy, res)
+            res.update(meas, own_rank_mtbf_s=own, drawn_rank_mtbf_s=theta,
+                       predicted=_predict(policy, res, meas, every, own),
+                       predicted_drawn=_predict(policy, res, meas, every, theta))
+            res["error"] = res["measured"] / res["predicted"] - 1
+            out["runs"][policy] = res
+        except Exception as exc:                  # report it, go on with the next policy
+            out["errors"][policy] = f"{type(exc).__name__}: {exc}"
+    return out
 
 
 def main(argv=None) -> int:

@@ -68,6 +68,10 @@ BENCHES = [
     Bench("algorithms_cost", "algorithms_cost", timeout=120, driver=True),
     Bench("collective_efficiency", "collectives", timeout=240),
     Bench("loop_overhead", "loop_overhead", np=1, timeout=240),
+    # an asynchronous checkpoint's stall against a synchronous save, mlp_wide (33.7 MB)
+    Bench("checkpoint_stall", "checkpoint_stall", np=1, timeout=180),
+    # the metrics writer alone: a flush at 1,000,000 rows over one at 10,000 (target <= 2)
+    Bench("metrics_flush", "metrics_flush", np=1, timeout=120),
     # drivers of their own mpirun jobs (per-job timeouts); the *_network and cluster ones
     # bring up the emulated cluster (root; skipped with a reason otherwise)
     Bench("peers", "peers", timeout=600, driver=True, kwargs={"key": "peers"}),

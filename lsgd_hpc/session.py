@@ -23,9 +23,10 @@ from typing import Optional
 __all__ = ["Comm", "init", "ON_FAILURE"]
 
 _BACKENDS = ("mpi", "horovod", "torch")
-#: the values of ``init(on_failure=...)``: "abort" (the first dead rank ends the job) or
-#: "shrink" (the survivors go on; needs ULFM)
-ON_FAILURE = ("abort", "shrink")
+#: the values of ``init(on_failure=...)``: "abort" (the first dead rank ends the job),
+#: "shrink" (the survivors go on; needs ULFM) or "heal" (the survivors go on, and lost ranks
+#: are replaced while the job runs: lsgd_hpc/comm/heal.py)
+ON_FAILURE = ("abort", "shrink", "heal")
 
 
 class Comm:
@@ -44,12 +45,15 @@ class Comm:
         #: (``comm.fault_tolerance.register(obj)``; see that class for the protocol); a user's
         #: loop asks ``comm.failure_policy == "shrink"``
         self.fault_tolerance = None
+        #: under on_failure="heal", in a rank that joined a running job (a replacement):
+        #: what the survivors sent it (``{"replacing": [...], "history": {...}}``); else None
+        self.joined = None
 
     # -- failures (on_failure="shrink") ------------------------------------------------------
     @property
     def failure_policy(self) -> str:
-        """``"abort"`` or ``"shrink"`` (``init(on_failure=...)``)."""
-        return "abort" if self.fault_tolerance is None else "shrink"
+        """``"abort"``, ``"shrink"`` or ``"heal"`` (``init(on_failure=...)``)."""
+        return "abort" if self.fault_tolerance is None else self.fault_tolerance.policy
 
     @property
     def initial_rank(self) -> int:
@@ -99,6 +103,40 @@ class Comm:
         if self.fault_tolerance is None:
             raise ValueError("comm.recover: the job runs with on_failure='abort'")
         return self.fault_tolerance.recover(exc)
+
+    # -- healing (on_failure="heal") ----------------------------------------------------------
+    @property
+    def heal_pending(self) -> bool:
+        """Local: replacements for lost ranks are on their way (call :meth:`heal_ready` at
+        your step boundaries while this is True)."""
+        ft = self.fault_tolerance
+        return ft is not None and ft.healer is not None and ft.healer.pending
+
+    def heal_ready(self) -> bool:
+        """Collective (every rank, at a step boundary): True on every rank once the
+        replacements are ready to join; then save what they must take (a checkpoint) and call
+        :meth:`heal`. False at once, without a collective, when none is on its way."""
+        if not self.heal_pending:
+            return False
+        return self._resilient(self.fault_tolerance.healer.ready)
+
+    def heal(self, **app) -> "Comm":
+        """Collective with the replacements, after :meth:`heal_ready` said True: the healed
+        world as a new ``Comm`` (the job's initial size and numbering; build your method,
+        metrics and checkpointer over it and resume from the checkpoint you just saved).
+        ``app``: what the replacements find in ``comm.joined["history"]["app"]`` (the
+        trainer sends its run folder). Returns this object when a replacement died during the
+        join (then it is spawned again: keep training and ask :meth:`heal_ready` again)."""
+        ft = self.fault_tolerance
+        if ft is None or ft.healer is None:
+            raise ValueError("comm.heal: the job does not run with on_failure='heal'")
+        history = ft.history(app)
+        healed = ft.healer.join(history)
+        if healed is None:
+            return self
+        ft.retired = True                  # the old world's exit barrier is not needed
+        return _session_over(healed, self.backend, self.device, ft.min_ranks,
+                             ft.ranks_per_node, ft.policy, history, joined=None)
 
     def _resilient(self, fn):
         return fn() if self.fault_tolerance is None else self.fault_tolerance.resilient(fn)
@@ -266,35 +304,74 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
         raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
     from lsgd_hpc.comm import NodeGroups, launcher, make_world
-    if on_failure == "shrink" and backend != "mpi":
+    tolerant = on_failure in ("shrink", "heal")
+    if tolerant and backend != "mpi":
         from lsgd_hpc.comm.ulfm import ulfm_problem
-        raise ValueError(ulfm_problem(backend))       # before joining: no world to agree over
-    if on_failure == "shrink":
+        raise ValueError(ulfm_problem(backend).replace("'shrink'", repr(on_failure)))
+    if tolerant:
         from lsgd_hpc.comm.ulfm import prepare_mpi_environment
         prepare_mpi_environment()
+    if on_failure == "heal":
+        from lsgd_hpc.comm.heal import is_replacement
+        if is_replacement():                  # spawned by a heal: join the running job
+            comm = _join_as_replacement(device, ranks_per_node, min_ranks)
+            if abort_on_exception:
+                _install_abort_hook(comm.world)
+            return comm
     local = launcher.local_rank()
     # the device first: NCCL binds the process group to this rank's GPU
     dev = _pick_device(device, local if local is not None else launcher.env_rank())
     world = make_world(backend, device=dev) if backend == "torch" else make_world(backend)
     if abort_on_exception:
         _install_abort_hook(world)
-    if on_failure == "shrink":
-        _check_fault_tolerance(world, min_ranks)
+    if tolerant:
+        _check_fault_tolerance(world, min_ranks, on_failure)
     from lsgd_hpc.comm.groups import RANKS_PER_NODE_ENV
     if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
         ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
     groups = NodeGroups.build(world, ranks_per_node)
     comm = Comm(world, groups, dev, backend)
-    if on_failure == "shrink":
-        _enable_fault_tolerance(comm, min_ranks, ranks_per_node)
+    if tolerant:
+        _enable_fault_tolerance(comm, min_ranks, ranks_per_node, on_failure)
     return comm
 
 
-def _check_fault_tolerance(world, min_ranks: int) -> None:
+def _join_as_replacement(device, ranks_per_node, min_ranks: int) -> Comm:
+    """A replacement's ``init``: its start-up is done (torch imported), so join the
+    survivors now (lsgd_hpc.comm.heal.join) and build the session over the healed world."""
+    import time
+    import torch  # noqa: F401 - the slow import before the join, not during it
+    from lsgd_hpc.comm.heal import join
+    started = float(os.environ.get("LSGD_HPC_REPLACEMENT_STARTED", time.time()))
+    healed, sent = join(started)
+    return _session_over(healed, "mpi", device, min_ranks, ranks_per_node, "heal",
+                         sent["history"], joined=sent)
+
+
+def _session_over(mpi_comm, backend: str, device, min_ranks: int, ranks_per_node, policy: str,
+                  history: dict, joined) -> Comm:
+    """Collective over a healed world (survivors and replacements alike, the same calls):
+    the world, its node groups, the device, the fault tolerance with the job's history."""
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.comm.mpi import MPICommunicator
+    world = MPICommunicator(mpi_comm, world_ranks=range(mpi_comm.Get_size()),
+                            key=f"world+{history['generation']}")
+    groups = NodeGroups.build(world, ranks_per_node)
+    dev = device if not isinstance(device, str) else _pick_device(device, groups.local_rank)
+    comm = Comm(world, groups, dev, backend)
+    comm.joined = joined
+    _enable_fault_tolerance(comm, min_ranks, ranks_per_node, policy)
+    comm.fault_tolerance.take_history(history)
+    return comm
+
+
+def _check_fault_tolerance(world, min_ranks: int, policy: str = "shrink") -> None:
     """The same ValueError on every rank when ULFM is not active here (or min_ranks is more
     than the world): shrink would otherwise run as an ordinary MPI (Shrink a Dup)."""
     from lsgd_hpc.comm.ulfm import ulfm_problem
     problem = ulfm_problem("mpi")
+    if problem is not None:
+        problem = problem.replace("'shrink'", repr(policy))
     if problem is None and min_ranks > world.size:
         problem = f"min_ranks={min_ranks} is more than the {world.size} ranks of the job"
     problems = world.allgather_object(problem)
@@ -303,10 +380,11 @@ def _check_fault_tolerance(world, min_ranks: int) -> None:
         raise ValueError(bad[0])
 
 
-def _enable_fault_tolerance(comm: Comm, min_ranks: int, ranks_per_node) -> None:
+def _enable_fault_tolerance(comm: Comm, min_ranks: int, ranks_per_node,
+                            policy: str = "shrink") -> None:
     import atexit
     from lsgd_hpc.comm.faults import FaultTolerance
-    comm.fault_tolerance = FaultTolerance(comm, min_ranks, ranks_per_node)
+    comm.fault_tolerance = FaultTolerance(comm, min_ranks, ranks_per_node, policy)
     comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
     # a survivor that finished its loop waits here for one whose last step was cut off
     # (registered after mpi4py's own exit handler, so it runs before MPI_Finalize)

@@ -52,6 +52,12 @@ run; `python results/run_all.py --readme-only` puts them in after editing). Each
 and PNG figures are. `make bench` writes `results/benchmarks/` (speed ratios; per machine, not
 kept in git; see benchmarks/README.md).
 
+The failure planner's table, [`goodput/goodput_llama3.md`](goodput/goodput_llama3.md) (and `.csv`),
+is written by `python results/goodput.py` (no training, seconds): predicted goodput of abort +
+requeue, shrink and heal from 64 to 16,384 GPUs at the Llama 3 failure rate, with the policy to
+choose at each size and its assumptions (the model of `python -m lsgd_hpc.plan --mtbf-hours`,
+docs/planning.md).
+
 Training time everywhere is the trainer's `training_time`: wall time less evaluation,
 consensus probes, checkpoints and metric flushes (docs/metrics.md). Ranks of one "node" are
 emulated with `--ranks-per-node` except in the network experiment, which runs on emulated nodes

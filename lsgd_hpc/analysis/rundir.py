@@ -21,7 +21,7 @@ import numpy as np
 
 from lsgd_hpc.ranklists import parse_ranks
 from lsgd_hpc.runtime.completion import STATUSES, read_completion
-from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, rank_file
+from lsgd_hpc.runtime.metrics import SCHEMA_VERSION, open_rank_file, rank_file
 
 __all__ = ["GROUPS", "KNOWN_SCHEMA_VERSIONS", "NON_CONFIG_KEYS", "AggregateError", "Run",
            "read_rank_file", "col", "run_identities", "read_run", "expand_run_dirs", "read_runs",
@@ -59,11 +59,8 @@ def _py(value: Any) -> Any:
 
 
 def _open_h5(path: Path):
-    import h5py
-    try:
-        return h5py.File(path, "r", locking=False)  # readable while a trainer still writes
-    except TypeError:  # pragma: no cover - old h5py without the locking keyword
-        return h5py.File(path, "r")
+    # readable while a trainer still appends to it (a SWMR reader then), no HDF5 locking
+    return open_rank_file(path)
 
 
 def read_rank_file(path: str | os.PathLike) -> dict:
@@ -72,7 +69,8 @@ def read_rank_file(path: str | os.PathLike) -> dict:
     Returns ``{"path", "rank", "attrs", "config", "train", "eval", "leader", "consensus",
     "faults"}`` (/faults: the recoveries from lost ranks; empty in most files);
     each group is a dict name -> 1-D numpy array (all columns cut to the shortest, so rows
-    stay aligned; a missing group is empty). Raises OSError/ValueError/KeyError when the
+    stay aligned, also in a file whose writer was killed mid-flush; a missing group is
+    empty). Raises OSError/ValueError/KeyError when the
     file cannot be read.
     """
     path = Path(path)
@@ -154,30 +152,51 @@ class Run:
             n = len(f.get("step", ()))
             for i in range(n):
                 lost = parse_ranks(f["lost_ranks"][i]) if "lost_ranks" in f else []
-                key = (int(f["step"][i]), tuple(lost))
+                healed = (parse_ranks(f["replaced_ranks"][i]) if "replaced_ranks" in f
+                          else [])
+                key = (int(f["step"][i]), tuple(lost), tuple(healed))
                 ev = events.setdefault(key, {
                     "step": key[0], "wall_time": float(f["wall_time"][i]), "lost_ranks": lost,
                     "n_lost": int(f["n_lost"][i]) if "n_lost" in f else len(lost),
                     "world_size_after": int(f["world_size_after"][i]),
                     "recovery_seconds": float(f["recovery_seconds"][i]),
-                    "lost_nodes": _names(f["lost_nodes"][i]) if "lost_nodes" in f else []})
+                    "lost_nodes": _names(f["lost_nodes"][i]) if "lost_nodes" in f else [],
+                    "replaced_ranks": healed,
+                    "replace_seconds": (float(f["replace_seconds"][i])
+                                        if "replace_seconds" in f else float("nan"))})
                 ev["recovery_seconds"] = max(ev["recovery_seconds"],
                                              float(f["recovery_seconds"][i]))
         return [events[k] for k in sorted(events)]
 
     @property
     def lost_ranks(self) -> dict[int, int]:
-        """initial rank -> the step of the recovery that found it gone (empty: none lost)."""
-        out: dict[int, int] = {}
+        """initial rank -> the step of the recovery that found it gone, for the ranks lost
+        and not replaced by a heal afterwards (empty: none)."""
+        return {r: gaps[-1][0] for r, gaps in self.gaps.items() if gaps[-1][1] is None}
+
+    @property
+    def gaps(self) -> dict[int, list]:
+        """initial rank -> [(step lost, step its replacement took over or None), ...]: the
+        steps each lost rank did not train (on_failure="shrink" or "heal")."""
+        out: dict[int, list] = {}
         for ev in self.faults():
             for r in ev["lost_ranks"]:
-                out.setdefault(int(r), ev["step"])
+                spans = out.setdefault(int(r), [])
+                if not spans or spans[-1][1] is not None:
+                    spans.append((ev["step"], None))
+            for r in ev.get("replaced_ranks") or []:
+                spans = out.get(int(r))
+                if spans and spans[-1][1] is None:
+                    spans[-1] = (spans[-1][0], ev["step"])
         return out
 
     def alive(self, step: int) -> list[int]:
-        """The ranks (of those read) still training at ``step``: not lost at or before it."""
-        lost = self.lost_ranks
-        return sorted(r for r in self.ranks if r not in lost or step < lost[r])
+        """The ranks (of those read) training at ``step``: not lost at or before it, or
+        replaced (on_failure="heal") by then."""
+        gaps = self.gaps
+        return sorted(r for r in self.ranks
+                      if not any(lo <= step and (hi is None or step < hi)
+                                 for lo, hi in gaps.get(r, ())))
 
     @property
     def has_workers(self) -> bool:

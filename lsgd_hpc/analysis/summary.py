@@ -47,6 +47,12 @@ def format_summary(run: Run) -> str:
     tab = eval_table(run)
     faults, lost = run.faults(), run.lost_ranks
     for ev in faults:
+        if ev.get("replaced_ranks"):
+            lines.append(f"heal: rank(s) {format_ranks(ev['replaced_ranks'])} replaced; "
+                         f"{ev['world_size_after']} rank(s) from step {ev['step']} (pause "
+                         f"{ev['recovery_seconds']:.2f} s, {ev['replace_seconds']:.1f} s "
+                         "from the loss to the replacement's first step)")
+            continue
         nodes = ev.get("lost_nodes") or []
         lines.append(f"failure: rank(s) {format_ranks(ev['lost_ranks'])} lost"
                      + (f" (node(s) {', '.join(nodes)} gone)" if nodes else "") + "; "

@@ -33,7 +33,7 @@ SUMMARY_COLUMNS = (
 )
 #: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
 FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
-                 "recovery_seconds", "lost_nodes")
+                 "recovery_seconds", "lost_nodes", "replaced_ranks", "replace_seconds")
 #: summary.csv's columns for runs with workers that span ranks (--worker-ranks), after
 #: SUMMARY_COLUMNS: the workers, and the traffic inside them (total_bytes_sent stays the
 #: method's own, between workers)
@@ -178,17 +178,16 @@ def train_table(run: Run) -> dict[str, np.ndarray]:
         n = min([len(steps)] + [len(v) for v in cols.values() if len(v)])
         cols = {k: (v[:n] if len(v) >= n else np.full(n, np.nan)) for k, v in cols.items()}
         per_rank.append((steps[:n], cols))
-    lost = run.lost_ranks
-    if not lost:
+    if not run.gaps:
         common = sorted(set.intersection(*(set(st.tolist()) for st, _ in per_rank))) \
             if per_rank else []
     else:
-        # a rank lost at step k (on_failure="shrink") is not waited for from k on
+        # a rank lost at step k (on_failure="shrink") is not waited for from k on, nor
+        # until its replacement took over (on_failure="heal")
         ranks = list(run.ranks)
         have = [set(st.tolist()) for st, _ in per_rank]
         common = sorted(s for s in set().union(*have)
-                        if all(s in h for r, h in zip(ranks, have)
-                               if r not in lost or s < lost[r]))
+                        if all(s in h for r, h in zip(ranks, have) if r in run.alive(s)))
     grid = np.asarray(common, dtype=np.int64)
     picked = []
     for steps, cols in per_rank:
@@ -208,7 +207,7 @@ def train_table(run: Run) -> dict[str, np.ndarray]:
     stack = {k: np.vstack([p[k] for p in picked]) for k in picked[0]}
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)     # all-NaN columns of lost ranks
-        if not lost:
+        if not run.gaps:
             return {"step": grid, "loss_mean": stack["loss"].mean(0),
                     "training_time": np.max(stack["training_time"], 0),
                     "wall_time": np.max(stack["wall_time"], 0),
@@ -347,7 +346,7 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
                   for d in run.ranks.values()]
         row["total_worker_bytes_sent"] = int(sum(int(b) for b in inside if b is not None))
     row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
-    row["failures"] = len(run.faults())
+    row["failures"] = len([ev for ev in run.faults() if ev["lost_ranks"]])
     row["lost_ranks"] = format_ranks(run.lost_ranks)
     # complete / stopped (on purpose) / incomplete: the run's completion record
     row["complete"] = completion_state(run.completion)
@@ -460,9 +459,10 @@ def fault_rows(runs: list[Run]) -> list[dict]:
     """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3',
     lost_nodes as 'nodeA,nodeB')."""
     return [{"run": run.name, **{k: v for k, v in ev.items()
-                                 if k not in ("lost_ranks", "lost_nodes")},
+                                 if k not in ("lost_ranks", "lost_nodes", "replaced_ranks")},
              "lost_ranks": format_ranks(ev["lost_ranks"]),
-             "lost_nodes": ",".join(ev.get("lost_nodes") or [])}
+             "lost_nodes": ",".join(ev.get("lost_nodes") or []),
+             "replaced_ranks": format_ranks(ev.get("replaced_ranks") or [])}
             for run in runs for ev in run.faults()]
 
 

@@ -133,11 +133,12 @@ TRAINER_OPTIONS = (
            section="cluster and backend", none="none"),
     Option("on_failure", "abort", "choice",
            "a dead rank: abort ends the job (resume it from its checkpoint); shrink: the "
-           "survivors go on without it (the mpi backend under mpirun --with-ft ulfm; see "
-           "docs/cluster.md, When a node dies)", section="cluster and backend",
-           choices=("abort", "shrink")),
+           "survivors go on without it; heal: they go on and replacements started for the "
+           "lost ranks join at a step boundary (shrink and heal: the mpi backend under "
+           "mpirun --with-ft ulfm; see docs/cluster.md, When a node dies)",
+           section="cluster and backend", choices=("abort", "shrink", "heal")),
     Option("min_ranks", 1, "int",
-           "with --on-failure shrink: fewer survivors than this end the job (exit 3)",
+           "with --on-failure shrink or heal: fewer survivors than this end the job (exit 3)",
            section="cluster and backend", low=1),
     Option("inject_failure", None, "str",
            "RANK:STEP[,RANK:STEP...]: testing only, that rank (as numbered at the start) "
@@ -167,6 +168,10 @@ TRAINER_OPTIONS = (
     Option("checkpoint_every", 0, "int",
            "steps between checkpoints (0: on preemption and at the end)",
            section="output and checkpoints", low=0),
+    Option("checkpoint_sync", False, "bool",
+           "write each checkpoint before training goes on (off: the state is copied to "
+           "host memory and written in the background; --on-failure shrink always writes "
+           "at once)", section="output and checkpoints"),
     Option("tracker", None, "choice",
            "mirror rank 0's metrics to an experiment tracker, offline, under --run-dir "
            "(repeat the flag for several; each is an optional extra: pip install "
@@ -465,14 +470,18 @@ def _check_failure_options(cfg: Config) -> None:
     """--straggler, --inject-failure, --on-failure and --min-ranks."""
     straggler_of(cfg)
     failures_of(cfg)
-    if cfg.on_failure == "shrink" and cfg.backend != "mpi":
+    if cfg.on_failure in ("shrink", "heal") and cfg.backend != "mpi":
         from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ConfigError("--on-failure", ulfm_problem(cfg.backend).replace(
-            "on_failure='shrink'", "shrink").replace("backend='", "--backend ").replace(
+            "on_failure='shrink'", cfg.on_failure).replace("backend='", "--backend ").replace(
             "'", ""))
-    if cfg.min_ranks != 1 and cfg.on_failure != "shrink":
-        raise ConfigError("--min-ranks", "needs --on-failure shrink (with abort the first "
-                                         "dead rank ends the job)")
+    if cfg.on_failure == "heal" and cfg.algorithm == "lsgd-async":
+        raise ConfigError("--on-failure", "heal needs step boundaries that every rank "
+                                          "shares, and lsgd-async's ranks take uneven steps; "
+                                          "use --on-failure shrink with it")
+    if cfg.min_ranks != 1 and cfg.on_failure not in ("shrink", "heal"):
+        raise ConfigError("--min-ranks", "needs --on-failure shrink or heal (with abort the "
+                                         "first dead rank ends the job)")
 
 
 def _check_data_set_and_method(cfg: Config) -> None:
@@ -531,6 +540,8 @@ def _check_run_dir(cfg: Config, env: dict) -> None:
     """The run directory: a requeued or restarted job resumes from its latest complete
     checkpoint; a fresh one must not write over another run; --resume needs a checkpoint."""
     from lsgd_hpc.runtime.checkpoint import latest_checkpoint
+    if env.get("LSGD_HPC_REPLACEMENT_STARTED"):
+        return      # a heal's replacement: the survivors give it the run folder to resume
     if cfg.run_dir and not cfg.resume:
         # A requeued SLURM job (same id) or a group that torchrun --max-restarts restarted
         # after a worker died: continue from the latest complete checkpoint, if any.
@@ -596,7 +607,7 @@ def launcher_world_size(env: dict):
     return count(env)
 
 
-def check_world(cfg: Config, world_size: int, env: dict) -> None:
+def check_world(cfg: Config, world_size: int, env: dict, rebuilt: bool = False) -> None:
     """Checks that need the world size (known locally after MPI_Init, no collective).
 
     The world must be what the launcher started: otherwise the processes did not join one MPI
@@ -607,7 +618,7 @@ def check_world(cfg: Config, world_size: int, env: dict) -> None:
     if launcher == "torchrun" and cfg.backend != "torch":
         raise ConfigError("--backend", f"{cfg.backend} needs an MPI job, which torchrun does "
                           "not start; use --backend torch under torchrun (or mpirun/srun)")
-    if expected is not None and expected != world_size:
+    if expected is not None and expected != world_size and not rebuilt:
         if launcher == "srun":
             raise ConfigError("MPI world size", f"is {world_size} but srun started {expected} "
                               f"tasks (SLURM_STEP_NUM_TASKS={expected}): the ranks did not join "

@@ -30,6 +30,9 @@ from lsgd_hpc.runtime.signals import StopSignals
 
 __all__ = ["main", "EXIT_USAGE", "EXIT_STOPPED"]
 
+#: what Trainer.run returns when replacements are ready to join (--on-failure heal)
+HEAL = "heal"
+
 from lsgd_hpc.cli.build import lr_at, make_optimizer  # noqa: E402
 from lsgd_hpc.comm.monitor import MONITOR  # noqa: E402
 from lsgd_hpc.cli.evaluate import Evaluator  # noqa: E402
@@ -77,11 +80,11 @@ def _init(backend: str, cfg):
     rank's device; an exception ends only this run (the trainer agrees and exits itself)."""
     import lsgd_hpc
     cuda = cfg is not None and cfg.device == "cuda"
-    shrink = cfg is not None and cfg.on_failure == "shrink" and backend == "mpi"
+    tolerant = (cfg is not None and cfg.on_failure in ("shrink", "heal") and backend == "mpi")
     return lsgd_hpc.init(backend, ranks_per_node=cfg.ranks_per_node if cfg else None,
                          device="cuda" if cuda else "cpu", abort_on_exception=False,
-                         on_failure="shrink" if shrink else "abort",
-                         min_ranks=cfg.min_ranks if shrink else 1)
+                         on_failure=cfg.on_failure if tolerant else "abort",
+                         min_ranks=cfg.min_ranks if tolerant else 1)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -109,9 +112,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         comm = _init(boot_backend(cfg, argv, env), cfg)
     except (CommError, ValueError) as exc:
         return usage_error(str(exc))
+    if comm.joined is not None:               # a replacement that joined a running job
+        cfg.run_dir, cfg.resume = comm.joined["history"]["app"]["run_dir"], True
+    while True:
+        status = _start(cfg, env, comm, stop, started, error, code)
+        if not isinstance(status, _Healed):
+            return status
+        # --on-failure heal: the survivors and their replacements go on in the healed world,
+        # from the checkpoint the survivors saved at the join (the same calls on every rank)
+        comm, cfg.resume, error = status.comm, True, None
+
+
+class _Healed:
+    """What a run returns when its world was healed: go on in ``comm``."""
+
+    def __init__(self, comm):
+        self.comm = comm
+
+
+def _start(cfg, env: dict, comm, stop: StopSignals, started: float, error, code):
+    """Everything after the world exists: the trainer built, the start agreed, the run; the
+    exit status, or _Healed. Every rank of a healed world runs it again, together."""
     trainer = None
     if error is None:
-        _clear_record(cfg, comm)
+        if not cfg.resume:
+            _clear_record(cfg, comm)
         trainer, error, code = _build_trainer(cfg, env, comm, started)
     message, code, stopped = agree_on_start(comm, error, code, stop.signum)
     if message is not None:
@@ -156,7 +181,7 @@ def _build_trainer(cfg, env: dict, comm, started: float):
     from lsgd_hpc.comm import CommError
     from lsgd_hpc.data.errors import DataError
     try:
-        check_world(cfg, comm.size, env)
+        check_world(cfg, comm.size, env, rebuilt=comm.generation > 0)
         if cfg.backend == "horovod":   # hvd.init is collective: every rank must have it
             from lsgd_hpc.comm.horovod import NOT_INSTALLED, horovod_available
             if not horovod_available():
@@ -200,12 +225,14 @@ def _run_trainer(trainer: "Trainer", comm) -> int:
     exception ends every rank now (fail fast: comm.abort). After the run, the warning signals
     are ignored."""
     cfg = trainer.cfg
-    if cfg.inject_failure:                 # testing: ranks that SIGKILL themselves
+    if cfg.inject_failure and comm.generation == 0:   # testing: ranks that SIGKILL themselves
         from lsgd_hpc.comm.injection import inject_failures
         inject_failures(cfg.inject_failure, comm)
     from lsgd_hpc.comm.failures import EXIT_UNRECOVERABLE, UnrecoverableFailure
     try:
         status = trainer.run()
+        if status is HEAL:
+            return _Healed(comm.heal(run_dir=trainer.run_dir))
     except UnrecoverableFailure as exc:
         # on every survivor alike (agreed): one line each, no traceback, then out
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
@@ -289,6 +316,7 @@ class Trainer:
         run_dir = cfg.run_dir or os.path.join(
             "runs", f"{cfg.algorithm}-{_dt.datetime.now():%Y%m%d-%H%M%S}")
         cfg.run_dir = self.run_dir = comm.allgather_object(run_dir)[0]
+        self.heal = getattr(comm.fault_tolerance, "heal_event", None)   # this world's heal
         self.resolved = dict(cfg.to_dict(), model=self.model_name, world_size=self.size,
                              bn_recompute=self.bn_batches, n_nodes=comm.n_nodes,
                              steps_per_epoch=self.spe, total_steps=self.total_steps)
@@ -320,14 +348,15 @@ class Trainer:
                        sampler=self.batches.sampler, metrics=self.metrics)
         if self.scaler is not None:
             objects["scaler"] = self.scaler
-        self.checkpointer = lsgd_hpc.Checkpointer(self.run_dir, comm, **objects)
+        self.checkpointer = lsgd_hpc.Checkpointer(self.run_dir, comm,
+                                                  sync=cfg.checkpoint_sync, **objects)
         self.watchdog = (lsgd_hpc.start_watchdog(comm, self.run_dir, cfg.collective_timeout,
                                                  self.metrics)
                          if cfg.collective_timeout > 0 else None)
         self.evaluator = Evaluator(self.model, self.flat, self.rule, self.ds, self.batches,
                                    self.validation, self.device, cfg.eval_batch_size,
                                    self.bn_batches)
-        if cfg.on_failure == "shrink":
+        if cfg.on_failure in ("shrink", "heal") and comm.fault_tolerance is not None:
             comm.on_failure(self._reshard)
         return self
 
@@ -360,15 +389,20 @@ class Trainer:
                 last = self._train_step(step, xb, yb, loss_fn, sleep_s)
                 step = method.steps
                 self._log_and_evaluate(step, *last)
+                if self.heal is not None and not self.heal.logged:
+                    self.metrics.log_heal(self.heal, step)   # the first step after a heal
                 # what the method agreed on after this step (the same on every rank)
                 if method.checkpoint_due:
                     self.checkpointer.save()
+                    self._saved = step
                 if method.stopping:
                     return self._preempted(step)
                 if method.done:
                     last_step = step
                 if step >= last_step:
                     break
+                if self.comm.heal_pending and self.comm.heal_ready():
+                    return self._pause_for_heal(step)
         return self._finish(step, owns, last)
 
     def _begin(self) -> int:
@@ -379,6 +413,8 @@ class Trainer:
             self._start_fresh()
         self.metrics.flush()
         step = self.method.steps
+        if self.heal is not None:          # the survivors' pause for the join ends here
+            self.heal.pause_seconds = max(0.0, time.time() - self.heal.decided_at)
         self.progress.start(resumed, self.checkpointer.skipped, time.perf_counter(), step)
         return step
 
@@ -445,6 +481,7 @@ class Trainer:
                 with metrics.measuring():
                     self.evaluate(step)
         self.checkpointer.save()                 # flushes the metrics too
+        self.checkpointer.wait()                 # the set written and committed
         metrics.close()                          # the end of the run: end_time, trackers
         self.progress.done(step, metrics.wall(), os.path.join(self.run_dir, "metrics"))
         # every rank's file is closed before rank 0 records the run as complete (the last
@@ -478,10 +515,30 @@ class Trainer:
         self.metrics.log_eval(step, epoch=self.batches.epoch_of(step), **row)
         return row["test_accuracy"]
 
+    # -- healing ---------------------------------------------------------------------------
+    def _pause_for_heal(self, step: int):
+        """--on-failure heal, replacements ready at this step boundary: a checkpoint that
+        they will resume from (unless this step's is there), this world's objects let go.
+        Returns HEAL: the caller joins the replacements and every rank builds anew."""
+        if getattr(self, "_saved", None) != step:
+            self.checkpointer.save()
+        wait = getattr(self.checkpointer, "wait", None)
+        if wait is not None:
+            wait()                            # an asynchronous save: complete on disk first
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.metrics.flush()                   # the next writer goes on in the same file
+        self.metrics.close_trackers()
+        if self.comm.rank == 0:
+            print(f"[lsgd_hpc] heal: replacement(s) ready at step {step}; joining",
+                  file=sys.stderr, flush=True)
+        return HEAL
+
     # -- preemption ------------------------------------------------------------------------
     def _preempted(self, step: int) -> int:
         import lsgd_hpc
         self.checkpointer.save()
+        self.checkpointer.wait()                # on disk and committed before a requeue
         self.metrics.close_trackers()           # not the end of the run: no end_time
         # stopped on purpose: recorded before the requeue too (SLURM may end the ranks as
         # soon as it takes it), and again once it did

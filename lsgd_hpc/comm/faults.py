@@ -63,7 +63,7 @@ from lsgd_hpc.ranklists import format_ranks
 __all__ = ["ON_FAILURE", "FaultTolerance", "Participant", "RecoveryContext", "MAX_ATTEMPTS"]
 
 #: the values of ``lsgd_hpc.init(on_failure=...)`` (and of the trainer's ``--on-failure``)
-ON_FAILURE = ("abort", "shrink")
+ON_FAILURE = ("abort", "shrink", "heal")
 #: recoveries tried for one failure before giving up (a rank dying during the recovery)
 MAX_ATTEMPTS = 3
 
@@ -85,8 +85,17 @@ class Participant(Protocol):
 class FaultTolerance:
     """The recovery machinery of one ``Comm`` (``comm.fault_tolerance``; see the module docstring)."""
 
-    def __init__(self, comm, min_ranks: int, ranks_per_node: Optional[int]):
+    def __init__(self, comm, min_ranks: int, ranks_per_node: Optional[int],
+                 policy: str = "shrink"):
         self.comm, self.min_ranks, self.ranks_per_node = comm, int(min_ranks), ranks_per_node
+        #: "shrink", or "heal": lost ranks are also replaced (lsgd_hpc/comm/heal.py)
+        self.policy = policy
+        from lsgd_hpc.comm.heal import Healer
+        self.healer = Healer(self) if policy == "heal" else None
+        #: the heal this world came from (lsgd_hpc.comm.heal.HealEvent), or None
+        self.heal_event = None
+        #: set on the survivors' old world once a heal replaced it (its exit barrier is moot)
+        self.retired = False
         self.initial_size = comm.world.size
         #: initial world rank of each current world rank
         self.initial_ranks: List[int] = list(range(comm.world.size))
@@ -155,7 +164,35 @@ class FaultTolerance:
                   file=sys.stderr, flush=True)
         for fn in list(self.listeners) + list(self.callbacks):
             fn(event)
+        if self.healer is not None:
+            self._spawn_replacements(event)
         return event
+
+    # -- healing ---------------------------------------------------------------------------------
+    def _spawn_replacements(self, event: FailureEvent) -> None:
+        """Under heal, after a recovery: replacements for every lost rank (collective over
+        the survivors; the job goes on shrunk if the MPI library cannot start them)."""
+        if not self.healer.spawn(list(self.lost)) and self.comm.world.rank == 0:
+            print(f"[lsgd_hpc] heal: {self.healer.problem}; going on with "
+                  f"{self.comm.world.size} ranks", file=sys.stderr, flush=True)
+
+    def history(self, app: dict) -> dict:
+        """What a healed world carries over (every survivor the same; rank 0's clocks)."""
+        healer = self.healer
+        return self.comm.world.comm.bcast(
+            {"generation": self.generation + 1, "replaced": list(healer.replacing),
+             "lost_at": healer.lost_at, "decided_at": time.time(), "app": dict(app),
+             "step": int(getattr(self, "last_step", -1))}, root=0)
+
+    def take_history(self, history: dict) -> None:
+        """A healed world's: its generation, and the heal it came from."""
+        from lsgd_hpc.comm.heal import HealEvent
+        from lsgd_hpc.comm.monitor import MONITOR
+        self.generation = int(history["generation"])
+        self.heal_event = HealEvent(history["replaced"], self.comm.world.size,
+                                    history["lost_at"], history.get("step", -1))
+        self.heal_event.decided_at = history["decided_at"]
+        MONITOR.rank_map = tuple(self.initial_ranks)
 
     def _recover(self, t0: float, exc: Optional[BaseException]) -> FailureEvent:
         MPI = _mpi()
@@ -269,8 +306,13 @@ class FaultTolerance:
     def final_barrier(self) -> None:
         """At exit: meet the other survivors once more, so that a survivor that finished is
         still there for the recovery of one whose last step was cut off."""
-        if self.broken:
+        if self.broken or self.retired:
             return
+        if self.healer is not None and self.healer.pending:
+            try:                        # the job ended before its replacements joined
+                self.resilient(self.healer.release)
+            except Exception:                                       # noqa: BLE001
+                pass
         try:
             self.resilient(self.comm.world.barrier)
         except UnrecoverableFailure as exc:

@@ -28,7 +28,7 @@ class FailureInjector:
     between its election and its broadcast. ``point``: ``"step"`` (the start of that step,
     before any of its communication), ``"elected"`` (LeaderSGD, after the global election)
     or ``"save"`` (Checkpointer.save of the set labelled that step, once this rank's file is
-    written and before the set is committed)."""
+    written under its temporary name and before it is renamed: the set is never committed)."""
 
     def __init__(self, plan: Sequence[Tuple[object, int, str]]):
         self.plan = list(plan)
@@ -108,3 +108,4 @@ def injection_point(point: str, step: int, comm=None, leader: bool = False) -> N
         if rank is None:
             rank = comm.rank
     _INJECTOR.at(point, step, rank, leader)
+

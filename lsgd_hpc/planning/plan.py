@@ -19,6 +19,10 @@ of ranks, on the network) plus an allreduce of the gradient inside each worker e
 the spreading of each round's result inside it (on the node's link); bytes/step/rank is then
 the method's traffic between workers, and the traffic inside a worker is printed apart.
 
+With --mtbf-hours H (a per-node MTBF) it is the failure planner instead
+(lsgd_hpc.planning.failplan): the expected goodput of abort + requeue at the Young/Daly
+checkpoint interval, shrink and heal, and the policy to choose.
+
 Recommendations: the smallest period (powers of two) whose predicted communication share is at
 most --max-comm-share (tau_G first, then the smallest tau_L dividing it); for gossip, among the
 topologies within that share, the one with the largest spectral gap per step (the cheapest one
@@ -456,6 +460,9 @@ def _parser() -> argparse.ArgumentParser:
                         "node, train one replica with an allreduce of the gradient inside; the "
                         "methods run between workers (default 1: every rank a worker)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--mtbf-hours", help="the failure planner instead: expected goodput of "
+                   "abort, shrink and heal at this per-node MTBF (python -m lsgd_hpc.plan "
+                   "--mtbf-hours H --nodes N --help)")
     return p
 
 
@@ -541,6 +548,10 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--mtbf-hours" or a.startswith("--mtbf-hours=") for a in argv):
+        from lsgd_hpc.planning.failplan import main as failure_main   # the failure planner
+        return failure_main(argv, model_facts)
     try:
         args = _parser().parse_args(argv)
         _check(args)

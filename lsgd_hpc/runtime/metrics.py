@@ -1,17 +1,20 @@
-"""The per-rank HDF5 metrics file (schema_version 1): buffered rows, atomic flushes."""
+"""The per-rank HDF5 metrics file (schema_version 1): rows buffered between flushes, each flush
+appended to the file in HDF5's single-writer/multiple-reader (SWMR) mode."""
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
 import os
+import pickle
 import time
 from typing import Dict, List, Optional
 
 import h5py
 import numpy as np
 
-__all__ = ["SCHEMA_VERSION", "GROUPS", "OPTIONAL_GROUPS", "TIME_COLUMNS", "MetricsWriter", "rank_file", "encode_config"]
+__all__ = ["SCHEMA_VERSION", "GROUPS", "OPTIONAL_GROUPS", "TIME_COLUMNS", "MetricsWriter",
+           "rank_file", "open_rank_file", "encode_config"]
 
 SCHEMA_VERSION = 1
 
@@ -31,12 +34,17 @@ GROUPS: Dict[str, Dict[str, str]] = {
              "test_loss": "f8", "test_accuracy": "f8"},
     "leader": {"step": "i8", "scope": "i8", "leader_rank": "i8", "score": "f8"},
     "consensus": {"step": "i8", "distance": "f8"},
-    # one row per recovery from lost ranks (on_failure="shrink"; docs/metrics.md): the step
+    # one row per recovery from lost ranks (on_failure="shrink" or "heal"; docs/metrics.md),
+    # and one per heal: the step
     # the survivors go on from, the run's clock, the ranks lost (initial numbering, e.g.
     # "1,3" or "8-15"; n_lost of them), the world size after it, the seconds it took, and
     # the nodes left without a rank (host names, comma-separated; empty when none)
     "faults": {"step": "i8", "wall_time": "f8", "lost_ranks": "S256", "n_lost": "i8",
-               "world_size_after": "i8", "recovery_seconds": "f8", "lost_nodes": "S256"},
+               "world_size_after": "i8", "recovery_seconds": "f8", "lost_nodes": "S256",
+               # a heal's row (on_failure="heal"): the ranks replaced, and the seconds from
+               # their loss to the end of the replacements' first step (empty and NaN in
+               # the row of a loss)
+               "replaced_ranks": "S256", "replace_seconds": "f8"},
 }
 
 #: groups written only when they have rows (a file without failures has no /faults)
@@ -50,17 +58,65 @@ TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
                 "metrics_seconds", "worker_seconds", "recovery_seconds")
 
 
+#: bytes of one chunk of a column (1024 rows of an 8-byte column): a flush writes into the
+#: last chunk of each column, a file of a few rows stays small
+CHUNK_BYTES = 8192
+
+
 def rank_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "metrics", f"rank{rank:05d}.h5")
 
 
-class MetricsWriter:
-    """Rows kept in memory and written out whole, atomically, every flush.
+def open_rank_file(path) -> h5py.File:
+    """A rank file opened read-only, without HDF5 file locking, also while its writer appends
+    to it: a file that a writer holds open (or held when it was killed mid-flush) is marked
+    "already open for write" and is then opened as a SWMR reader, which sees the rows of
+    the writer's last completed flush at least. Any other error (a truncated file, not HDF5)
+    propagates. Columns of a group may then differ in length by the rows of one flush: cut
+    them to the shortest (the rows they all have are a prefix of the rows logged)."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        if "already open for write" not in str(exc):
+            raise
+    return h5py.File(path, "r", locking=False, swmr=True)
 
-    Each flush writes a temporary file in the same folder, fsyncs it and renames it over the
-    previous one, so the file on disk is at every moment a complete HDF5 file holding every row
-    up to the last flush: a job killed at any instant (even mid-flush) leaves a readable file.
-    A rank's metrics are a few MB at most, so rewriting them is cheap next to a training step.
+
+def _swmr_fapl():
+    """File access for the writer's appends: the latest format (SWMR needs it), no locking
+    (readers take none either)."""
+    fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
+    fapl.set_file_locking(False, ignore_when_disabled=True)
+    return fapl
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MetricsWriter:
+    """Rows kept in memory between flushes; each flush appends them to the file.
+
+    The file's columns are chunked, resizable datasets. The first flush writes the file whole
+    (a temporary file in the same folder, fsynced, renamed over the path); each later flush
+    opens it directly in HDF5's SWMR-write mode, extends every column of a group by its new
+    rows, writes them, flushes, closes and fsyncs the file: its cost is that of the new rows,
+    not of the whole run, and memory holds the rows of one flush interval (``rows``; the
+    counts already on disk are ``written``). HDF5 writes the raw data before the metadata
+    and, in SWMR mode, a column's chunk index before its extent, so a job killed at any
+    instant (even mid-flush) leaves a file that h5py opens (``open_rank_file``: a SWMR
+    reader when the kill came mid-flush) and whose columns hold prefixes of the rows logged;
+    the columns of a group differ by at most the rows of the flush that was cut, and readers
+    cut them to the shortest. Between flushes the file is closed, an ordinary HDF5 file.
+
+    What changes the file's layout (the first rows of an optional group such as /faults,
+    changed attributes such as ``end_time`` at ``close()``, a resume's ``load_existing``)
+    writes the file anew the first way, once.
 
     ``trackers``: experiment trackers that mirror the rows (rank 0's; lsgd_hpc.runtime.trackers:
     ``open_trackers`` or ``make_trackers``): every row logged is sent to them as it comes,
@@ -77,8 +133,14 @@ class MetricsWriter:
         self.columns = {g: dict(cols) for g, cols in GROUPS.items()}
         for g, cols in (extra_columns or {}).items():
             self.columns[g].update(cols)
+        #: the rows logged since the last flush (group -> column -> values)
         self.rows: Dict[str, Dict[str, List]] = {
             g: {c: [] for c in cols} for g, cols in self.columns.items()}
+        #: the rows of each group in the file (written by this writer or kept by a resume)
+        self.written: Dict[str, int] = {g: 0 for g in self.columns}
+        #: (groups, pickled attributes) of the file as last written whole; None: no file of
+        #: this writer's yet (the first flush replaces whatever is at the path)
+        self._layout: Optional[tuple] = None
         self._last_flush_time = time.monotonic()
         self._rows_since_flush = 0
         self.trackers = _mirror(trackers)
@@ -103,9 +165,23 @@ class MetricsWriter:
         if self.trackers:
             self.trackers.log_scalars(step, scalars)
 
+    def _pending(self, group: str) -> int:
+        return len(next(iter(self.rows[group].values())))
+
     def row_counts(self) -> Dict[str, int]:
-        counts = {g: len(next(iter(cols.values()))) for g, cols in self.rows.items()}
+        """Rows of each group so far, on disk and since the last flush (optional groups
+        only once they have some)."""
+        counts = {g: self.written[g] + self._pending(g) for g in self.rows}
         return {g: n for g, n in counts.items() if n or g not in OPTIONAL_GROUPS}
+
+    def column(self, group: str, name: str) -> list:
+        """Every value of one column so far: those flushed (read back from the file) and
+        those since the last flush."""
+        values: list = []
+        if self.written[group]:
+            with open_rank_file(self.path) as f:
+                values = f[group][name][:self.written[group]].tolist()
+        return values + list(self.rows[group][name])
 
     def maybe_flush(self) -> bool:
         due = (self._rows_since_flush >= self.flush_every
@@ -116,29 +192,85 @@ class MetricsWriter:
 
     # -- disk ------------------------------------------------------------------------------
     def flush(self) -> None:
-        tmp = f"{self.path}.tmp"
-        with h5py.File(tmp, "w", locking=False) as f:
-            for k, v in self.attrs.items():
-                f.attrs[k] = str(v) if isinstance(v, str) else v
-            for g, cols in self.rows.items():
-                if g in OPTIONAL_GROUPS and not any(len(v) for v in cols.values()):
-                    continue
-                grp = f.create_group(g)
-                for c, values in cols.items():
-                    arr = np.asarray(values, dtype=self.columns[g][c])
-                    # maxshape=None: chunked so that tools may append; small files either way.
-                    grp.create_dataset(c, data=arr, maxshape=(None,),
-                                       chunks=(max(1, min(len(arr), 4096)),))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
+        """The rows since the last flush to the file: appended, or the file written anew
+        when its layout changes (see the class)."""
+        if self._layout is None or self._layout != self._wanted_layout():
+            self._rewrite(dict(self.written))
+        elif any(self._pending(g) for g in self.rows):
+            try:
+                self._append()
+            except OSError:
+                # the file is held read-only by a reader of this process, or marked open
+                # for write by a writer that was killed: write it anew instead
+                self._rewrite(dict(self.written))
         self._last_flush_time = time.monotonic()
         self._rows_since_flush = 0
         if self.trackers:
             self.trackers.flush()
+
+    def _wanted_layout(self) -> tuple:
+        groups = frozenset(g for g in self.columns if g not in OPTIONAL_GROUPS
+                           or self.written[g] or self._pending(g))
+        return groups, pickle.dumps(self.attrs)
+
+    def _taken(self) -> None:
+        """The rows since the last flush are in the file."""
+        for g, cols in self.rows.items():
+            self.written[g] += self._pending(g)
+            for values in cols.values():
+                values.clear()
+
+    def _append(self) -> None:
+        fid = h5py.h5f.open(os.fsencode(self.path),
+                            h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE, _swmr_fapl())
+        try:
+            for g, cols in self.rows.items():
+                k, n = self._pending(g), self.written[g]
+                if not k:
+                    continue
+                # every column's extent and data (HDF5's low-level calls: a tenth of the
+                # high-level ones' cost); at the flush below HDF5 writes the raw data first,
+                # then each column's chunk index before its extent (SWMR flush order)
+                for c, values in cols.items():
+                    ds = h5py.h5d.open(fid, f"{g}/{c}".encode())
+                    ds.set_extent((n + k,))
+                    space = ds.get_space()
+                    space.select_hyperslab((n,), (k,))
+                    ds.write(h5py.h5s.create_simple((k,)), space,
+                             np.ascontiguousarray(values, dtype=self.columns[g][c]))
+                    ds.close()
+            h5py.h5f.flush(fid)
+        finally:
+            fid.close()
+        _fsync(self.path)
+        self._taken()
+
+    def _rewrite(self, keep: Dict[str, int], src: Optional[h5py.File] = None) -> None:
+        """Write the file anew: the attributes, the first ``keep[g]`` rows of each group
+        (read from ``src``, else from the file at the path) and the rows since the last
+        flush; a temporary file, fsynced, renamed over the path."""
+        if src is None and any(keep.values()):
+            with open_rank_file(self.path) as f:
+                self._rewrite(keep, f)
+            return
+        self.written = {g: int(keep.get(g, 0)) for g in self.columns}
+        groups, attrs = self._wanted_layout()
+        tmp = f"{self.path}.tmp"
+        with h5py.File(tmp, "w", libver="latest", locking=False) as f:
+            for k, v in self.attrs.items():
+                f.attrs[k] = str(v) if isinstance(v, str) else v
+            for g in (g for g in self.columns if g in groups):
+                grp = f.create_group(g)
+                for c, dtype in self.columns[g].items():
+                    kept = _prefix(src, self.path, g, c, self.written[g])
+                    arr = np.concatenate([kept.astype(dtype, copy=False),
+                                          np.asarray(self.rows[g][c], dtype=dtype)])
+                    grp.create_dataset(c, data=arr, dtype=dtype, maxshape=(None,),
+                                       chunks=(max(1, CHUNK_BYTES // np.dtype(dtype).itemsize),))
+        _fsync(tmp)
+        os.replace(tmp, self.path)
+        self._layout = (groups, attrs)
+        self._taken()
 
     def close(self) -> None:
         """The end of the run: stamp the file's ``end_time`` attribute (ISO 8601, UTC; how
@@ -156,21 +288,36 @@ class MetricsWriter:
             self.trackers = None
 
     def load_existing(self, counts: Dict[str, int]) -> None:
-        """Resume: take back the first ``counts[g]`` rows of each group from the file on disk
-        (rows written after the checkpoint are dropped; they will be produced again)."""
-        with h5py.File(self.path, "r", locking=False) as f:
+        """Resume: keep the first ``counts[g]`` rows of each group of the file on disk (rows
+        written after the checkpoint are dropped from it; they will be produced again). The
+        file is written anew with them (a file left by a killed writer becomes an ordinary
+        one); only their counts are kept in memory."""
+        with open_rank_file(self.path) as f:
             for g, n in counts.items():
                 if g in OPTIONAL_GROUPS and n == 0 and g not in f:
                     continue
-                for c in self.rows[g]:
-                    if g in f and c in f[g]:
-                        data = f[g][c][:n]
-                        if len(data) < n:
-                            raise RuntimeError(f"{self.path}: /{g}/{c} has {len(data)} rows, "
-                                               f"checkpoint expects {n}")
-                        self.rows[g][c] = data.tolist()
-                    else:
+                for c in self.columns[g]:
+                    if g not in f or c not in f[g]:
                         raise RuntimeError(f"{self.path}: /{g}/{c} missing; cannot resume")
+                    if len(f[g][c]) < n:
+                        raise RuntimeError(f"{self.path}: /{g}/{c} has {len(f[g][c])} rows, "
+                                           f"checkpoint expects {n}")
+            for g in counts:
+                for values in self.rows[g].values():
+                    values.clear()
+            self._rewrite({g: int(n) for g, n in counts.items()}, f)
+
+
+def _prefix(src: Optional[h5py.File], path: str, group: str, column: str, n: int) -> np.ndarray:
+    """The first ``n`` values of ``/group/column`` in ``src`` (none when n is 0)."""
+    if not n:
+        return np.empty(0)
+    if group not in src or column not in src[group]:
+        raise RuntimeError(f"{path}: /{group}/{column} missing; cannot rewrite the file")
+    data = src[group][column][:n]
+    if len(data) < n:
+        raise RuntimeError(f"{path}: /{group}/{column} has {len(data)} rows, {n} expected")
+    return data
 
 
 def _mirror(trackers):

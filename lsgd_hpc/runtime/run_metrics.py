@@ -17,7 +17,7 @@ import torch
 
 from lsgd_hpc.comm.launcher import launch_attrs
 from lsgd_hpc.runtime.metrics import (GROUPS, OPTIONAL_GROUPS, SCHEMA_VERSION, MetricsWriter,
-                                     encode_config, rank_file)
+                                     encode_config, open_rank_file, rank_file)
 from lsgd_hpc.runtime.rundir import git_sha, make_run_dir
 
 __all__ = ["RunMetrics", "open_metrics"]
@@ -141,7 +141,24 @@ class RunMetrics(MetricsWriter):
                  lost_ranks=fit(format_ranks(event.lost_ranks)),
                  n_lost=len(event.lost_ranks), world_size_after=int(event.world_size_after),
                  recovery_seconds=float(event.recovery_seconds),
-                 lost_nodes=fit(",".join(event.lost_nodes)))
+                 lost_nodes=fit(",".join(event.lost_nodes)), replaced_ranks="",
+                 replace_seconds=float("nan"))
+        self.flush()
+
+    def log_heal(self, heal, step: int) -> None:
+        """The /faults row of a heal (lsgd_hpc.comm.heal.HealEvent), at the end of the first
+        step after it: the ranks replaced, the world size after, this rank's pause for the
+        join (``recovery_seconds``: from the survivors' decision to join to the start of
+        this world's first step) and ``replace_seconds``: from the loss of the ranks to the
+        end of the replacements' first step. Flushed at once."""
+        from lsgd_hpc.ranklists import format_ranks
+        now = time.time()
+        self.log("faults", step=int(step), wall_time=self.wall(), lost_ranks="", n_lost=0,
+                 world_size_after=int(heal.size_after),
+                 recovery_seconds=float(heal.pause_seconds), lost_nodes="",
+                 replaced_ranks=format_ranks(heal.replaced),
+                 replace_seconds=float(now - heal.lost_at) if heal.lost_at else float("nan"))
+        heal.logged = True
         self.flush()
 
     def wall(self) -> float:
@@ -224,9 +241,10 @@ class RunMetrics(MetricsWriter):
             return
         counts = {}
         if os.path.exists(self.path):
-            import h5py
-            with h5py.File(self.path, "r", locking=False) as f:
-                counts = {g: int((f[g]["step"][:] <= rejoin.step).sum())
+            with open_rank_file(self.path) as f:
+                # the rows every column has (a flush cut by the kill leaves some longer)
+                counts = {g: int((f[g]["step"][:min(len(d) for d in f[g].values())]
+                                  <= rejoin.step).sum())
                           for g in self.rows if g in f and "step" in f[g]}
         if counts:
             self.load_existing(counts)
@@ -310,9 +328,9 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     error = None
     try:
         if os.path.exists(writer.path):
-            # a resumed run: Checkpointer.restore takes the rows up to its checkpoint back
-            # from this file, so it is not replaced by an empty one here (the first flush
-            # replaces it); only check that the folder takes a file
+            # a resumed run: Checkpointer.restore keeps the rows up to its checkpoint in
+            # this file (load_existing), so it is not replaced by an empty one here (without
+            # a restore the first flush replaces it); only check that the folder takes a file
             _probe_write(writer.path + ".tmp")
         else:
             writer.flush()

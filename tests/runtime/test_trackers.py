@@ -64,7 +64,7 @@ def log_rows(w):
             add("eval/test_accuracy", s, 0.3 * s)
             add("eval/val_loss", s, 1.5 / s)
     # training_time is measured: its steps are checked, not its values
-    want["train/training_time"] = list(zip(range(1, 7), w.rows["train"]["training_time"]))
+    want["train/training_time"] = list(zip(range(1, 7), w.column("train", "training_time")))
     return want
 
 

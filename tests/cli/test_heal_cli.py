@@ -1,0 +1,157 @@
+"""The trainer's --on-failure heal for real: 4 ranks as 2 nodes under mpirun --with-ft ulfm.
+A rank (or a whole node) is lost; the survivors shrink and go on, replacements are spawned,
+join at a step boundary with the lost ranks' numbers and take their state from a live peer
+(the rejoin of a full-size resume, which checks the shared state by digest on every rank);
+the job ends at full size with the replacements' rows continuing the dead ranks' files.
+
+The survivors wait for their replacements at the first step boundary
+(LSGD_HPC_HEAL_BLOCKING=1): on 2 cores a replacement that starts while 3 ranks train takes
+longer than these short budgets. Every job runs under a timeout."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import pytest
+
+from lsgd_hpc.testing import kill_session, mpi_env, mpirun_cmd, session_pids
+from mpi_util import run_mpi
+
+ULFM = ["--with-ft", "ulfm"]
+STEPS = 30
+TIMEOUT = 240
+BLOCKING = {"LSGD_HPC_HEAL_BLOCKING": "1"}
+
+
+def train(tmp_path, *args, env=None, check=True, steps=STEPS):
+    run_dir = tmp_path / "run"
+    proc = run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(steps),
+                       "--eval-every", "10", "--ranks-per-node", "2", "--run-dir", str(run_dir),
+                       "--on-failure", "heal", *args], timeout=TIMEOUT, mpi_args=ULFM,
+                   check=check, cwd=tmp_path, env=dict(BLOCKING, **(env or {})))
+    return proc, run_dir
+
+
+def rows(run_dir, rank, group):
+    with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r", locking=False) as f:
+        if group not in f:
+            return {}
+        g = f[group]
+        n = min(len(g[k]) for k in g)
+        return {k: g[k][:n].tolist() for k in g}
+
+
+def check_healed(proc, run_dir, replaced, steps=STEPS):
+    """The job finished its budget at full size; every rank's /faults has the loss and the
+    heal; the replacements' rows continue the dead ranks' files after the event."""
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert record["status"] == "complete" and record["world_size"] == 4, out
+    assert record["step"] == steps and record["lost_ranks"] == [], out
+    assert "rejoin" in proc.stdout + proc.stderr, out
+    heal_steps = set()
+    for rank in range(4):
+        faults = rows(run_dir, rank, "faults")
+        heals = [i for i, r in enumerate(faults["replaced_ranks"]) if r]
+        assert len(heals) == 1, (rank, faults)
+        i = heals[0]
+        assert faults["replaced_ranks"][i].decode() == ",".join(map(str, replaced)) or \
+            faults["replaced_ranks"][i].decode() == f"{replaced[0]}-{replaced[-1]}", faults
+        assert faults["world_size_after"][i] == 4
+        assert faults["replace_seconds"][i] > 0 and faults["recovery_seconds"][i] >= 0
+        heal_steps.add(faults["step"][i])
+        train_steps = rows(run_dir, rank, "train")["step"]
+        assert train_steps[-1] == steps, (rank, train_steps[-5:])
+        if rank in replaced:     # after the heal, every step to the end, once
+            after = [s for s in train_steps if s >= faults["step"][i]]
+            assert after == list(range(faults["step"][i], steps + 1)), train_steps
+        else:                    # a survivor: every step (a step cut off by the loss and
+            # dropped is taken again: its row may come twice)
+            assert sorted(set(train_steps)) == list(range(1, steps + 1)), train_steps
+            assert train_steps.count(faults["step"][i]) == 1, train_steps
+        if rank not in replaced:   # survivors recorded the loss before the heal
+            lost = [r for r in faults["lost_ranks"] if r]
+            assert lost, faults
+    assert len(heal_steps) == 1, heal_steps
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["lsgd", "allreduce", "easgd", "local-sgd", "diloco",
+                                       "slowmo", "gossip"])
+def test_a_lost_rank_is_replaced(tmp_path, algorithm):
+    """Every method (lsgd-async is refused): rank 1 dies at step 8; the job ends with 4
+    ranks, the replacement's rows continue rank 1's file."""
+    proc, run_dir = train(tmp_path, "--algorithm", algorithm, "--inject-failure", "1:8",
+                          "--flush-every", "5")
+    check_healed(proc, run_dir, [1])
+
+
+@pytest.mark.mpi
+def test_a_lost_node_is_replaced(tmp_path):
+    """Both ranks of node 1 die at once: two replacements join as node 1 again."""
+    proc, run_dir = train(tmp_path, "--inject-failure", "2:8,3:8")
+    check_healed(proc, run_dir, [2, 3])
+    assert "lost rank(s) 2-3" in proc.stderr or "lost rank(s) 2,3" in proc.stderr
+
+
+def _python_ranks(sid: int) -> dict:
+    """World rank -> pid of the job's ranks (their OMPI_COMM_WORLD_RANK)."""
+    out = {}
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as fh:
+                env = dict(i.split(b"=", 1) for i in fh.read().split(b"\0") if b"=" in i)
+            if not os.path.basename(os.readlink(f"/proc/{pid}/exe")).startswith("python"):
+                continue
+        except OSError:
+            continue
+        if b"OMPI_COMM_WORLD_RANK" in env:
+            out.setdefault(int(env[b"OMPI_COMM_WORLD_RANK"]), pid)
+    return out
+
+
+@pytest.mark.mpi
+def test_a_rank_killed_from_outside_is_replaced(tmp_path):
+    """SIGKILL from outside (as a crash would), while the job trains: the job heals and
+    finishes at full size."""
+    run_dir = tmp_path / "run"
+    steps = 400
+    cmd = mpirun_cmd(4, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(steps),
+                         "--eval-every", "100", "--ranks-per-node", "2", "--run-dir",
+                         str(run_dir), "--on-failure", "heal", "--algorithm", "allreduce",
+                         "--straggler", "0:0.01"], ULFM)
+    p = subprocess.Popen(cmd, env=mpi_env(BLOCKING), cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:        # until training has begun
+            if (run_dir / "metrics" / "rank00003.h5").exists() and len(_python_ranks(p.pid)) == 4:
+                break
+            time.sleep(0.2)
+        time.sleep(3.0)
+        os.kill(_python_ranks(p.pid)[3], signal.SIGKILL)
+        out, err = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        kill_session(p.pid)
+        out, err = p.communicate()
+        pytest.fail(f"the healed job hung\n{out[-3000:]}\n{err[-3000:]}")
+    assert p.returncode == 0, out[-3000:] + err[-3000:]
+    check_healed(subprocess.CompletedProcess(cmd, 0, out, err), run_dir, [3], steps=steps)
+
+
+@pytest.mark.mpi
+def test_heal_is_refused_where_it_cannot_work(tmp_path):
+    """lsgd-async (uneven steps) and a run without ULFM: one line, exit 2, on every rank."""
+    proc, _ = train(tmp_path, "--algorithm", "lsgd-async", check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "heal needs step boundaries that every rank shares" in proc.stderr
+    run_dir = tmp_path / "run2"
+    proc = run_mpi(2, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", "4",
+                       "--run-dir", str(run_dir), "--on-failure", "heal"], timeout=TIMEOUT,
+                   mpi_args=[], check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ULFM" in proc.stderr and "heal" in proc.stderr
