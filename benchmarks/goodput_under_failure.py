@@ -66,12 +66,13 @@ ULFM = ["--with-ft", "ulfm"]
 RECOVERY_TARGET_S = 5.0
 
 
-def _heal_once(run_dir: Path, steps: int, opts, inject, survivors, log, label: str,
-               timeout: float) -> dict:
-    """The one-kill run under --on-failure heal: its seconds (launch to exit, or to its done
-    line when the job hangs after it: then ``heal_exit_hung``) and its time to do the
-    budget's work; or the error (a run past 3 x the clean one's time is cut off)."""
-    job = _Job(mpirun_cmd(NP, _argv(steps, run_dir, [*opts, "--on-failure", "heal",
+def _one_kill(policy: str, run_dir: Path, steps: int, opts, inject, survivors, log,
+              label: str, timeout: float) -> dict:
+    """The one-kill run under --on-failure ``policy`` (shrink, heal): its seconds (launch to
+    exit, or to its done line when the job hangs after it: ``POLICY_exit_hung``), its time to
+    do the budget's work (_work_time) and its goodput (_measure: useful over the seconds from
+    its start line to its last step); or ``POLICY_error`` (a run is cut off at ``timeout``)."""
+    job = _Job(mpirun_cmd(NP, _argv(steps, run_dir, [*opts, "--on-failure", policy,
                                                       *inject]), ULFM))
     deadline = job.launched + timeout
     while not job.over() and time.perf_counter() < deadline:
@@ -79,16 +80,21 @@ def _heal_once(run_dir: Path, steps: int, opts, inject, survivors, log, label: s
     rc = job.end(min(deadline, time.perf_counter() + EXIT_GRACE_S))
     hung = rc is None and job.done is not None
     seconds = (job.done if hung else time.perf_counter()) - job.launched
-    log(f"  goodput_under_failure: {label} heal: {seconds:.1f} s, "
+    log(f"  goodput_under_failure: {label} {policy}: {seconds:.1f} s, "
         f"{'hung after its done line' if hung else f'exit {rc}'}")
     try:
-        if (rc != 0 and not hung) or _last_step(run_dir, survivors) != steps:
+        if (rc != 0 and not hung) or job.done is None or job.started is None \
+                or _last_step(run_dir, survivors) != steps:
             raise RuntimeError(f"exit {rc}, the survivors did not finish")
-        return {"heal_s": seconds, "heal_exit_hung": hung,
-                "heal_work_s": _work_time(run_dir, steps, seconds)[0]}
+        res = {"span_s": job.done - job.started, "done_at_s": job.done_at_s, "kills": 1}
+        meas = _measure(policy, res, steps, run_dir)
+        return {f"{policy}_s": seconds, f"{policy}_exit_hung": hung,
+                f"{policy}_work_s": _work_time(run_dir, steps, seconds)[0],
+                f"{policy}_goodput": meas["measured"]}
     except Exception as exc:
         tail = " ".join("".join(job.lines).split())[-400:]
-        return {"heal_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: {tail}"}
+        return {f"{policy}_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: "
+                                   f"{tail}"}
 
 
 def _argv(steps: int, run_dir: Path, opts) -> list:
@@ -148,16 +154,11 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
                 if p.returncode != 0:
                     raise RuntimeError(f"no-failure run: exit {p.returncode}: {p.stderr[-300:]}")
                 # shrink and go on
-                p, res["shrink_s"] = _job(
-                    mpirun_cmd(NP, _argv(steps, d / "shrink", [*opts, "--on-failure", "shrink",
-                                                               *inject]), ULFM),
-                    timeout, log, f"{label} shrink")
-                if p.returncode != 0:
-                    raise RuntimeError(f"shrink run: exit {p.returncode}: {p.stderr[-300:]}")
-                if _last_step(d / "shrink", survivors) != steps:
-                    raise RuntimeError("shrink run: the survivors did not finish the budget")
+                res.update(_one_kill("shrink", d / "shrink", steps, opts, inject, survivors,
+                                     log, label, timeout))
+                if "shrink_error" in res:
+                    raise RuntimeError(f"shrink run: {res['shrink_error']}")
                 res["recovery_s"] = _recovery(d / "shrink", survivors)
-                res["shrink_work_s"], _ = _work_time(d / "shrink", steps, res["shrink_s"])
                 # abort, then resume at full size from the last complete checkpoint
                 p, first = _job(mpirun_cmd(NP, _argv(steps, d / "abort", [*opts, *inject])),
                                 timeout, log, f"{label} abort")
@@ -173,8 +174,8 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
                 res.update(abort_s=first, resume_s=second, abort_resume_s=first + second)
                 runs[label] = res
                 if heal:          # its own failure leaves the others' figures standing
-                    res.update(_heal_once(d / "heal", steps, opts, inject, survivors, log,
-                                          label, min(timeout, 3 * res["no_failure_s"] + 60)))
+                    res.update(_one_kill("heal", d / "heal", steps, opts, inject, survivors,
+                                         log, label, min(timeout, 3 * res["no_failure_s"] + 60)))
             except Exception as exc:              # report it, go on with the next method
                 errors[label] = f"{type(exc).__name__}: {exc}"
         pois = poisson(quick, tmp, timeout, log, heal)
@@ -194,7 +195,8 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
         worst_recovery = r["recovery_s"] if worst_recovery is None else \
             max(worst_recovery, r["recovery_s"])
         heal_s = (f"heal {r['heal_s']:.1f} s (the budget's work: {r['heal_work_s']:.1f} s"
-                  f"{'; to its done line: the job hung after it' if r['heal_exit_hung'] else ''}), "
+                  f"{'; to its done line: the job hung after it' if r['heal_exit_hung'] else ''}"
+                  f"; goodput {_pct(r['heal_goodput'])}), "
                   if "heal_s" in r else f"heal failed ({r['heal_error']}), " if "heal_error"
                   in r else "heal not available, ")
         rows.append(row(
@@ -202,12 +204,15 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
             f"rank {KILLED} killed at step {kill_at} of {steps}: shrink vs abort + resume "
             "(vs heal, vs no failure)",
             f"recovery {r['recovery_s']:.2f} s; to finish: no failure {r['no_failure_s']:.1f} s, "
-            f"shrink {r['shrink_s']:.1f} s (the budget's work: {r['shrink_work_s']:.1f} s), "
+            f"shrink {r['shrink_s']:.1f} s (the budget's work: {r['shrink_work_s']:.1f} s; "
+            f"goodput {_pct(r['shrink_goodput'])}), "
             f"{heal_s}abort + resume {r['abort_s']:.1f} + "
             f"{r['resume_s']:.1f} = {r['abort_resume_s']:.1f} s",
             ratio, "shrink / (abort + resume) seconds", **r))
-    heal_ratio = max((r["heal_work_s"] / r["shrink_work_s"] for r in runs.values()
-                      if "heal_work_s" in r), default=None)
+    # heal's time to do the budget's work over shrink's, at one speed: shrink's goodput over
+    # heal's (runs here are minutes apart on a shared machine: their speeds differ)
+    heal_ratio = max((r["shrink_goodput"] / r["heal_goodput"] for r in runs.values()
+                      if "heal_goodput" in r), default=None)
     rows += _poisson_rows(pois)
     model_error = max((abs(r["error"]) for r in pois["runs"].values() if "error" in r),
                       default=None)
@@ -239,9 +244,14 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
             "The budget's work is NP x steps rank-steps: shrink's survivors finish the steps "
             "with fewer ranks, so its time to do the work adds the rank-steps it left out at "
             "its end rate (ranks alive, median step of its last fifth); heal's likewise for "
-            "the steps its replacement missed. goodput_heal_vs_shrink (targets table) = the "
-            "largest heal / shrink of those times, target <= 1 ('not available' without "
-            "--on-failure heal).",
+            "the steps its replacement missed. Goodput of shrink and heal: as in the Poisson "
+            "runs below (useful rank-time over the seconds from the start line to the last "
+            "step). goodput_heal_vs_shrink (targets table) = the largest shrink goodput / heal "
+            "goodput over the methods = heal's time to do the budget's work over shrink's at "
+            "one speed (separate runs on a shared machine step at different speeds, so their "
+            "seconds do not compare), target <= 1 ('not available' without --on-failure "
+            "heal). On these 2 cores a replacement's start-up (Python, torch, data) takes CPU "
+            "from the training ranks, which a replacement on its own node would not.",
         ] + _poisson_notes(pois),
     }
 
@@ -277,8 +287,7 @@ def _poisson_rows(pois: dict) -> list:
         costs = (f"restart wait {r['down_s']:.1f} s" if policy == "abort" else
                  f"pause {r['pause_s']:.2f} s per kill" + (
                      f", {r['short_s']:.1f} s short of a rank per kill" if policy == "heal"
-                     else "") + f"; capacity with 1..{NP - 1} ranks lost "
-                 + ", ".join(f"{c:.2f}" for c in r["capacity"][1:]))
+                     else ""))
         own = r["own_rank_mtbf_s"] / NP
         rows.append(row(
             label, f"{r['kills']} seeded Poisson kill(s) (about {POISSON_KILLS:g} expected): "
@@ -311,20 +320,21 @@ def _poisson_notes(pois: dict) -> list:
         f"average): job MTBF {pois['rank_mtbf_s']['shrink'] / NP:.1f} s at the start. "
         f"Checkpoints every {pois['checkpoint_every']} steps (Daly's interval for "
         f"{pois['job_mtbf_s']:.1f} s and the measured checkpoint cost).",
-        "Goodput = useful seconds / wall seconds. Useful = the rank-steps of the budget done "
-        "(a step counts the ranks that took it) / NP x the run's own mean step at full size "
-        "(training time per step, away from the failures: the machine's load moves from run "
-        "to run). Wall = the first job's start line to the last step (the last job's done "
-        "line less what followed its last row: final evaluation and checkpoint); start-up of "
-        "the first job is left out, a clean run pays it too; abort's relaunches are in.",
-        "Predicted = lsgd_hpc.planning.goodput fed with this run's own costs: the checkpoint's "
-        "blocking seconds (increments of checkpoint_seconds), abort's wait from the kill to "
-        "the relaunched job's start line (teardown, launch, checkpoint load), the pause per "
-        "kill (training time of the steps within 2 rows of each /faults event beyond the "
-        "mean step), heal's time a rank short per kill, and the capacity with k ranks lost "
-        "(NP - k ranks' work rate against NP's, from the run's own steps at each size; a size "
-        "it never had takes the nearest one's step: ranks share 2 cores here, so 3 ranks step "
-        "faster than 4); shrink's over the run's own wall time. The ratio and "
+        "Goodput = useful seconds / wall seconds, every rank counted as one accelerator (as "
+        "on a GPU cluster; here ranks share 2 cores, and other jobs' load moves the step time "
+        "within a run). Useful = the sum over the budget's steps of (ranks that took the step "
+        "/ NP) x the step's training time (checkpoints, evaluations and flushes left out; a "
+        "step within 2 rows of a failure or join counted at most at the median step). Wall = "
+        "the first job's start line to the last step (the last job's done line less what "
+        "followed its last row: final evaluation and checkpoint); the first job's start-up "
+        "is left out, a clean run pays it too; abort's relaunches and lost work are in.",
+        "Predicted = lsgd_hpc.planning.goodput fed with this run's own costs: the "
+        "checkpoint's blocking seconds (increments of checkpoint_seconds), the interval (the "
+        "steps between checkpoints x the mean step at full size), abort's wait from the kill "
+        "to the relaunched job's start line (teardown, launch, checkpoint load), the pause per "
+        "kill (what the steps within 2 rows of each /faults event or join took beyond the "
+        "median step), heal's seconds a rank short per kill (replacement start-up), capacity "
+        "(live ranks)/NP; shrink's over the run's own wall time. The ratio and "
         "goodput_model_error (targets table, target <= 25 %) use the run's own failure rate "
         "(exposed rank-seconds / kills): with one run of about three kills the count alone "
         "moves goodput by tens of percent (a Poisson count of mean 3 is 1 to 5 most of the "
@@ -631,62 +641,54 @@ def _events(files: Dict[str, dict], alive: List[int]) -> set:
     return ev
 
 
-def _phases(d: dict, alive: List[int], events: set) -> Tuple[Dict[int, float], float, float]:
+def _accounting(d: dict, alive: List[int], events: set) -> Dict[str, float]:
     """From a survivor's rows (training time per step: checkpoints, evaluations and flushes
-    left out): the mean step at each number of live ranks away from the events, the seconds
-    lost in pauses near the events (2 rows either side, beyond that mean), and the seconds
-    during which fewer than NP ranks stepped."""
-    steps, ds = d["step"], _deltas(d)
+    left out), every rank counted as one accelerator: ``useful`` = sum over the steps of
+    (ranks that took the step / NP) x its training time, a step within 2 rows of an event
+    counted at most at the median step; ``pause`` = what those steps took beyond the median;
+    ``short`` = seconds of the steps fewer than NP ranks took; ``step`` = the mean step at
+    full size away from the events."""
+    steps, tt = d["step"], d["training_time"]
     near = {s for e in events for s in range(e - 2, e + 3)}
-    med = _median(ds)
     # consecutive rows; a step logged twice is the step a failure cut short, done again
-    pairs = [(s, x) for p, s, x in zip(steps, steps[1:], ds)
-             if s in (p, p + 1) and 1 <= s <= len(alive) and x > 0]
-    by: Dict[int, List[float]] = {}
+    pairs = [(s, b - a) for p, s, a, b in zip(steps, steps[1:], tt, tt[1:])
+             if s in (p, p + 1) and 1 <= s <= len(alive) and b > a]
+    if steps and steps[0] == 1 and tt[0] > 0:
+        pairs.insert(0, (1, tt[0]))              # the first step: from the start
+    med = _median([x for s, x in pairs if s not in near])
+    out = {"useful": 0.0, "pause": 0.0, "short": 0.0}
+    full = []
     for s, x in pairs:
-        if s not in near:
-            by.setdefault(alive[s - 1], []).append(x)
-    t = {a: sum(xs) / len(xs) for a, xs in by.items()}
-    t_full = t.get(NP, med)
-    pause = sum(max(0.0, x - t.get(alive[s - 1], t_full)) for s, x in pairs if s in near)
-    short = sum(x for s, x in pairs if alive[s - 1] < NP)
-    return t, pause, short
-
-
-def _capacity(t: Dict[int, float]) -> List[float]:
-    """Work rate with k = 0..NP-1 ranks lost, relative to NP ranks: a x (1/t_a) over NP x
-    (1/t_NP); a count the run never had takes the step time of the nearest one it had."""
-    seen = sorted(t)
-    cap = []
-    for k in range(NP):
-        a = NP - k
-        near = min(seen, key=lambda b: (abs(b - a), -b))
-        cap.append((a / t[near]) / (NP / t[NP]))
-    return cap
+        a = alive[s - 1]
+        if s in near:
+            out["pause"] += max(0.0, x - med)
+            x = min(x, med)
+        elif a == NP:
+            full.append(x)
+        out["useful"] += a / NP * x
+        out["short"] += x if a < NP else 0.0
+    out["step"] = sum(full) / len(full) if full else med
+    return out
 
 
 def _measure(policy: str, res: dict, steps: int, run_dir: Path) -> dict:
-    """The costs a run measured in its own rows, and its goodput: useful seconds (rank-steps
-    / NP x its own step at full size) over the wall seconds from the first start line to
-    the done line."""
+    """The costs a run measured in its own rows, and its goodput: useful seconds
+    (_accounting) over the wall seconds from the first start line to the last step."""
     files = _read_metrics(run_dir)
     d = _survivor(files, steps)
     kills = res["kills"]
     full = policy in ("abort", "none")
     alive = [NP] * steps if full else _alive_per_step(files, steps)
-    t, pause, short = _phases(d, alive, set() if full else _events(files, alive))
+    acc = _accounting(d, alive, set() if full else _events(files, alive))
     # the wall: to the last step (the done line less what came after the last row: the
     # final evaluation, checkpoint and completion, which a clean run pays too)
     res["wall_s"] = res["span_s"] - max(0.0, res["done_at_s"] - d["wall_time"][-1])
-    if NP not in t:
-        raise RuntimeError(f"{policy}: no step at {NP} ranks away from the failures")
-    out = {"checkpoint_s": _checkpoint_cost(d), "step_s": t[NP], "capacity": _capacity(t),
-           "rank_steps": sum(alive), "pause_s": pause / kills if kills else 0.0,
-           "short_s": short / kills if kills else 0.0}
+    out = {"checkpoint_s": _checkpoint_cost(d), "step_s": acc["step"],
+           "rank_steps": sum(alive), "pause_s": acc["pause"] / kills if kills else 0.0,
+           "short_s": acc["short"] / kills if kills else 0.0, "useful_s": acc["useful"]}
     if policy == "abort":
         out["down_s"] = (sum(res["down_s"]) / len(res["down_s"]) if res["down_s"]
                          else res["startup_s"])
-    out["useful_s"] = out["rank_steps"] / NP * out["step_s"]
     out["measured"] = out["useful_s"] / res["wall_s"]
     return out
 
@@ -699,8 +701,8 @@ def _predict(policy: str, res: dict, meas: dict, every: int, theta: float) -> fl
                                 meas.get("down_s", 0.0))
     m = gp.FailureModel(nodes=NP, node_mtbf_s=theta, checkpoint_s=meas["checkpoint_s"],
                         restart_s=0.0, shrink_pause_s=meas["pause_s"],
-                        replacement_s=meas["short_s"], capacity=meas["capacity"],
-                        checkpoint_interval_s=tau, job_s=meas["useful_s"],
+                        replacement_s=meas["short_s"], checkpoint_interval_s=tau,
+                        job_s=meas["useful_s"],
                         floor=1 if policy == "shrink" else 0)
     if policy == "shrink":
         return gp.shrink_goodput(m, window_s=res["wall_s"])

@@ -276,7 +276,7 @@ def exit_as_interpreter(code: int) -> None:
 
 def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="auto",
          abort_on_exception: bool = True, on_failure: str = "abort",
-         min_ranks: int = 1) -> Comm:
+         min_ranks: int = 1, spares: int = 0) -> Comm:
     """Join the job's world (collective: every rank calls it once, first).
 
     ``backend``: ``"mpi"`` (mpi4py; mpirun, srun --mpi=pmix), ``"horovod"``, or ``"torch"``
@@ -289,7 +289,10 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     ``"shrink"`` (the survivors go on in a smaller world; the MPI backend under a
     fault-tolerant MPI only, ``mpirun --with-ft ulfm``; ValueError on every rank otherwise).
     ``min_ranks``: with ``"shrink"``, fewer survivors than this end the job
-    (``lsgd_hpc.comm.failures.UnrecoverableFailure`` on every survivor).
+    (``lsgd_hpc.comm.failures.UnrecoverableFailure`` on every survivor). ``spares``: with
+    ``"heal"``, the job's last ``spares`` ranks train nothing and wait to replace lost ranks
+    (their ``init`` returns only when one is needed, as a replacement's does; at the end of
+    the job the ones never needed exit with status 0 inside ``init``).
     """
     if backend not in _BACKENDS:
         hint = ""
@@ -311,6 +314,10 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     if tolerant:
         from lsgd_hpc.comm.ulfm import prepare_mpi_environment
         prepare_mpi_environment()
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
+    if spares and on_failure != "heal":
+        raise ValueError("spares need on_failure='heal' (spares replace lost ranks)")
     if on_failure == "heal":
         from lsgd_hpc.comm.heal import is_replacement
         if is_replacement():                  # spawned by a heal: join the running job
@@ -322,6 +329,12 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     # the device first: NCCL binds the process group to this rank's GPU
     dev = _pick_device(device, local if local is not None else launcher.env_rank())
     world = make_world(backend, device=dev) if backend == "torch" else make_world(backend)
+    if on_failure == "heal":
+        world = _set_spares_aside(world, spares, device, ranks_per_node, min_ranks)
+        if isinstance(world, Comm):            # a spare that replaced a lost rank
+            if abort_on_exception:
+                _install_abort_hook(world.world)
+            return world
     if abort_on_exception:
         _install_abort_hook(world)
     if tolerant:
@@ -334,6 +347,32 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     if tolerant:
         _enable_fault_tolerance(comm, min_ranks, ranks_per_node, on_failure)
     return comm
+
+
+def _set_spares_aside(world, spares: int, device, ranks_per_node, min_ranks: int):
+    """Under heal: the job's duplicate for reaching spares, and with ``spares`` K the
+    training world of the first size - K ranks (returned); a spare waits here and returns
+    the Comm of the healed world it joined (or exits at the end of the job)."""
+    from mpi4py import MPI
+    from lsgd_hpc.comm.heal import SPARES, wait_as_spare
+    from lsgd_hpc.comm.mpi import MPICommunicator
+    job = MPI.COMM_WORLD.Dup()
+    job.Set_errhandler(MPI.ERRORS_RETURN)
+    size = job.Get_size()
+    if spares >= size:
+        raise ValueError(f"spares={spares} leaves no rank to train in a job of {size}")
+    n = size - spares
+    SPARES.job, SPARES.ranks = job, list(range(n, size))
+    if not spares:
+        return world
+    me = job.Get_rank()
+    part = job.Split(0 if me < n else 1, me)
+    if me >= n:                                 # a spare
+        import torch  # noqa: F401 - the slow import while waiting, not in the join
+        healed, sent = wait_as_spare(part)
+        return _session_over(healed, "mpi", device, min_ranks, ranks_per_node, "heal",
+                             sent["history"], joined=sent)
+    return MPICommunicator(part, world_ranks=range(n), key="world")
 
 
 def _join_as_replacement(device, ranks_per_node, min_ranks: int) -> Comm:

@@ -137,6 +137,10 @@ TRAINER_OPTIONS = (
            "lost ranks join at a step boundary (shrink and heal: the mpi backend under "
            "mpirun --with-ft ulfm; see docs/cluster.md, When a node dies)",
            section="cluster and backend", choices=("abort", "shrink", "heal")),
+    Option("spares", 0, "int",
+           "with --on-failure heal: the job's last K ranks train nothing and wait to replace "
+           "lost ranks (before any is spawned); start the job with K more ranks",
+           section="cluster and backend", low=0),
     Option("min_ranks", 1, "int",
            "with --on-failure shrink or heal: fewer survivors than this end the job (exit 3)",
            section="cluster and backend", low=1),
@@ -479,6 +483,8 @@ def _check_failure_options(cfg: Config) -> None:
         raise ConfigError("--on-failure", "heal needs step boundaries that every rank "
                                           "shares, and lsgd-async's ranks take uneven steps; "
                                           "use --on-failure shrink with it")
+    if cfg.spares and cfg.on_failure != "heal":
+        raise ConfigError("--spares", "needs --on-failure heal (spares replace lost ranks)")
     if cfg.min_ranks != 1 and cfg.on_failure not in ("shrink", "heal"):
         raise ConfigError("--min-ranks", "needs --on-failure shrink or heal (with abort the "
                                          "first dead rank ends the job)")
@@ -618,7 +624,7 @@ def check_world(cfg: Config, world_size: int, env: dict, rebuilt: bool = False) 
     if launcher == "torchrun" and cfg.backend != "torch":
         raise ConfigError("--backend", f"{cfg.backend} needs an MPI job, which torchrun does "
                           "not start; use --backend torch under torchrun (or mpirun/srun)")
-    if expected is not None and expected != world_size and not rebuilt:
+    if expected is not None and expected != world_size + cfg.spares and not rebuilt:
         if launcher == "srun":
             raise ConfigError("MPI world size", f"is {world_size} but srun started {expected} "
                               f"tasks (SLURM_STEP_NUM_TASKS={expected}): the ranks did not join "

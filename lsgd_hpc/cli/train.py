@@ -84,7 +84,8 @@ def _init(backend: str, cfg):
     return lsgd_hpc.init(backend, ranks_per_node=cfg.ranks_per_node if cfg else None,
                          device="cuda" if cuda else "cpu", abort_on_exception=False,
                          on_failure=cfg.on_failure if tolerant else "abort",
-                         min_ranks=cfg.min_ranks if tolerant else 1)
+                         min_ranks=cfg.min_ranks if tolerant else 1,
+                         spares=cfg.spares if tolerant and cfg.on_failure == "heal" else 0)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -172,22 +172,38 @@ class FaultTolerance:
     def _spawn_replacements(self, event: FailureEvent) -> None:
         """Under heal, after a recovery: replacements for every lost rank (collective over
         the survivors; the job goes on shrunk if the MPI library cannot start them)."""
-        if not self.healer.spawn(list(self.lost)) and self.comm.world.rank == 0:
+        from lsgd_hpc.comm.heal import SPARES
+        spares = len(SPARES.ranks)
+        started = self.healer.spawn(list(self.lost))
+        if self.comm.world.rank != 0:
+            return
+        if not started:
             print(f"[lsgd_hpc] heal: {self.healer.problem}; going on with "
                   f"{self.comm.world.size} ranks", file=sys.stderr, flush=True)
+        elif self.healer.from_spares is not None:
+            print(f"[lsgd_hpc] heal: hot spare(s) take rank(s) "
+                  f"{format_ranks(self.healer.replacing)} ({len(SPARES.ranks)} of {spares} "
+                  "spare(s) left)", file=sys.stderr, flush=True)
+        else:
+            print(f"[lsgd_hpc] heal: spawning replacement(s) for rank(s) "
+                  f"{format_ranks(self.healer.replacing)}", file=sys.stderr, flush=True)
 
     def history(self, app: dict) -> dict:
         """What a healed world carries over (every survivor the same; rank 0's clocks)."""
+        from lsgd_hpc.comm.heal import SPARES
         healer = self.healer
         return self.comm.world.comm.bcast(
             {"generation": self.generation + 1, "replaced": list(healer.replacing),
              "lost_at": healer.lost_at, "decided_at": time.time(), "app": dict(app),
+             "spares": list(SPARES.ranks),
              "step": int(getattr(self, "last_step", -1))}, root=0)
 
     def take_history(self, history: dict) -> None:
         """A healed world's: its generation, and the heal it came from."""
         from lsgd_hpc.comm.heal import HealEvent
         from lsgd_hpc.comm.monitor import MONITOR
+        from lsgd_hpc.comm.heal import SPARES
+        SPARES.ranks = list(history.get("spares", []))
         self.generation = int(history["generation"])
         self.heal_event = HealEvent(history["replaced"], self.comm.world.size,
                                     history["lost_at"], history.get("step", -1))
@@ -308,7 +324,8 @@ class FaultTolerance:
         still there for the recovery of one whose last step was cut off."""
         if self.broken or self.retired:
             return
-        if self.healer is not None and self.healer.pending:
+        from lsgd_hpc.comm.heal import SPARES
+        if self.healer is not None and (self.healer.pending or SPARES.ranks):
             try:                        # the job ended before its replacements joined
                 self.resilient(self.healer.release)
             except Exception:                                       # noqa: BLE001

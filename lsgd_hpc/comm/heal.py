@@ -34,7 +34,8 @@ import sys
 import time
 from typing import List, Optional
 
-__all__ = ["Healer", "HealEvent", "join", "is_replacement", "payload", "MAX_SPAWNS",
+__all__ = ["Healer", "HealEvent", "Spares", "SPARES", "wait_as_spare", "join",
+           "is_replacement", "payload", "MAX_SPAWNS",
            "BLOCKING_ENV", "TIMEOUT_ENV"]
 
 #: spawns tried for one failure when replacements die before they join
@@ -49,6 +50,8 @@ _LAUNCHER_PREFIXES = ("OMPI_COMM_WORLD", "OMPI_UNIVERSE", "OMPI_FIRST_RANKS", "O
                       "SLURM_GTIDS", "PMI_", "MPI_LOCAL")
 _READY_TAG = 7101
 _VERDICT_TAG = 7102
+_WAKE_TAG = 7103
+_BRIDGE_TAG = 7104
 #: set to 1 to make the survivors wait for their replacements at the first step boundary
 #: after a spawn instead of training on (tests; a machine with no core to spare for the
 #: replacement's start-up)
@@ -115,12 +118,14 @@ class Healer:
         self.request = None               # rank 0: the first replacement's "ready"
         self.spawns = 0
         self.spawned_at = 0.0
+        #: the healed world built with woken spares (they are ready at once)
+        self.from_spares = None
         self.problem: Optional[str] = None
 
     @property
     def pending(self) -> bool:
-        """A replacement is on its way (spawned, not joined yet)."""
-        return self.inter is not None
+        """A replacement is on its way (spawned or woken, not joined yet)."""
+        return self.inter is not None or self.from_spares is not None
 
     # -- 1. spawn ----------------------------------------------------------------------------
     def spawn(self, lost: List[int]) -> bool:
@@ -133,6 +138,10 @@ class Healer:
         if not self.lost_at:
             self.lost_at = time.time()
         world = self.ft.comm.world.comm
+        if SPARES.ranks and len(SPARES.ranks) >= len(self.replacing):   # hot spares first
+            mine = self.ft.initial_ranks[world.Get_rank()]
+            self.from_spares = SPARES.wake(world, self.replacing, mine)
+            return True
         info = MPI.Info.Create()
         hosts = self._hosts()
         if hosts:
@@ -168,6 +177,8 @@ class Healer:
         True on every survivor once the replacements are ready to join. A replacement that
         died on its way is spawned again (or given up after MAX_SPAWNS)."""
         from mpi4py import MPI
+        if self.from_spares is not None:
+            return True                    # spares: ready at once, on every survivor alike
         if self.inter is None:
             return False
         state = 0
@@ -209,6 +220,11 @@ class Healer:
         a uniform agreement decides; the replacements are spawned again)."""
         from mpi4py import MPI
         world = self.ft.comm.world.comm
+        if self.from_spares is not None:
+            healed = self.from_spares
+            healed.bcast({"replacing": self.replacing, "history": history}, root=0)
+            self._forget()
+            return _connected(healed)
         ok, merged = 1, None
         try:
             if world.Get_rank() == 0:
@@ -249,9 +265,10 @@ class Healer:
         are told to leave (waiting for their "ready" at most until the spawn's timeout) and
         the spawn's connection is closed, so that every process can finish."""
         from mpi4py import MPI
+        world = self.ft.comm.world.comm
+        SPARES.release(world)
         if self.inter is None:
             return
-        world = self.ft.comm.world.comm
         alive = 1
         if self.request is not None:
             try:
@@ -276,15 +293,114 @@ class Healer:
 
     def _forget(self) -> None:
         self.inter, self.request, self.replacing = None, None, []
+        self.from_spares = None
         self.lost_at, self.spawns = 0.0, 0
 
 
-def join(started: float) -> tuple:
+class Spares:
+    """Hot spares (``init(on_failure="heal", spares=K)``): the last K ranks of the job train
+    nothing and wait; a heal takes them before it spawns anything. ``job`` is a duplicate of
+    the job's MPI_COMM_WORLD (the survivors reach the spares through it), ``ranks`` the
+    spares still waiting (their ranks in it)."""
+
+    def __init__(self):
+        self.job = None
+        self.ranks: List[int] = []
+        self.waiting = False              # this process is a spare that waits
+
+    def wake(self, world, replacing: List[int], mine: int):
+        """Collective over the survivors' ``world`` and every waiting spare: the first
+        len(``replacing``) spares take those initial ranks. The job's communicator is shrunk
+        (survivors and spares: the live processes) and split: the healed world, numbered by
+        initial rank (``mine`` is this survivor's), is returned; the other spares wait on."""
+        from mpi4py import MPI
+        if world.Get_rank() == 0:
+            self.job.send({"replacing": list(replacing)}, dest=self.ranks[0], tag=_WAKE_TAG)
+        healed, self.job = _split_job(self.job, 0, mine)
+        self.ranks = _spare_ranks(self.job)
+        return healed
+
+    def release(self, world) -> None:
+        """Collective over the survivors at the end of the job: the spares still waiting
+        leave."""
+        if self.ranks and world.Get_rank() == 0:
+            self.job.send({"exit": True}, dest=self.ranks[0], tag=_WAKE_TAG)
+        self.ranks = []
+
+
+def _split_job(job, color: int, key: int):
+    """Collective over the job's live processes: shrink ``job`` (ULFM: the dead left out),
+    then split it; ``(this process's part, the shrunk job)``."""
+    from mpi4py import MPI
+    shrunk = job.Shrink()
+    shrunk.Set_errhandler(MPI.ERRORS_RETURN)
+    part = shrunk.Split(color, key)
+    part.Set_errhandler(MPI.ERRORS_RETURN)
+    return part, shrunk
+
+
+def _spare_ranks(job) -> List[int]:
+    """The ranks in ``job`` of the processes that still wait as spares (collective)."""
+    flags = job.allgather(bool(SPARES.waiting))
+    return [r for r, f in enumerate(flags) if f]
+
+
+#: this process's view of the job's hot spares (set by ``lsgd_hpc.init``)
+SPARES = Spares()
+
+
+def wait_as_spare(spare_comm):
+    """A spare's ``init``: wait (training nothing) until the survivors wake some of the
+    spares; a woken one returns ``(healed MPI communicator, what the survivors sent)`` once
+    the survivors join it at a step boundary, the others wait on; at the end of the job
+    every spare still waiting leaves (``sys.exit(0)``)."""
+    from mpi4py import MPI
+    SPARES.waiting = True
+    while True:
+        msg = None
+        if spare_comm.Get_rank() == 0:
+            msg = _receive(SPARES.job)
+        msg = spare_comm.bcast(msg, root=0)
+        if msg.get("exit"):
+            sys.exit(0)
+        me = spare_comm.Get_rank()
+        woken = me < len(msg["replacing"])
+        if woken:
+            SPARES.waiting = False
+        healed, SPARES.job = _split_job(SPARES.job, 0 if woken else 1,
+                                        msg["replacing"][me] if woken else me)
+        SPARES.ranks = _spare_ranks(SPARES.job)
+        if woken:
+            sent = healed.bcast(None, root=0)
+            return _connected(healed), sent
+        spare_comm = healed
+
+
+def _receive(job):
+    """The next wake-up message from any rank of the job. ULFM reports the failure of
+    another rank to a receive from any source (the request stays active): the failure is
+    acknowledged and the same request waits on."""
+    from mpi4py import MPI
+    req = job.irecv(source=MPI.ANY_SOURCE, tag=_WAKE_TAG)
+    while True:
+        try:
+            done, msg = req.test()
+            if done:
+                return msg
+        except MPI.Exception:
+            try:
+                job.Ack_failed()
+            except MPI.Exception:
+                pass
+        time.sleep(0.05)
+
+
+def join(started: float, parent=None) -> tuple:
     """The replacement's side (after its start-up): say ready, merge with the survivors,
     take the lost rank's number. Returns ``(healed MPI communicator, what the survivors
     sent: {"replacing", "history"})``. ``started``: time.time() when this process began."""
     from mpi4py import MPI
-    parent = MPI.Comm.Get_parent()
+    parent = MPI.Comm.Get_parent() if parent is None else parent
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     try:
         if parent.Get_rank() == 0:
@@ -320,3 +436,4 @@ def _connected(healed):
     healed.Set_errhandler(MPI.ERRORS_RETURN)
     healed.alltoall([0] * healed.Get_size())
     return healed
+

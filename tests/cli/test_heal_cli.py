@@ -53,6 +53,7 @@ def check_healed(proc, run_dir, replaced, steps=STEPS):
     assert record["status"] == "complete" and record["world_size"] == 4, out
     assert record["step"] == steps and record["lost_ranks"] == [], out
     assert "rejoin" in proc.stdout + proc.stderr, out
+    assert f"rank(s) {replaced[0]}" in proc.stderr, out
     heal_steps = set()
     for rank in range(4):
         faults = rows(run_dir, rank, "faults")
@@ -96,6 +97,22 @@ def test_a_lost_node_is_replaced(tmp_path):
     proc, run_dir = train(tmp_path, "--inject-failure", "2:8,3:8")
     check_healed(proc, run_dir, [2, 3])
     assert "lost rank(s) 2-3" in proc.stderr or "lost rank(s) 2,3" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_hot_spare_takes_the_place_of_a_lost_rank(tmp_path):
+    """--spares 1 (5 ranks started, 4 train): rank 1 dies, the spare takes its number and
+    node group; nothing is spawned, and the spare has no metrics file of its own."""
+    run_dir = tmp_path / "run"
+    proc = run_mpi(5, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(STEPS),
+                       "--eval-every", "10", "--ranks-per-node", "2", "--run-dir", str(run_dir),
+                       "--on-failure", "heal", "--spares", "1", "--inject-failure", "1:8"],
+                   timeout=TIMEOUT, mpi_args=ULFM, cwd=tmp_path)
+    assert "hot spare(s) take rank(s) 1 (0 of 1 spare(s) left)" in proc.stderr, proc.stderr
+    assert "spawning" not in proc.stderr
+    assert sorted(p.name for p in (run_dir / "metrics").glob("rank*.h5")) == [
+        f"rank{r:05d}.h5" for r in range(4)]
+    check_healed(proc, run_dir, [1])
 
 
 def _python_ranks(sid: int) -> dict:
