@@ -58,9 +58,9 @@ from lsgd_hpc.testing import (kill_session, mpi_env, mpirun_cmd, run_group,  # n
 NP = 4
 RANKS_PER_NODE = 2
 KILLED = 1
-#: the budget: long enough here (about 20 s of training at 4 ranks) for a heal's replacement
-#: (start-up about 10 s beside 3 training ranks) to join before the end
-FULL_STEPS, QUICK_STEPS = 2000, 60
+#: the budget: about 40 s of training at 4 ranks here, so that a heal's replacement (start-up
+#: about 10 s beside 3 training ranks) joins well before the end, as it would in a long job
+FULL_STEPS, QUICK_STEPS = 4000, 60
 METHODS = [("lsgd", ["--algorithm", "lsgd"]), ("allreduce", ["--algorithm", "allreduce"])]
 ULFM = ["--with-ft", "ulfm"]
 RECOVERY_TARGET_S = 5.0
@@ -478,7 +478,14 @@ def _expose(job: _Job, killer: _Killer, clock: Dict, deadline: float, log, label
     seg = last = job.started
     pids = job.ranks()
     eligible, joins = set(pids), 0
+    seen = checked = time.perf_counter()
     while not job.over() and time.perf_counter() < deadline:
+        if time.perf_counter() - checked > 1.0:        # every rank gone, mpirun still up
+            checked = time.perf_counter()
+            seen = checked if job.ranks() else seen
+            if checked - seen > EXIT_GRACE_S:
+                log(f"  goodput_under_failure: {label}: no rank left; the job is ended")
+                break
         nxt = killer.due(pids)
         exposed = clock["exposure"] + time.perf_counter() - seg
         if nxt is None or exposed < nxt:
@@ -541,8 +548,8 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
             downs.append(job.started - kills[-1]["wall"])
         new = _expose(job, killer, clock, deadline, log, policy)
         kills += new
-        rc = job.end(min(deadline, time.perf_counter() +
-                         (EXIT_GRACE_S if job.done is not None else timeout)))
+        grace = EXIT_GRACE_S if job.done is not None or not job.ranks() else timeout
+        rc = job.end(min(deadline, time.perf_counter() + grace))
         if policy == "abort" and new and job.done is None:
             resume = (run_dir / "checkpoints" / "latest.json").exists()
             continue
