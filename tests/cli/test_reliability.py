@@ -73,8 +73,11 @@ def test_killed_rank_ends_job_and_metrics_survive(tmp_path):
     proc = run_mpi(4, [sys.executable, DRIVER, str(tmp_path / "k"), "gossip", "--",
                        "--max-steps", "400", "--flush-every", "3"],
                    timeout=120, env={"LSGD_FAULT": "kill:1:20"}, check=False)
-    assert proc.returncode not in (0, None)
+    out = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode not in (0, None), out
+    assert "FAULT_AT" in proc.stderr, out          # it ended for the kill, not another cause
     for r in range(4):
+        assert (tmp_path / "k-gossip" / "metrics" / f"rank{r:05d}.h5").is_file(), (r, out)
         t = rows(tmp_path / "k-gossip", r)["train"]
         n = len(t["step"])
         assert n >= 18 and list(t["step"]) == list(range(1, n + 1))
