@@ -356,7 +356,8 @@ def _set_spares_aside(world, spares: int, device, ranks_per_node, min_ranks: int
     from mpi4py import MPI
     from lsgd_hpc.comm.heal import SPARES, wait_as_spare
     from lsgd_hpc.comm.mpi import MPICommunicator
-    job = MPI.COMM_WORLD.Dup()
+    from lsgd_hpc.comm.lifetime import track
+    job = track(MPI.COMM_WORLD.Dup())
     job.Set_errhandler(MPI.ERRORS_RETURN)
     size = job.Get_size()
     if spares >= size:
@@ -366,7 +367,7 @@ def _set_spares_aside(world, spares: int, device, ranks_per_node, min_ranks: int
     if not spares:
         return world
     me = job.Get_rank()
-    part = job.Split(0 if me < n else 1, me)
+    part = track(job.Split(0 if me < n else 1, me))
     if me >= n:                                 # a spare
         import torch  # noqa: F401 - the slow import while waiting, not in the join
         healed, sent = wait_as_spare(part)

@@ -3,7 +3,8 @@
 # each with its own host name, an optional link rate limit, and (unless --no-slurm) a real
 # SLURM: munge, slurmctld in the root namespace and one slurmd per node.  Needs root.
 #
-#   scripts/cluster.sh up     [--name P] [--nodes N] [--cpus C] [--rate RATE] [--subnet A.B.C]
+#   scripts/cluster.sh up     [--name P] [--nodes N] [--extra-nodes E] [--cpus C] [--rate RATE]
+#                             [--subnet A.B.C]
 #                             [--no-slurm] [--ctld-port PORT] [--slurmd-port PORT]
 #                             [--cred-expire S] [--burst SIZE]
 #   scripts/cluster.sh down   [--name P]          stop and delete exactly what `up` made
@@ -29,6 +30,10 @@
 #                   characters, lower-case letters and digits, starting with a letter.
 #   --nodes N       [2] nodes;  --cpus C [16] CPUs each node declares to SLURM (may exceed the
 #                   machine's cores: ranks share them)
+#   --extra-nodes E [0] E more nodes (P-nodeN..): SLURM's default partition P holds the first N
+#                   nodes, a second partition P-all every node, so jobs that do not name it
+#                   land on the first N as before and a job that needs more asks for them
+#                   (sbatch -p P-all --nodes 3: a job with a spare node)
 #   --rate RATE     [none] tc tbf limit on what each node sends, e.g. 1gbit, 10gbit, 500mbit;
 #                   --burst SIZE [max(256kb, 2 ms at RATE)] its bucket
 #   --subnet A.B.C  [10.77.0] the bridge (and slurmctld) is A.B.C.1, node I is A.B.C.(10+I)
@@ -82,7 +87,7 @@ usage() {
 }
 
 # ---------------------------------------------------------------------------------- options
-name=lsgd nodes=2 cpus=16 rate="" burst="" subnet=10.77.0 slurm=1
+name=lsgd nodes=2 extra_nodes=0 cpus=16 rate="" burst="" subnet=10.77.0 slurm=1
 ctld_port="" slurmd_port=6818 cred_expire=15 ranks_per_node=1
 
 (($#)) || usage 2
@@ -97,6 +102,7 @@ parse_common() {  # the options of every command; leaves the rest in ARGS
             --name) name=${2:?--name needs a value}; shift 2 ;;
             --name=*) name=${1#*=}; shift ;;
             --nodes) nodes=${2:?}; shift 2 ;;             --nodes=*) nodes=${1#*=}; shift ;;
+            --extra-nodes) extra_nodes=${2:?}; shift 2 ;; --extra-nodes=*) extra_nodes=${1#*=}; shift ;;
             --cpus) cpus=${2:?}; shift 2 ;;               --cpus=*) cpus=${1#*=}; shift ;;
             --rate) rate=${2:?}; shift 2 ;;               --rate=*) rate=${1#*=}; shift ;;
             --burst) burst=${2:?}; shift 2 ;;             --burst=*) burst=${1#*=}; shift ;;
@@ -313,7 +319,14 @@ write_slurm_conf() {
         for ((i = 0; i < nodes; i++)); do
             echo "NodeName=$name-node$i NodeAddr=$subnet.$((10 + i)) NodeHostname=$name-node$i CPUs=$cpus State=UNKNOWN"
         done
-        echo "PartitionName=$name Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+        if ((partition_nodes < nodes)); then
+            local first=()
+            for ((i = 0; i < partition_nodes; i++)); do first+=("$name-node$i"); done
+            echo "PartitionName=$name Nodes=$(IFS=,; echo "${first[*]}") Default=YES MaxTime=INFINITE State=UP"
+            echo "PartitionName=$name-all Nodes=ALL MaxTime=INFINITE State=UP"
+        else
+            echo "PartitionName=$name Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+        fi
     } > "$STATE/slurm.conf"
 }
 
@@ -344,6 +357,10 @@ start_daemon() {  # LOG COMM CMD...: start CMD detached (own session), record it
 cmd_up() {
     need_root
     [[ $nodes =~ ^[1-9][0-9]?$ ]] || die "--nodes $nodes: 1-99"
+    [[ $extra_nodes =~ ^[0-9]$ ]] || die "--extra-nodes $extra_nodes: 0-9"
+    # from here on, nodes counts every node; the default partition holds the first ones
+    partition_nodes=$nodes
+    nodes=$((nodes + extra_nodes))
     [[ $cpus =~ ^[1-9][0-9]*$ ]] || die "--cpus $cpus: a positive integer"
     if ! [[ $cred_expire =~ ^[0-9]+$ ]] || ((cred_expire < 5)); then
         die "--cred-expire $cred_expire: at least 5 s"

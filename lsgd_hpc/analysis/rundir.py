@@ -163,7 +163,9 @@ class Run:
                     "lost_nodes": _names(f["lost_nodes"][i]) if "lost_nodes" in f else [],
                     "replaced_ranks": healed,
                     "replace_seconds": (float(f["replace_seconds"][i])
-                                        if "replace_seconds" in f else float("nan"))})
+                                        if "replace_seconds" in f else float("nan")),
+                    "replaced_nodes": (_names(f["replaced_nodes"][i])
+                                       if "replaced_nodes" in f else [])})
                 ev["recovery_seconds"] = max(ev["recovery_seconds"],
                                              float(f["recovery_seconds"][i]))
         return [events[k] for k in sorted(events)]

@@ -48,7 +48,9 @@ def format_summary(run: Run) -> str:
     faults, lost = run.faults(), run.lost_ranks
     for ev in faults:
         if ev.get("replaced_ranks"):
-            lines.append(f"heal: rank(s) {format_ranks(ev['replaced_ranks'])} replaced; "
+            on = ev.get("replaced_nodes") or []
+            lines.append(f"heal: rank(s) {format_ranks(ev['replaced_ranks'])} replaced"
+                         + (f" on node(s) {', '.join(on)}" if on else "") + "; "
                          f"{ev['world_size_after']} rank(s) from step {ev['step']} (pause "
                          f"{ev['recovery_seconds']:.2f} s, {ev['replace_seconds']:.1f} s "
                          "from the loss to the replacement's first step)")

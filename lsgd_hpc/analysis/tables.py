@@ -33,7 +33,8 @@ SUMMARY_COLUMNS = (
 )
 #: faults.csv: one row per recovery from lost ranks (docs/metrics.md, /faults)
 FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size_after",
-                 "recovery_seconds", "lost_nodes", "replaced_ranks", "replace_seconds")
+                 "recovery_seconds", "lost_nodes", "replaced_ranks", "replace_seconds",
+                 "replaced_nodes")
 #: summary.csv's columns for runs with workers that span ranks (--worker-ranks), after
 #: SUMMARY_COLUMNS: the workers, and the traffic inside them (total_bytes_sent stays the
 #: method's own, between workers)
@@ -457,12 +458,13 @@ def write_curves_csv(runs: list[Run], path: str | os.PathLike) -> int:
 
 def fault_rows(runs: list[Run]) -> list[dict]:
     """faults.csv's rows: every run's recoveries from lost ranks (lost_ranks as '1,3',
-    lost_nodes as 'nodeA,nodeB')."""
-    return [{"run": run.name, **{k: v for k, v in ev.items()
-                                 if k not in ("lost_ranks", "lost_nodes", "replaced_ranks")},
+    lost_nodes and replaced_nodes as 'nodeA,nodeB')."""
+    lists = ("lost_ranks", "lost_nodes", "replaced_ranks", "replaced_nodes")
+    return [{"run": run.name, **{k: v for k, v in ev.items() if k not in lists},
              "lost_ranks": format_ranks(ev["lost_ranks"]),
              "lost_nodes": ",".join(ev.get("lost_nodes") or []),
-             "replaced_ranks": format_ranks(ev.get("replaced_ranks") or [])}
+             "replaced_ranks": format_ranks(ev.get("replaced_ranks") or []),
+             "replaced_nodes": ",".join(ev.get("replaced_nodes") or [])}
             for run in runs for ev in run.faults()]
 
 

@@ -57,6 +57,7 @@ from typing import Callable, Dict, List, Optional, Protocol
 
 from lsgd_hpc.comm.failures import (EXIT_UNRECOVERABLE, FailureEvent, ProcessFailure,
                                     UnrecoverableFailure, is_process_failure)
+from lsgd_hpc.comm.lifetime import track
 from lsgd_hpc.comm.ulfm import _mpi, settle_failures, settle_seconds
 from lsgd_hpc.ranklists import format_ranks
 
@@ -208,7 +209,13 @@ class FaultTolerance:
         self.heal_event = HealEvent(history["replaced"], self.comm.world.size,
                                     history["lost_at"], history.get("step", -1))
         self.heal_event.decided_at = history["decided_at"]
+        self.heal_event.nodes = list(dict.fromkeys(self.initial_nodes[r]
+                                                   for r in history["replaced"]))
         MONITOR.rank_map = tuple(self.initial_ranks)
+        if self.comm.world.rank == 0:
+            print(f"[lsgd_hpc] heal: rank(s) {format_ranks(history['replaced'])} joined on "
+                  f"node(s) {', '.join(self.heal_event.nodes)}; {self.comm.world.size} ranks "
+                  f"on {len(set(self.initial_nodes))} node(s)", file=sys.stderr, flush=True)
 
     def _recover(self, t0: float, exc: Optional[BaseException]) -> FailureEvent:
         MPI = _mpi()
@@ -226,7 +233,7 @@ class FaultTolerance:
             # settle_failures): Open MPI crashes a rank that notices one during MPI_Comm_shrink.
             settle_failures(old, self.settle_seconds)
             try:
-                new = old.Shrink()              # the survivors agree on who is gone
+                new = track(old.Shrink())       # the survivors agree on who is gone
             except MPI.Exception as e:
                 if attempt + 1 < MAX_ATTEMPTS:  # a failure met inside the shrink: again
                     continue

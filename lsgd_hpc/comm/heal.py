@@ -34,6 +34,8 @@ import sys
 import time
 from typing import List, Optional
 
+from lsgd_hpc.comm.lifetime import arm, track
+
 __all__ = ["Healer", "HealEvent", "Spares", "SPARES", "wait_as_spare", "join",
            "is_replacement", "payload", "MAX_SPAWNS",
            "BLOCKING_ENV", "TIMEOUT_ENV"]
@@ -78,6 +80,9 @@ class HealEvent:
         self.replaced, self.size_after, self.lost_at = list(replaced), int(size_after), lost_at
         self.step, self.pause_seconds = int(step), 0.0
         self.logged = False
+        #: the nodes the replacements run on (host names; "node K" when the layout is
+        #: emulated), set once the healed world knows them
+        self.nodes: List[str] = []
 
     def as_dict(self) -> dict:
         return {"replaced": self.replaced, "size_after": self.size_after,
@@ -88,15 +93,16 @@ class HealEvent:
         return cls(d["replaced"], d["size_after"], d["lost_at"], d.get("step", -1))
 
 
-def payload() -> str:
+def payload(extra_env: Optional[dict] = None) -> str:
     """What a replacement needs to start as this process did: its program (module or
     script), arguments, working folder and environment (less the launcher's per-process
-    variables), base64-encoded JSON."""
+    variables, plus ``extra_env``), base64-encoded JSON."""
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     target = ({"module": spec.name} if spec is not None and spec.name
               else {"script": os.path.abspath(sys.argv[0])})
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES)}
+    env.update(extra_env or {})
     data = dict(target, argv=list(sys.argv[1:]), cwd=os.getcwd(), env=env)
     return base64.b64encode(json.dumps(data).encode()).decode()
 
@@ -146,11 +152,16 @@ class Healer:
         hosts = self._hosts()
         if hosts:
             info.Set("host", ",".join(hosts))
-        args = ["-m", "lsgd_hpc.comm.replacement", payload()]
+        from lsgd_hpc.comm.injection import replacement_env
+        # the testing hook: the first spawn for a loss may be told to die (a no-op in training)
+        lost_step = self.ft.events[-1].step if self.ft.events else -1
+        args = ["-m", "lsgd_hpc.comm.replacement",
+                payload(replacement_env(self.replacing, lost_step, self.spawns))]
         self.spawns += 1
         try:
-            inter = world.Spawn(sys.executable, args, maxprocs=len(self.replacing), info=info,
-                                root=0)
+            inter = track(world.Spawn(sys.executable, args, maxprocs=len(self.replacing),
+                                      info=info, root=0))
+            arm()
         except MPI.Exception as exc:
             self.problem = f"cannot spawn {len(self.replacing)} replacement(s): {exc}"
             self._forget()
@@ -205,12 +216,21 @@ class Healer:
         return time.monotonic() - self.spawned_at > ready_timeout()
 
     def _respawn_or_give_up(self) -> None:
-        lost = list(self.replacing)
-        if self.spawns >= MAX_SPAWNS:
-            self.problem = f"replacements died {self.spawns} times before joining; giving up"
+        from lsgd_hpc.ranklists import format_ranks
+        lost, tries = list(self.replacing), self.spawns
+        first = self.ft.comm.world.rank == 0
+        if tries >= MAX_SPAWNS:
+            self.problem = f"replacements died {tries} times before joining; giving up"
+            if first:
+                print(f"[lsgd_hpc] heal: {self.problem}; going on with "
+                      f"{self.ft.comm.world.size} ranks", file=sys.stderr, flush=True)
             self.abandon()
             self._forget()
             return
+        if first:
+            print(f"[lsgd_hpc] heal: the replacement(s) for rank(s) {format_ranks(lost)} died "
+                  f"before joining; spawning again (try {tries + 1} of {MAX_SPAWNS})",
+                  file=sys.stderr, flush=True)
         self.spawn(lost)
 
     # -- 3. join -------------------------------------------------------------------------------
@@ -230,11 +250,11 @@ class Healer:
             if world.Get_rank() == 0:
                 for child in range(self.inter.Get_remote_size()):
                     self.inter.send("join", dest=child, tag=_VERDICT_TAG)
-            merged = self.inter.Merge(False)
+            merged = track(self.inter.Merge(False))
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             merged.bcast({"replacing": self.replacing, "history": history}, root=0)
             mine = self.ft.initial_ranks[world.Get_rank()]
-            healed = _connected(merged.Split(0, mine))
+            healed = _connected(track(merged.Split(0, mine)))
         except MPI.Exception:
             ok, healed = 0, None
         try:
@@ -332,9 +352,9 @@ def _split_job(job, color: int, key: int):
     """Collective over the job's live processes: shrink ``job`` (ULFM: the dead left out),
     then split it; ``(this process's part, the shrunk job)``."""
     from mpi4py import MPI
-    shrunk = job.Shrink()
+    shrunk = track(job.Shrink())
     shrunk.Set_errhandler(MPI.ERRORS_RETURN)
-    part = shrunk.Split(color, key)
+    part = track(shrunk.Split(color, key))
     part.Set_errhandler(MPI.ERRORS_RETURN)
     return part, shrunk
 
@@ -400,22 +420,27 @@ def join(started: float, parent=None) -> tuple:
     take the lost rank's number. Returns ``(healed MPI communicator, what the survivors
     sent: {"replacing", "history"})``. ``started``: time.time() when this process began."""
     from mpi4py import MPI
-    parent = MPI.Comm.Get_parent() if parent is None else parent
+    parent = track(MPI.Comm.Get_parent() if parent is None else parent)
+    arm()
     parent.Set_errhandler(MPI.ERRORS_RETURN)
+    from lsgd_hpc.comm.injection import replacement_dies_here
+    replacement_dies_here()                  # the testing hook (a no-op in training)
     try:
         if parent.Get_rank() == 0:
             parent.send(started, dest=0, tag=_READY_TAG)
-        if parent.recv(source=0, tag=_VERDICT_TAG) == "leave":
+        verdict = parent.recv(source=0, tag=_VERDICT_TAG)
+        if verdict == "leave":
             parent.Disconnect()
             print("[lsgd_hpc] heal: the job ended before this replacement joined; leaving",
                   file=sys.stderr, flush=True)
             sys.exit(0)
-        merged = parent.Merge(True)
+
+        merged = track(parent.Merge(True))
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         sent = merged.bcast(None, root=0)
         n_survivors = merged.Get_size() - parent.Get_size()
         mine = sent["replacing"][merged.Get_rank() - n_survivors]
-        healed = _connected(merged.Split(0, mine))
+        healed = _connected(track(merged.Split(0, mine)))
     except MPI.Exception as exc:
         # the survivors gave this replacement up (the job ended first, or they spawned
         # another after a failure during the join): nothing to do here

@@ -17,7 +17,8 @@ import sys
 import time
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["inject_failures", "failure_plan", "injection_point", "FailureInjector"]
+__all__ = ["inject_failures", "failure_plan", "injection_point", "FailureInjector",
+           "replacement_env", "replacement_dies_here"]
 
 
 class FailureInjector:
@@ -28,7 +29,10 @@ class FailureInjector:
     between its election and its broadcast. ``point``: ``"step"`` (the start of that step,
     before any of its communication), ``"elected"`` (LeaderSGD, after the global election)
     or ``"save"`` (Checkpointer.save of the set labelled that step, once this rank's file is
-    written under its temporary name and before it is renamed: the set is never committed)."""
+    written under its temporary name and before it is renamed: the set is never committed).
+    ``"join"`` (under heal) is not a point of this rank's: the first replacement spawned for
+    that rank after a loss at that step or later kills itself as it joins, before it says
+    it is ready (:func:`replacement_env`, asked by the survivors as they spawn it)."""
 
     def __init__(self, plan: Sequence[Tuple[object, int, str]]):
         self.plan = list(plan)
@@ -62,7 +66,8 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
     rank 2 at step 9 (ranks as numbered at the start of the job; steps as counted by the
     methods, 1 = the first). ``"leader:8"``: the rank elected global leader at step 8 dies
     between its election and its broadcast (LeaderSGD). ``"1:5:elected"`` names the point
-    explicitly; ``"2:8:save"`` kills rank 2 in the middle of saving the checkpoint of step 8. Installs the plan for this process (the methods call :func:`injection_point`
+    explicitly; ``"2:8:save"`` kills rank 2 in the middle of saving the checkpoint of step 8;
+    ``"1:8:join"`` kills the first replacement of rank 1 while it joins (heal). Installs the plan for this process (the methods call :func:`injection_point`
     each step) and returns it; ``comm`` (the session's) pins this rank's initial number."""
     global _INJECTOR
     _INJECTOR = FailureInjector(failure_plan(spec))
@@ -81,9 +86,9 @@ def failure_plan(spec: str) -> list:
             raise ValueError(f"inject_failures: {item!r} is not RANK:STEP[:POINT]")
         who, step = parts[0], parts[1]
         point = parts[2] if len(parts) == 3 else ("elected" if who == "leader" else "step")
-        if point not in ("step", "elected", "save"):
-            raise ValueError(f"inject_failures: point {point!r} is not 'step', 'elected' or "
-                             "'save'")
+        if point not in ("step", "elected", "save", "join"):
+            raise ValueError(f"inject_failures: point {point!r} is not 'step', 'elected', "
+                             "'save' or 'join'")
         try:
             step_n = int(step)
             rank = who if who == "leader" else int(who)
@@ -109,3 +114,29 @@ def injection_point(point: str, step: int, comm=None, leader: bool = False) -> N
             rank = comm.rank
     _INJECTOR.at(point, step, rank, leader)
 
+
+
+#: set in a replacement's environment by the survivors' spawn when the plan says it dies
+REPLACEMENT_DIES_ENV = "LSGD_HPC_TEST_REPLACEMENT_DIES"
+
+
+def replacement_env(replacing: Sequence[int], step: int, spawns: int) -> dict:
+    """Testing hook, asked by the survivors as they spawn replacements for ``replacing``
+    after a loss at ``step``: the environment that makes them die while they join (plan
+    point ``"join"`` for one of those ranks, at ``step`` or later; the first spawn for the
+    loss only, ``spawns`` == 0), else nothing."""
+    if _INJECTOR is None or spawns:
+        return {}
+    if any(p == "join" and who in replacing and step >= s for who, s, p in _INJECTOR.plan):
+        return {REPLACEMENT_DIES_ENV: "1"}
+    return {}
+
+
+def replacement_dies_here() -> None:
+    """Called by a replacement as it joins (before it says it is ready): SIGKILL itself
+    when the survivors' spawn said so (``replacement_env``); else a no-op."""
+    if os.environ.get(REPLACEMENT_DIES_ENV) == "1":
+        print("[lsgd_hpc] inject_failures: a replacement kills itself while joining",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)                            # pragma: no cover - the signal is on its way

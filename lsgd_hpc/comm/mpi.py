@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from lsgd_hpc.comm.lifetime import track
 from lsgd_hpc.comm.monitor import MONITOR, _Inside
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 check_tensor, sanitize_score)
@@ -363,8 +364,8 @@ class MPICommunicator(Communicator):
                 self._check_graph_consistent(src, dst)
             # reorder=False: ranks in the graph stay the ranks of this communicator.
             with self._watch("graph creation"):
-                graph = self.comm.Create_dist_graph_adjacent(list(src), list(dst),
-                                                             reorder=False)
+                graph = track(self.comm.Create_dist_graph_adjacent(list(src), list(dst),
+                                                                   reorder=False))
             self._serial += 1
             entry = self._graphs[key] = (graph, src, dst, self._serial)
         return entry[0]
@@ -373,7 +374,7 @@ class MPICommunicator(Communicator):
         key = self._rank if key is None else key
         self._n_derived += 1
         with self._watch("split"):
-            sub = self.comm.Split(MPI.UNDEFINED if color < 0 else int(color), key)
+            sub = track(self.comm.Split(MPI.UNDEFINED if color < 0 else int(color), key))
         if sub == MPI.COMM_NULL:
             return None
         return self._adopt(sub, f"{self.key}/split{self._n_derived}:{int(color)}")
@@ -381,7 +382,7 @@ class MPICommunicator(Communicator):
     def dup(self) -> "MPICommunicator":
         self._n_derived += 1
         with self._watch("dup"):
-            sub = self.comm.Dup()
+            sub = track(self.comm.Dup())
         return self._adopt(sub, f"{self.key}/dup{self._n_derived}")
 
     def _adopt(self, sub: MPI.Comm, key: str) -> "MPICommunicator":

@@ -44,7 +44,8 @@ GROUPS: Dict[str, Dict[str, str]] = {
                # a heal's row (on_failure="heal"): the ranks replaced, and the seconds from
                # their loss to the end of the replacements' first step (empty and NaN in
                # the row of a loss)
-               "replaced_ranks": "S256", "replace_seconds": "f8"},
+               "replaced_ranks": "S256", "replace_seconds": "f8",
+               "replaced_nodes": "S256"},
 }
 
 #: groups written only when they have rows (a file without failures has no /faults)

@@ -142,7 +142,7 @@ class RunMetrics(MetricsWriter):
                  n_lost=len(event.lost_ranks), world_size_after=int(event.world_size_after),
                  recovery_seconds=float(event.recovery_seconds),
                  lost_nodes=fit(",".join(event.lost_nodes)), replaced_ranks="",
-                 replace_seconds=float("nan"))
+                 replace_seconds=float("nan"), replaced_nodes="")
         self.flush()
 
     def log_heal(self, heal, step: int) -> None:
@@ -157,7 +157,8 @@ class RunMetrics(MetricsWriter):
                  world_size_after=int(heal.size_after),
                  recovery_seconds=float(heal.pause_seconds), lost_nodes="",
                  replaced_ranks=format_ranks(heal.replaced),
-                 replace_seconds=float(now - heal.lost_at) if heal.lost_at else float("nan"))
+                 replace_seconds=float(now - heal.lost_at) if heal.lost_at else float("nan"),
+                 replaced_nodes=",".join(heal.nodes))
         heal.logged = True
         self.flush()
 

@@ -64,6 +64,9 @@ def check_healed(proc, run_dir, replaced, steps=STEPS):
             faults["replaced_ranks"][i].decode() == f"{replaced[0]}-{replaced[-1]}", faults
         assert faults["world_size_after"][i] == 4
         assert faults["replace_seconds"][i] > 0 and faults["recovery_seconds"][i] >= 0
+        # the replacements' nodes (emulated: --ranks-per-node 2, "node K")
+        assert faults["replaced_nodes"][i].decode() == ",".join(
+            dict.fromkeys(f"node {r // 2}" for r in replaced)), faults
         heal_steps.add(faults["step"][i])
         train_steps = rows(run_dir, rank, "train")["step"]
         assert train_steps[-1] == steps, (rank, train_steps[-5:])
@@ -97,6 +100,38 @@ def test_a_lost_node_is_replaced(tmp_path):
     proc, run_dir = train(tmp_path, "--inject-failure", "2:8,3:8")
     check_healed(proc, run_dir, [2, 3])
     assert "lost rank(s) 2-3" in proc.stderr or "lost rank(s) 2,3" in proc.stderr
+
+
+@pytest.mark.mpi
+def test_a_replacement_that_dies_while_joining_is_spawned_again(tmp_path):
+    """Rank 1 dies at step 8; its first replacement dies as it joins (the testing hook's
+    point "join": SIGKILL before it says ready). The survivors take it for dead once it is
+    not ready within LSGD_HPC_HEAL_TIMEOUT (MPI does not tell them), spawn another, which
+    joins: the job ends at full size. Every process exits (no hang in MPI_Finalize on the
+    dead replacement's connection); mpirun's status is the dead replacement's (SIGKILL)."""
+    proc, run_dir = train(tmp_path, "--inject-failure", "1:8,1:8:join", check=False,
+                          env={"LSGD_HPC_HEAL_TIMEOUT": "30"})
+    assert "a replacement kills itself while joining" in proc.stderr, proc.stderr[-3000:]
+    assert "heal: the replacement(s) for rank(s) 1 died before joining; spawning again " \
+           "(try 2 of 3)" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode in (0, 137), proc.stderr[-3000:]
+    check_healed(proc, run_dir, [1])
+
+
+@pytest.mark.mpi
+def test_a_rank_lost_twice_is_replaced_twice(tmp_path):
+    """Rank 1 dies at step 8 and rank 2 at step 20: two heals, the job ends at full size and
+    every process exits (Open MPI 5's MPI_Finalize waited forever, in most runs, on the
+    first replacement's connection to rank 2, which died after it; the healed job's
+    communicators are now freed before it)."""
+    proc, run_dir = train(tmp_path, "--inject-failure", "1:8,2:20", steps=40)
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert record["status"] == "complete" and record["world_size"] == 4
+    assert proc.stderr.count("joined on node(s)") == 2, proc.stderr[-3000:]
+    for rank in range(4):
+        faults = rows(run_dir, rank, "faults")
+        assert [r.decode() for r in faults["replaced_ranks"] if r] == ["1", "2"], (rank, faults)
+        assert rows(run_dir, rank, "train")["step"][-1] == 40
 
 
 @pytest.mark.mpi

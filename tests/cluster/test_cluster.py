@@ -548,6 +548,60 @@ def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slu
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_node_lost_under_the_heal_template_a_spare_node_takes_its_place(slurm_cluster,
+                                                                         tmp_path):
+    """LSGD_ON_FAILURE=heal LSGD_SPARE_NODES=1 sbatch --no-kill --nodes 3 (2 nodes train, the
+    third's ranks wait as hot spares): once they train, both ranks of the second node are
+    SIGKILLed from outside. The spares take their numbers and form a node group on the spare
+    node; the job finishes its budget at full size on 2 nodes, COMPLETED (exit 0), and the log
+    and /faults name the node lost and the spare node used."""
+    if len(slurm_cluster.nodes) < 3:
+        pytest.skip("needs a third node: scripts/cluster.sh up --extra-nodes 1 (as .ci/run)")
+    steps = 300
+    env = slurm_cluster.env({"DATA_DIR": tmp_path / "data", "LSGD_ON_FAILURE": "heal",
+                             "LSGD_SPARE_NODES": "1"})
+    job = slurm_cluster.sbatch(
+        f"--chdir={tmp_path}", f"--partition={slurm_cluster.name}-all", "--nodes=3",
+        "--ntasks-per-node=2", "--cpus-per-task=1", "--no-kill", str(CIFAR_JOB), *DIGITS,
+        "--algorithm", "lsgd", "--max-steps", str(steps), "--epochs", "1000",
+        "--eval-every", str(steps), "--flush-every", "5", env=env)
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: all(train_rows(run_dir, r) >= 1 for r in range(4)), JOB_TIMEOUT,
+                 "the 4 training ranks")
+        pids = slurm_cluster.rank_pids(job)
+        assert sorted(pids) == list(range(6)), pids          # 4 train, 2 spares
+        for rank in (2, 3):
+            os.kill(pids[rank], signal.SIGKILL)
+        recs = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+        wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
+    text = log_of(tmp_path, job)
+    lost, spare = slurm_cluster.nodes[1], slurm_cluster.nodes[2]
+    assert "spares: the last 1 node(s) (2 ranks)" in text, text
+    assert recs[0]["JobState"] == "COMPLETED" and recs[0]["ExitCode"] == "0:0", f"{recs}\n{text}"
+    assert re.search(rf"lost rank\(s\) 2,3 \(initial numbering\) and node\(s\) "
+                     rf"{re.escape(lost)};", text), text
+    assert "hot spare(s) take rank(s) 2,3 (0 of 2 spare(s) left)" in text, text
+    assert f"heal: rank(s) 2,3 joined on node(s) {spare}; 4 ranks on 2 node(s)" in text, text
+    assert "spawning" not in text and f"done: {steps} steps" in text, text
+    record = json.loads((run_dir / "complete.json").read_text())
+    assert record["world_size"] == 4 and record["step"] == steps, record
+    ranks = read_ranks(run_dir)
+    assert len(ranks) == 4                           # the spares have no files of their own
+    assert [a["hostname"] for a, _ in ranks] == [slurm_cluster.nodes[0]] * 2 + [spare] * 2
+    for attrs, groups in ranks:
+        assert int(groups["train"]["step"][-1]) == steps
+        faults = groups["faults"]
+        heal = [i for i, r in enumerate(faults["replaced_ranks"]) if r]
+        assert len(heal) == 1 and faults["replaced_nodes"][heal[0]].decode() == spare, faults
+        assert faults["world_size_after"][heal[0]] == 4
+        if int(attrs["rank"]) < 2:                   # the survivors recorded the loss
+            assert lost in [n.decode() for n in faults["lost_nodes"]], faults
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
 def test_every_rank_lost_under_the_shrink_template_the_job_fails(slurm_cluster, tmp_path):
     """LSGD_ON_FAILURE=shrink: every rank SIGKILLed once they train. mpirun --with-ft ulfm
     exits 0 all the same; the template finds no completion record (RUN_DIR/complete.json),
