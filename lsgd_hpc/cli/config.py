@@ -21,7 +21,7 @@ import yaml
 from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_spec
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
-    comm_dtype_problem, error_feedback_problem
+    comm_dtype_problem, error_feedback_problem, topk_problem
 from lsgd_hpc.runtime.trackers import TRACKERS, check_trackers
 
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
@@ -455,11 +455,15 @@ def _check_device(cfg: Config) -> None:
 
 
 def _check_combinations(cfg: Config) -> None:
-    """What is sent (--comm-dtype, --error-feedback), the trackers, the optimizer's options."""
+    """What is sent (--comm-dtype, --topk, --error-feedback), the trackers, the optimizer's
+    options."""
     problem = comm_dtype_problem(cfg.comm_dtype, cfg.backend, cfg.algorithm)
     if problem:
         raise ConfigError("--comm-dtype", problem)
-    problem = error_feedback_problem(cfg.error_feedback, cfg.comm_dtype)
+    problem = topk_problem(cfg.topk, cfg.comm_dtype, cfg.backend, cfg.algorithm)
+    if problem:
+        raise ConfigError("--topk", problem)
+    problem = error_feedback_problem(cfg.error_feedback, cfg.comm_dtype, cfg.topk)
     if problem:
         raise ConfigError("--error-feedback", problem)
     problem = check_trackers(cfg.tracker)

@@ -329,7 +329,7 @@ class Trainer:
             self.model, self.opt, comm, max_steps=self.total_steps,
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
-            comm_dtype=cfg.comm_dtype, error_feedback=cfg.error_feedback,
+            comm_dtype=cfg.comm_dtype, error_feedback=cfg.error_feedback, topk=cfg.topk,
             worker_ranks=cfg.worker_ranks, broadcast_initial=False,
             **cfg.method_options, **score)
         self.flat, self.rule = self.method.flat, self.method.rule

@@ -1,34 +1,41 @@
-"""Communication in int8 or fp8 (one byte per element, per-block scales), with error feedback.
+"""Communication in int8 or fp8 (one byte per element), int4 (half a byte) or int2 (a quarter
+of a byte), with per-block scales and error feedback.
 
 ``Quantized(comm, "int8")`` wraps one communicator: model-sized float32 tensors (at least
-``MIN_ELEMENTS``) move as one byte per element plus one float32 scale per block; everything
-else (elections, scalars, float64 measurements, integers) passes through unchanged, and so
-does a group of one (nothing is sent, nothing is rounded).
+``MIN_ELEMENTS``) move as one byte per element (int4: two per byte; int2: four per byte) plus
+one float32 scale per block; everything else (elections, scalars, float64 measurements,
+integers) passes through unchanged, and so does a group of one (nothing is sent, nothing is
+rounded).
 
 Quantizing a block x of at most ``BLOCK`` elements: s = max|x| / QMAX (QMAX 127 for int8,
-448 for fp8 e4m3), q = round(x / s) clamped to [-127, 127] (int8), or x / s rounded to
-float8_e4m3fn (fp8); Q(x) = q s. A block of zeros has s = 0; a block holding inf or NaN
-comes back as NaN throughout (it cannot be scaled).
+448 for fp8 e4m3, 7 for int4, 1 for int2), q = round(x / s) clamped to [-QMAX, QMAX] (int8,
+int4, int2; halves to even), or x / s rounded to float8_e4m3fn (fp8); Q(x) = q s, so
+|x - Q(x)| <= s / 2 for the integer kinds. int4 and int2 are packed (:func:`pack`):
+u = q + 2^(bits-1) (1..15, or 1..3), 8 / bits values a byte, the first in the low bits. A
+block of zeros has s = 0; a block holding inf or NaN comes back as NaN throughout (it cannot
+be scaled).
 
 Allreduce of v over p ranks (sum or mean), two phases over byte buffers:
 
 1. v is split into p chunks of c elements (the last ones padded with zeros), each chunk into
-   b = ceil(ceil(n / p) / BLOCK) equal blocks. Each rank quantizes every chunk; an alltoall
-   sends chunk j (its b scales and c bytes) to rank j.
+   b = ceil(ceil(n / p) / BLOCK) equal blocks (of a multiple of 32 / bits elements, so a
+   block fills whole bytes). Each rank quantizes every chunk; an alltoall sends chunk j (its
+   b scales and c bits / 8 bytes) to rank j.
 2. Rank j dequantizes the p contributions to its chunk and adds them in float32 (rank order),
    divides by p for a mean, requantizes that reduced chunk, and an allgather gives every rank
    every reduced chunk, which every rank (rank j too) dequantizes: every rank ends with the
    same bits.
 
 Bytes counted (the package's logical-payload convention: an allreduce of m bytes is sent m,
-received m): sent = received = n + 4 p b for an n-element vector, against 4 n in float32, so
-0.25 of the float32 bytes plus the scales' (about 1/4096 of the payload for large n). A
-broadcast sends (root) or receives (the others) n + 4 ceil(n / BLOCK): the root quantizes,
-payload and scales are broadcast as bytes, every rank (the root too) dequantizes, so the
-copy is the same bits everywhere; across node boundaries (``NodeGroups.broadcast_from_``)
-the same bytes are forwarded, never requantized. The padding (fewer than 4 b + 1 bytes a
-chunk) travels but is not counted. The counted seconds are those of the whole operation,
-quantization included.
+received m): sent = received = ceil(n bits / 8) + 4 p b for an n-element vector (bits 8,
+4 or 2), against 4 n in float32, so 0.25 (int8, fp8), 0.125 (int4) or 0.0625 (int2) of the
+float32 bytes plus the scales' (about 4 n / 4096 bytes, 1/4096 of the float32 bytes, for
+large n). A broadcast sends (root) or receives (the others) ceil(n bits / 8) +
+4 ceil(n / BLOCK): the root quantizes, payload and scales are broadcast as bytes, every rank
+(the root too) dequantizes, so the copy is the same bits everywhere; across node boundaries
+(``NodeGroups.broadcast_from_``) the same bytes are forwarded, never requantized. The
+padding (fewer than 4 b + 1 bytes a chunk) travels but is not counted. The counted seconds
+are those of the whole operation, quantization included.
 
 Error feedback (``error_feedback=True``; SparseLoCo, MuLoCo, 1-bit Adam): each rank keeps a
 residual e per buffer it allreduces and sends Q(v + e) in phase 1, then sets
@@ -41,6 +48,12 @@ A residual is keyed by the buffer it belongs to: the index of the buffer registe
 same order on every rank and in every run) and its offset and length there, so a resumed
 run finds its residuals (``state_dict``). A tensor outside every registered buffer is keyed
 by its length.
+
+Top-k (``topk`` < 1; ``kind`` may then be fp32): every allreduce of a model tensor sends, of
+each chunk of ``block`` elements, its top-k entries as (index, value) records, exchanged by an
+allgather and summed in rank order by every rank (the maths, the records and their bytes:
+:mod:`lsgd_hpc.comm.sparse`); with error feedback e <- (v + e) - sent(v + e), keyed and saved
+as above. Broadcasts stay dense (quantized by ``kind``, or fp32 as they are).
 
 The blocking collectives are quantized; a non-blocking allreduce or broadcast of a model
 tensor runs the blocking one at once and returns a completed request (no overlap). A
@@ -58,17 +71,22 @@ import torch
 from lsgd_hpc.comm.base import CommError, Communicator, Pending
 from lsgd_hpc.comm.groups import NodeGroups
 from lsgd_hpc.comm.lowprec import MIN_ELEMENTS
+from lsgd_hpc.comm.sparse import (Sparse, decode, encode, reduce_records, select, sent_vector,
+                                  sparse_layout)
 
-__all__ = ["Quantized", "QuantizedGroups", "quantized_groups", "KINDS", "BLOCK", "QMAX",
-           "MIN_ELEMENTS", "kind_problem", "quantize", "dequantize", "layout", "roundtrip",
-           "allreduce_bytes", "broadcast_bytes"]
+__all__ = ["Quantized", "QuantizedGroups", "quantized_groups", "KINDS", "BLOCK", "QMAX", "BITS",
+           "MIN_ELEMENTS", "kind_problem", "quantize", "dequantize", "pack", "unpack", "layout",
+           "roundtrip", "allreduce_bytes", "broadcast_bytes"]
 
-#: the wire dtype of each quantized comm_dtype (fp8 where this torch has float8_e4m3fn)
-KINDS: Dict[str, torch.dtype] = {"int8": torch.int8}
+#: the wire dtype of each quantized comm_dtype (fp8 where this torch has float8_e4m3fn);
+#: int4 and int2 travel packed, two or four values a byte
+KINDS: Dict[str, torch.dtype] = {"int8": torch.int8, "int4": torch.uint8, "int2": torch.uint8}
 if hasattr(torch, "float8_e4m3fn"):
     KINDS["fp8"] = torch.float8_e4m3fn
 #: the largest magnitude of each wire dtype: a block's scale is max|x| / QMAX
-QMAX = {"int8": 127.0, "fp8": 448.0}
+QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0, "int2": 1.0}
+#: bits per element on the wire
+BITS = {"int8": 8, "fp8": 8, "int4": 4, "int2": 2}
 #: elements per scale, at most (a chunk is cut into equal blocks of at most this many)
 BLOCK = 4096
 SCALE_BYTES = 4
@@ -81,8 +99,8 @@ def kind_problem(kind: str, device=None) -> Optional[str]:
     if kind not in KINDS:
         return f"{kind} needs torch.float8_e4m3fn, which torch {torch.__version__} lacks"
     try:
-        x = torch.tensor([2.0, -3.0], device=device)
-        back = x.to(KINDS[kind]).view(torch.uint8).view(KINDS[kind]).to(torch.float32)
+        x = torch.tensor([[QMAX[kind], -QMAX[kind], 0.0, 1.0]], device=device) / 2
+        back = dequantize(*quantize(x, kind), kind)     # s = 1/2: every value exact
         if not torch.equal(back, x):
             return f"{kind}: conversions on {device or 'cpu'} do not round-trip"
     except (RuntimeError, TypeError) as exc:
@@ -91,71 +109,103 @@ def kind_problem(kind: str, device=None) -> Optional[str]:
 
 
 # -- the maths: pure functions, no communication --------------------------------------------------
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed values ``q`` (int8, in [-2^(bits-1) + 1, 2^(bits-1) - 1], last dimension a
+    multiple of 8 / bits) as bytes: u = q + 2^(bits-1), element i of each group of 8 / bits at
+    bits i (little end first)."""
+    k = 8 // bits
+    u = (q.to(torch.int16) + (1 << (bits - 1))).unflatten(-1, (-1, k))
+    shifts = torch.arange(0, 8, bits, dtype=torch.int16, device=q.device)
+    return (u << shifts).sum(-1).to(torch.uint8)   # disjoint bit fields: the sum is an or
+
+
+def unpack(b: torch.Tensor, bits: int) -> torch.Tensor:
+    """The signed values (int8) that :func:`pack` packed into bytes ``b``."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.int16, device=b.device)
+    u = (b.to(torch.int16).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return (u - (1 << (bits - 1))).to(torch.int8).flatten(-2)
+
+
 def quantize(x: torch.Tensor, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Blocks along the last dimension of ``x`` (float32): (q as bytes, scales float32)."""
+    """Blocks along the last dimension of ``x`` (float32): (q as bytes, scales float32);
+    int4 and int2 packed (the last dimension a multiple of 2 or 4)."""
     qmax = QMAX[kind]
     scales = x.abs().amax(-1) / qmax
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     y = x / safe.unsqueeze(-1)
-    if kind == "int8":
-        q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
-    else:
-        q = y.clamp_(-qmax, qmax).to(KINDS[kind])
-    return q.view(torch.uint8), scales
+    if kind == "fp8":
+        return y.clamp_(-qmax, qmax).to(KINDS[kind]).view(torch.uint8), scales
+    q = y.round_().clamp_(-qmax, qmax)
+    nonfinite = ~torch.isfinite(scales)          # inf or NaN: the whole block comes back NaN
+    if BITS[kind] == 8:
+        return q.to(torch.int8).view(torch.uint8), scales
+    q = torch.where(nonfinite.unsqueeze(-1), torch.zeros_like(q), q)
+    return pack(q.to(torch.int8), BITS[kind]), torch.where(nonfinite, torch.nan, scales)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
-    """float32 blocks from bytes ``q`` (..., block) and ``scales`` (...)."""
+    """float32 blocks from bytes ``q`` (..., bytes of a block) and ``scales`` (...)."""
+    if BITS[kind] < 8:
+        return unpack(q, BITS[kind]).to(torch.float32) * scales.unsqueeze(-1)
     return q.view(KINDS[kind]).to(torch.float32) * scales.unsqueeze(-1)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How an n-element vector is cut for p ranks: p chunks of c = b * be elements (b blocks
-    of ``be``), and the bytes of one chunk on the wire (``record``: b scales, then c bytes)."""
+    of ``be``), each element ``bits`` wide on the wire, and the bytes of one chunk on the wire
+    (``record``: b scales, then the b blocks of ``block_bytes``)."""
 
     n: int
     p: int
     b: int
     be: int
+    bits: int = 8
 
     @property
     def c(self) -> int:
         return self.b * self.be
 
     @property
+    def block_bytes(self) -> int:
+        return self.be * self.bits // 8
+
+    @property
     def record(self) -> int:
-        return SCALE_BYTES * self.b + self.c
+        return SCALE_BYTES * self.b + self.b * self.block_bytes
 
     @property
     def counted(self) -> int:
-        """The bytes counted: one per element, four per scale (padding left out)."""
-        return self.n + SCALE_BYTES * self.p * self.b
+        """The bytes counted: the packed payload, ceil(n bits / 8), plus four per scale
+        (padding left out)."""
+        return -(-self.n * self.bits // 8) + SCALE_BYTES * self.p * self.b
 
 
-def layout(n: int, p: int, block: int = BLOCK) -> Layout:
+def layout(n: int, p: int, block: int = BLOCK, kind: str = "int8") -> Layout:
     """b = ceil(ceil(n / p) / block) blocks per chunk, each ceil(ceil(n / p) / b) elements
-    rounded up to a multiple of 4 (so every chunk's scales stay 4-byte aligned)."""
+    rounded up to a multiple of 32 / bits (4 for int8 and fp8, 8 for int4, 16 for int2), so
+    that every block fills whole bytes and every chunk's scales stay 4-byte aligned."""
+    bits = BITS[kind]
     m = -(-n // p)
     b = -(-m // block)
     be = -(-m // b)
-    be += -be % 4
-    return Layout(n, p, b, be)
+    be += -be % (32 // bits)
+    return Layout(n, p, b, be, bits)
 
 
-def allreduce_bytes(n: int, p: int, block: int = BLOCK) -> int:
+def allreduce_bytes(n: int, p: int, block: int = BLOCK, kind: str = "int8") -> int:
     """Bytes a quantized allreduce of n float32 elements over p ranks counts (each way)."""
-    return layout(n, p, block).counted
+    return layout(n, p, block, kind).counted
 
 
-def broadcast_bytes(n: int, block: int = BLOCK) -> int:
+def broadcast_bytes(n: int, block: int = BLOCK, kind: str = "int8") -> int:
     """Bytes a quantized broadcast of n float32 elements counts (root: sent; others: received)."""
-    return layout(n, 1, block).counted
+    return layout(n, 1, block, kind).counted
 
 
 def roundtrip(x: torch.Tensor, p: int, kind: str, block: int = BLOCK) -> torch.Tensor:
     """Q(x) as phase 1 of an allreduce over p ranks sees it (float32, x's shape)."""
-    lay = layout(x.numel(), p, block)
+    lay = layout(x.numel(), p, block, kind)
     pad = torch.zeros(lay.p * lay.c, dtype=torch.float32, device=x.device)
     pad[:x.numel()] = x.reshape(-1)
     q, s = quantize(pad.view(lay.p, lay.b, lay.be), kind)
@@ -166,8 +216,10 @@ def roundtrip(x: torch.Tensor, p: int, kind: str, block: int = BLOCK) -> torch.T
 class _Shared:
     """What the wrappers of one method's communicators share."""
 
-    def __init__(self, kind: str, error_feedback: bool, block: int):
+    def __init__(self, kind: str, error_feedback: bool, block: int, topk: float = 1.0):
         self.kind, self.error_feedback, self.block = kind, error_feedback, block
+        #: the fraction of each chunk an allreduce sends (1: dense; lsgd_hpc.comm.sparse)
+        self.topk = topk
         #: buffers registered with agree_buffers, in registration order (the residuals' keys)
         self.agreed: List[torch.Tensor] = []
         self.residuals: Dict[str, torch.Tensor] = {}
@@ -221,18 +273,23 @@ class _Booked:
 
 
 class Quantized:
-    """A communicator whose model-sized float32 traffic moves as ``kind`` (int8 or fp8) with
-    per-block scales; with ``error_feedback`` its allreduces carry each buffer's residual."""
+    """A communicator whose model-sized float32 traffic moves as ``kind`` (int8, fp8, int4,
+    int2) with per-block scales; with ``error_feedback`` its allreduces carry each buffer's
+    residual."""
 
     def __init__(self, inner: Communicator, kind: str = "int8", error_feedback: bool = False,
-                 block: int = BLOCK, _shared: Optional[_Shared] = None):
-        problem = kind_problem(kind)
+                 block: int = BLOCK, _shared: Optional[_Shared] = None, topk: float = 1.0):
+        if _shared is not None:
+            topk = _shared.topk
+        if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0 < topk <= 1:
+            raise CommError(f"topk must be in (0, 1], got {topk!r}")
+        problem = None if (kind == "fp32" and topk < 1) else kind_problem(kind)
         if problem:
             raise CommError(problem)
         if not isinstance(block, int) or block < 4 or block % 4:
             raise CommError(f"block must be a positive multiple of 4, got {block!r}")
         self.inner, self.kind = inner, kind
-        self.shared = _shared or _Shared(kind, bool(error_feedback), block)
+        self.shared = _shared or _Shared(kind, bool(error_feedback), block, float(topk))
 
     def __getattr__(self, name):          # everything not overridden: the inner communicator
         return getattr(self.inner, name)
@@ -244,6 +301,15 @@ class Quantized:
     @property
     def block(self) -> int:
         return self.shared.block
+
+    @property
+    def topk(self) -> float:
+        return self.shared.topk
+
+    @property
+    def sparse(self) -> bool:
+        """Whether allreduces send each chunk's top-k entries (lsgd_hpc.comm.sparse)."""
+        return self.shared.topk < 1
 
     def quantizes(self, t: torch.Tensor) -> bool:
         """Whether ``t`` moves quantized (model-sized float32, in a group of more than one)."""
@@ -285,7 +351,8 @@ class Quantized:
         """(bytes (rows, b, be), scales (rows, b)) views of records ``buf`` (rows, record)."""
         rows = buf.view(-1, lay.record)
         k = SCALE_BYTES * lay.b
-        return rows[:, k:].unflatten(-1, (lay.b, lay.be)), rows[:, :k].view(torch.float32)
+        return (rows[:, k:].unflatten(-1, (lay.b, lay.block_bytes)),
+                rows[:, :k].view(torch.float32))
 
     def _pack(self, x: torch.Tensor, buf: torch.Tensor,
               lay: Layout) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +369,10 @@ class Quantized:
             return self.inner.allreduce_(tensor, op)
         self.inner._check_allreduce(tensor, op)
         self._agree("allreduce_", tensor)
+        if self.sparse:
+            return self._sparse_allreduce(tensor, op)
         p, n = self.inner.size, tensor.numel()
-        lay = layout(n, p, self.block)
+        lay = layout(n, p, self.block, self.kind)
         w = self._work(lay, tensor.device, "allreduce")
         with _Booked(self.inner.stats, lay.counted, lay.counted):
             x = w["x"]
@@ -328,6 +397,45 @@ class Quantized:
             tensor.view(-1).copy_(dequantize(aq, as_, self.kind).reshape(-1)[:n])
         return tensor
 
+    def _sparse_allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """Top-k of every chunk of v (+ e), an allgather of every rank's records, the sum
+        in rank order (lsgd_hpc.comm.sparse); e <- (v + e) - sent(v + e)."""
+        p, n = self.inner.size, tensor.numel()
+        lay = sparse_layout(n, self.topk, self.kind, self.block)
+        w = self._sparse_work(lay, tensor.device)
+        sent_bytes, recv_bytes = lay.counted, (p - 1) * lay.counted
+        with _Booked(self.inner.stats, sent_bytes, recv_bytes):
+            x = w["x"]
+            x.copy_(tensor.reshape(-1))
+            e = None
+            if self.error_feedback:
+                e = self.shared.residual(self.shared.key(self.inner.key, tensor), tensor)
+                x.add_(e)                                       # w = v + e
+            idx, values = select(x, lay)
+            encode(idx, values, lay, w["send"])
+            if e is not None:                                   # e <- w - sent(w)
+                torch.sub(x, sent_vector(*decode(w["send"], lay), lay), out=e)
+            self.inner.allgather(w["send"], w["all"].view(-1))
+            total = reduce_records(w["all"], lay, p)
+            if op == "mean":
+                total.div_(p)
+            tensor.view(-1).copy_(total)
+        return tensor
+
+    def _sparse_work(self, lay: Sparse, device) -> dict:
+        """The sparse allreduce's buffers of one layout, made once and agreed on."""
+        p = self.inner.size                # (a shrunk world gathers fewer messages)
+        key = (self.inner.key, "sparse", lay, p, str(device))
+        w = self.shared.work.get(key)
+        if w is None:
+            u8 = dict(dtype=torch.uint8, device=device)
+            w = {"x": torch.zeros(lay.n, dtype=torch.float32, device=device),
+                 "send": torch.zeros(lay.m * lay.record, **u8),
+                 "all": torch.zeros(p, lay.m * lay.record, **u8)}
+            self.inner.agree_buffers(w["send"])
+            self.shared.work[key] = w
+        return w
+
     def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *, agreed: bool = False):
         if not self.quantizes(tensor):
             return self.inner.iallreduce_(tensor, op, agreed=agreed)
@@ -340,7 +448,7 @@ class Quantized:
         """The root quantizes ``tensor``; ``move(bytes)`` broadcasts its records; every rank
         (the root too) dequantizes them into ``tensor``."""
         n = tensor.numel()
-        lay = layout(n, 1, self.block)
+        lay = layout(n, 1, self.block, self.kind)
         w = self._work(lay, tensor.device, "broadcast")
         buf = w["send"]
         with _Booked(self.inner.stats, unit=(lay.record, lay.counted)):
@@ -354,7 +462,7 @@ class Quantized:
         return tensor
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
-        if not self.quantizes(tensor):
+        if not self.quantizes(tensor) or self.kind == "fp32":
             return self.inner.broadcast_(tensor, root)
         self.inner._check_root(root)
         self._agree("broadcast_", tensor)
@@ -362,7 +470,7 @@ class Quantized:
                                lambda b: self.inner.broadcast_(b, root))
 
     def ibroadcast_(self, tensor: torch.Tensor, root: int):
-        if not self.quantizes(tensor):
+        if not self.quantizes(tensor) or self.kind == "fp32":
             return self.inner.ibroadcast_(tensor, root)
         self.broadcast_(tensor, root)
         return Pending(self.inner, tensor, "sum", lambda: None, lambda: True,
@@ -371,7 +479,7 @@ class Quantized:
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
                            destinations: Sequence[int], out: Optional[torch.Tensor] = None,
                            graph_key=None) -> torch.Tensor:
-        if self.quantizes(tensor):
+        if self.quantizes(tensor) and (self.kind != "fp32" or self.sparse):
             raise CommError(f"comm_dtype {self.kind}: no quantized neighbour exchange (gossip "
                             "sends parameters, not sums; use fp32 or bf16)")
         return self.inner.neighbor_allgather(tensor, sources, destinations, out, graph_key)
@@ -386,7 +494,7 @@ class Quantized:
 
     def state_dict(self) -> dict:
         """The error-feedback residuals (copies), by buffer key."""
-        return {"comm_dtype": self.kind,
+        return {"comm_dtype": self.kind, "topk": self.topk,
                 "residuals": {k: v.detach().clone() for k, v in self.shared.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
@@ -403,7 +511,7 @@ class QuantizedGroups(NodeGroups):
 
     def broadcast_from_(self, tensor, world_root: int):
         q: Quantized = self.world
-        if not q.quantizes(tensor):
+        if not q.quantizes(tensor) or q.kind == "fp32":
             return self.plain.broadcast_from_(tensor, world_root)
         return q._broadcast(tensor, q.world_rank == world_root,
                             lambda b: self.plain.broadcast_from_(b, world_root))
@@ -416,10 +524,11 @@ class QuantizedGroups(NodeGroups):
 
 
 def quantized_groups(groups: NodeGroups, kind: str = "int8", error_feedback: bool = False,
-                     block: int = BLOCK) -> QuantizedGroups:
-    """The same node hierarchy with every communicator sending model tensors as ``kind``;
-    the three share their registered buffers and residuals."""
-    world = Quantized(groups.world, kind, error_feedback, block)
+                     block: int = BLOCK, topk: float = 1.0) -> QuantizedGroups:
+    """The same node hierarchy with every communicator sending model tensors as ``kind``
+    (with ``topk`` < 1: each allreduce sends the top-k of every chunk, values as ``kind``,
+    fp32 allowed); the three share their registered buffers and residuals."""
+    world = Quantized(groups.world, kind, error_feedback, block, topk=topk)
     wrap = lambda c: None if c is None else Quantized(c, kind, _shared=world.shared)  # noqa: E731
     fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(NodeGroups)}
     fields.update(world=world, node=wrap(groups.node), roots=wrap(groups.roots))

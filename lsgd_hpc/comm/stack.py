@@ -6,9 +6,10 @@ each unaware of the others:
 - **who forms a worker**: a rank, K consecutive ranks of a node, or a node
   (:mod:`lsgd_hpc.comm.workers`): the method runs between workers, over the world of
   workers and its node hierarchy;
-- **what the wire carries**: fp32, bf16 (:mod:`lsgd_hpc.comm.lowprec`), int8/fp8 with or
-  without error feedback (:mod:`lsgd_hpc.comm.quantized`), wrapped around the communicators
-  the method runs on;
+- **what the wire carries**: fp32, bf16 (:mod:`lsgd_hpc.comm.lowprec`), int8/fp8/int4/int2
+  with or without error feedback (:mod:`lsgd_hpc.comm.quantized`), the top-k entries of
+  each chunk (:mod:`lsgd_hpc.comm.sparse`), wrapped around the communicators the method
+  runs on;
 - **what happens when a rank dies**: the session's policy (``lsgd_hpc.init(on_failure=)``):
   abort, or shrink (:mod:`lsgd_hpc.comm.faults`), under all of them.
 
@@ -24,8 +25,9 @@ from typing import Any, Optional
 
 __all__ = ["Stack", "compose", "QUANTIZED", "LOW_PRECISION"]
 
-#: the wire formats of one byte per element plus per-block scales (comm/quantized.py)
-QUANTIZED = ("int8", "fp8")
+#: the wire formats of one byte (int8, fp8), half a byte (int4) or a quarter of a byte (int2)
+#: per element plus per-block scales (comm/quantized.py)
+QUANTIZED = ("int8", "fp8", "int4", "int2")
 #: the wire formats that round to a lower-precision float (comm/lowprec.py)
 LOW_PRECISION = ("bf16",)
 
@@ -88,17 +90,19 @@ def _workers_of(comm, worker_ranks):
 
 
 def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "fp32",
-            error_feedback: bool = False) -> Stack:
+            error_feedback: bool = False, topk: float = 1.0) -> Stack:
     """The stack of a method on the session ``comm``: between workers of ``worker_ranks``
-    ranks when ``workers``, sending ``comm_dtype``. Collective over ``comm.world`` the first
-    time a grouping is used (every rank composes alike); options arrive checked."""
+    ranks when ``workers``, sending ``comm_dtype`` (with ``topk`` < 1: each allreduce's
+    top-k entries, values as ``comm_dtype``). Collective over ``comm.world`` the first time a
+    grouping is used (every rank composes alike); options arrive checked."""
     stack = Stack(comm.world, comm.groups, comm.groups)
     if workers:
         stack.workers = _workers_of(comm, worker_ranks)
         stack.groups = stack.base = stack.workers.groups
-    if comm_dtype in QUANTIZED:
+    if comm_dtype in QUANTIZED or topk < 1:
         from lsgd_hpc.comm.quantized import quantized_groups
-        stack.groups = stack.wire = quantized_groups(stack.groups, comm_dtype, error_feedback)
+        stack.groups = stack.wire = quantized_groups(stack.groups, comm_dtype, error_feedback,
+                                                     topk=topk)
     elif comm_dtype in LOW_PRECISION:
         from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
         stack.groups = low_precision_groups(stack.groups, WIRE_DTYPES[comm_dtype])

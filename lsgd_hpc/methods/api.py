@@ -41,7 +41,7 @@ from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, 
 from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.rules.workers import WorkerRule
 from lsgd_hpc.methods.spec import (COMMON_OPTIONS, QUANTIZED_COMM_DTYPES, MethodSpec, OptionError,
-                                   comm_dtype_problem, error_feedback_problem)
+                                   comm_dtype_problem, error_feedback_problem, topk_problem)
 from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
@@ -59,7 +59,7 @@ def _check_count(name: str, value, low: int) -> int:
 
 
 def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consensus_every,
-                  stop_check_every, comm_dtype, error_feedback) -> None:
+                  stop_check_every, comm_dtype, error_feedback, topk=1.0) -> None:
     """The options every method takes (the same checks on every rank, before any
     collective)."""
     if max_steps is not None:
@@ -71,8 +71,13 @@ def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consen
     problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), name)
     if problem:
         raise OptionError("comm_dtype", problem)
+    topk = _COMMON["topk"].check(topk)
+    problem = topk_problem(topk, comm_dtype, getattr(comm, "backend", None), name)
+    if problem:
+        raise OptionError("topk", problem)
+    _check_topk_model(model, name, topk)
     _COMMON["error_feedback"].check(error_feedback)
-    problem = error_feedback_problem(error_feedback, comm_dtype)
+    problem = error_feedback_problem(error_feedback, comm_dtype, topk)
     if problem:
         raise OptionError("error_feedback", problem)
     if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
@@ -81,6 +86,18 @@ def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consen
         problem = kind_problem(comm_dtype, None if first is None else first.device)
         if problem:
             raise OptionError("comm_dtype", problem)
+
+
+def _check_topk_model(model, name: str, topk: float) -> None:
+    """DiLoCo averages the model's floating-point buffers (BatchNorm statistics) in the
+    same allreduce as its pseudo-gradient: top-k would zero them."""
+    if topk < 1 and name == "diloco" and isinstance(model, nn.Module):
+        from lsgd_hpc.comm.flat import state_buffers
+        if state_buffers(model):
+            raise OptionError("topk", f"{topk:g} is not for diloco on a model with "
+                                      "floating-point buffers (BatchNorm statistics): they are "
+                                      "averaged in the allreduce of its pseudo-gradient, and "
+                                      "top-k would set them to zero but for the largest")
 
 
 def _agree_on_model(world, model, optimizer, where: str) -> None:
@@ -149,10 +166,15 @@ class Method(Recoverable):
     - ``comm_dtype``: ``"fp32"``, or ``"bf16"``: what the method sends (pulls, averages,
       pseudo-gradients, gradients) moves in bfloat16, half the bytes (see
       ``lsgd_hpc.comm.lowprec`` for what that rounding changes); or ``"int8"``/``"fp8"``:
-      one byte per element plus per-block scales (``lsgd_hpc.comm.quantized``; LSGD,
-      EASGD, local SGD, DiLoCo, SlowMo).
-    - ``error_feedback``: with int8/fp8, each rank's allreduce input carries what rounding
-      dropped from its previous ones; the residuals are in ``state_dict``.
+      one byte per element plus per-block scales, or ``"int4"``/``"int2"``: half or a
+      quarter of a byte (``lsgd_hpc.comm.quantized``; LSGD, EASGD, local SGD, DiLoCo,
+      SlowMo).
+    - ``topk``: F in (0, 1]; below 1, each periodic allreduce of EASGD and DiLoCo sends the
+      largest ceil(F c) entries of every chunk of c = 4096 as (index, value), values as
+      ``comm_dtype`` (fp32, int8, fp8, int4, int2) (``lsgd_hpc.comm.sparse``).
+    - ``error_feedback``: with int8/fp8/int4/int2 or ``topk`` < 1, each rank's allreduce
+      input carries what rounding (or top-k) dropped from its previous ones; the residuals
+      are in ``state_dict``.
     - ``worker_ranks``: 1 (every rank is a worker), K, or ``"node"``: K consecutive ranks of
       a node, or all of a node's ranks, form one worker that trains one replica as data
       parallel SGD (gradients averaged inside it every step, ``WorkerRule``), and the method
@@ -180,7 +202,7 @@ class Method(Recoverable):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm, *,
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
-                 comm_dtype: str = "fp32", error_feedback: bool = False,
+                 comm_dtype: str = "fp32", error_feedback: bool = False, topk: float = 1.0,
                  worker_ranks: WorkerRanks = 1,
                  broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
@@ -190,16 +212,17 @@ class Method(Recoverable):
         _check_common(comm, model, self.spec.name, max_steps=max_steps,
                       checkpoint_every=checkpoint_every, consensus_every=consensus_every,
                       stop_check_every=stop_check_every, comm_dtype=comm_dtype,
-                      error_feedback=error_feedback)
+                      error_feedback=error_feedback, topk=topk)
         self.check_usage(opts, model, optimizer)
         self._fault_tolerance = getattr(comm, "fault_tolerance", None)
         _agree_on_model(comm.world, model, optimizer, type(self).__name__)
         self.model, self.optimizer, self.comm, self.options = model, optimizer, comm, opts
         self.worker_ranks, self.comm_dtype = worker_ranks, comm_dtype
-        self.error_feedback = error_feedback
+        self.error_feedback, self.topk = error_feedback, float(topk)
         #: the communicators: workers, wire format, failure policy (lsgd_hpc.comm.stack)
         self.stack = compose(comm, workers=layout is not None, worker_ranks=worker_ranks,
-                             comm_dtype=comm_dtype, error_feedback=error_feedback)
+                             comm_dtype=comm_dtype, error_feedback=error_feedback,
+                             topk=float(topk))
         self.world, self.groups = self.stack.world, self.stack.groups
         self.workers, self.wire = self.stack.workers, self.stack.wire
         self.flat = FlatParams(model)

@@ -17,24 +17,47 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 __all__ = ["Option", "OptionError", "Check", "MethodSpec", "COMMON_OPTIONS", "COMM_DTYPES",
-           "QUANTIZED_COMM_DTYPES", "SECTIONS", "comm_dtype_problem", "error_feedback_problem"]
+           "QUANTIZED_COMM_DTYPES", "SECTIONS", "comm_dtype_problem", "error_feedback_problem",
+           "topk_problem", "TOPK_METHODS"]
 
 #: Command-line help sections, in the order ``--help`` prints them.
 SECTIONS = ("method", "LSGD", "baselines", "data and model", "cluster and backend",
             "output and checkpoints")
 
 #: What a method may send its model-sized traffic in (``comm_dtype``).
-COMM_DTYPES = ("fp32", "bf16", "int8", "fp8")
-#: the one-byte ones: per-block scales, a two-phase allreduce (lsgd_hpc.comm.quantized)
-QUANTIZED_COMM_DTYPES = ("int8", "fp8")
-#: methods that cannot send in int8/fp8, and why
+COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
+#: the quantized ones (one byte, half a byte, a quarter of a byte per element): per-block
+#: scales, a two-phase allreduce (lsgd_hpc.comm.quantized)
+QUANTIZED_COMM_DTYPES = ("int8", "fp8", "int4", "int2")
+#: the methods that may send quantized (and top-k) traffic
+_PERIODIC = "the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)"
+#: methods that cannot send in int8/fp8/int4/int2, and why
 _NOT_QUANTIZED = {
     "allreduce": "allreduce SGD averages gradients in non-blocking buckets every step; "
-                 "int8/fp8 is for the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
-    "gossip": "gossip exchanges parameters with neighbours, not a sum; int8/fp8 is for the "
-              "periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)",
-    "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8 is for the periodic "
-                  "methods (lsgd, easgd, local-sgd, diloco, slowmo)",
+                 f"int8/fp8/int4/int2 are for {_PERIODIC}",
+    "gossip": "gossip exchanges parameters with neighbours, not a sum; int8/fp8/int4/int2 "
+              f"are for {_PERIODIC}",
+    "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8/int4/int2 are for "
+                  f"{_PERIODIC}",
+}
+
+#: the methods whose periodic allreduce may send each chunk's top-k entries (``topk`` < 1)
+TOPK_METHODS = ("easgd", "diloco")
+#: methods that refuse ``topk`` < 1, and why
+_NOT_TOPK = {
+    "allreduce": "allreduce SGD averages every step's gradient in non-blocking buckets; it "
+                 "has no periodic average to sparsify",
+    "gossip": "gossip exchanges parameters with neighbours; it has no periodic average to "
+              "sparsify",
+    "lsgd-async": "lsgd-async broadcasts a leader's parameters; it has no periodic average "
+                  "to sparsify",
+    "lsgd": "top-k of LSGD's leader pull is not supported yet (a later task); topk is for "
+            "easgd and diloco",
+    "local-sgd": "local-sgd averages the weights themselves, which top-k would set to zero "
+                 "but for the largest; use diloco --outer-lr 1 --outer-momentum 0 (local SGD "
+                 "sending its pseudo-gradient) with --topk",
+    "slowmo": "slowmo averages the weights themselves, which top-k would set to zero but for "
+              "the largest; topk is for easgd and diloco",
 }
 
 #: Option kinds and how a value of each is described in an error
@@ -235,11 +258,29 @@ def comm_dtype_problem(comm_dtype: str, backend: Optional[str],
     return None
 
 
-def error_feedback_problem(error_feedback: bool, comm_dtype: str) -> Optional[str]:
-    """Why ``error_feedback`` cannot go with ``comm_dtype``, or None."""
-    if error_feedback and comm_dtype not in QUANTIZED_COMM_DTYPES:
-        return (f"needs --comm-dtype int8 or fp8 (it feeds back their rounding; "
-                f"comm_dtype is {comm_dtype})")
+def topk_problem(topk: float, comm_dtype: str, backend: Optional[str],
+                 method: Optional[str] = None) -> Optional[str]:
+    """Why ``topk`` (< 1: sparse) cannot run with ``comm_dtype`` on ``backend`` with
+    ``method``, or None (its range is the option's own check)."""
+    if topk >= 1:
+        return None
+    if method in _NOT_TOPK:
+        return f"{topk:g} is not for {method}: {_NOT_TOPK[method]}"
+    if comm_dtype == "bf16":
+        return (f"{topk:g} sends its values as fp32, int8, fp8, int4 or int2, not bf16 "
+                "(set --comm-dtype)")
+    if backend == "horovod":
+        return (f"{topk:g} needs the mpi or torch backend (its allgather of byte records is "
+                "not a Horovod collective here)")
+    return None
+
+
+def error_feedback_problem(error_feedback: bool, comm_dtype: str,
+                           topk: float = 1.0) -> Optional[str]:
+    """Why ``error_feedback`` cannot go with ``comm_dtype`` and ``topk``, or None."""
+    if error_feedback and comm_dtype not in QUANTIZED_COMM_DTYPES and topk >= 1:
+        return (f"needs --comm-dtype int8, fp8, int4 or int2, or --topk < 1 (it feeds back "
+                f"their rounding or what top-k left out; comm_dtype is {comm_dtype})")
     return None
 
 
@@ -247,13 +288,22 @@ def error_feedback_problem(error_feedback: bool, comm_dtype: str) -> Optional[st
 COMMON_OPTIONS: Tuple[Option, ...] = (
     Option("comm_dtype", "fp32", "choice",
            "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
-           "half the bytes, rounded; or int8 or fp8, a quarter of the bytes plus per-block "
-           "scales, for lsgd, easgd, local-sgd, diloco and slowmo (see docs/algorithms.md)",
+           "half the bytes, rounded; or int8 or fp8, a quarter of the bytes, int4 an eighth, "
+           "int2 a sixteenth, plus per-block scales, for lsgd, easgd, local-sgd, diloco and "
+           "slowmo (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
     Option("error_feedback", False, "bool",
-           "with comm_dtype int8 or fp8: each rank adds what rounding dropped from its "
-           "allreduce input to the next one (residuals kept in the checkpoint)",
+           "with comm_dtype int8, fp8, int4 or int2, or topk < 1: each rank adds what "
+           "rounding dropped (or top-k left out) from its allreduce input to the next one "
+           "(residuals kept in the checkpoint)",
            section="cluster and backend"),
+    Option("topk", 1.0, "float",
+           "F in (0, 1]: with F < 1 the periodic allreduce of easgd and diloco (Streaming "
+           "DiLoCo too) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
+           "largest magnitude as (index, value), values as --comm-dtype (fp32, int8, fp8, "
+           "int4, int2); with --error-feedback what was left out is sent later (see "
+           "docs/algorithms.md); 1: dense", section="cluster and backend",
+           low=0, low_open=True, high=1),
     Option("stop_check_every", 10, "int",
            "steps between the non-blocking agreements on a stop signal",
            section="cluster and backend", low=1),

@@ -52,9 +52,10 @@ DATASET_SHAPES = {d.name: (d.num_classes, d.input_shape) for d in DATASETS.value
                   if d.input_shape is not None}
 MODEL_DATASET = {"digits_cnn": "digits", "cnn7": "cifar10", "vgg16": "cifar10",
                  "resnet20": "cifar10", "mlp": "synthetic", "mlp_wide": "digits"}
-#: bytes per element on the wire of each comm_dtype (int8 and fp8: one fp32 scale per block of
-#: 4096 elements, lsgd_hpc.comm.quantized)
-WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 4096, "fp8": 1 + 4 / 4096}
+#: bytes per element on the wire of each comm_dtype (int8 and fp8, int4, int2: 1, 1/2, 1/4
+#: byte plus one fp32 scale per block of 4096 elements, lsgd_hpc.comm.quantized)
+WIRE_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1 + 4 / 4096, "fp8": 1 + 4 / 4096,
+              "int4": 0.5 + 4 / 4096, "int2": 0.25 + 4 / 4096}
 #: SlowMo's slow period in the plan: its default (fairscale's slowmo_frequency)
 SLOWMO_EVERY = SPECS["slowmo"].option("slowmo_every").default
 #: multiply-adds -> FLOP of one training step per sample: forward 1x, backward 2x, 2 FLOP each

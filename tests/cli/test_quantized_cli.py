@@ -1,7 +1,7 @@
-"""--comm-dtype int8/fp8 and --error-feedback through the trainer, under mpirun -np 2: every
-periodic method trains on digits in a quarter of fp32's bytes, a run with error feedback
-resumes exactly from a checkpoint, and the combinations that cannot work are refused with
-one line (exit 2)."""
+"""--comm-dtype int8/fp8, --topk and --error-feedback through the trainer, under mpirun -np 2:
+every periodic method trains on digits in a quarter of fp32's bytes, a run with error
+feedback (int8, or top-k with int2 values) resumes exactly from a checkpoint, and the
+combinations that cannot work are refused with one line (exit 2)."""
 
 import sys
 
@@ -71,15 +71,38 @@ def test_error_feedback_resumes_exactly(tmp_path):
     assert np.isfinite(reference[0]["train"]["outer_grad_norm"][-1])
 
 
+@pytest.mark.mpi
+def test_topk_error_feedback_resumes_exactly(tmp_path):
+    """EASGD with --topk 0.05, int2 values and error feedback (its residuals in the
+    checkpoint), resumed from step 20, ends with exactly the rows of the uninterrupted run."""
+    run = tmp_path / "run"
+    args = ["--algorithm", "easgd", "--easgd-tau", "4", "--topk", "0.05", "--comm-dtype",
+            "int2", "--error-feedback", "--max-steps", "24", "--checkpoint-every", "10",
+            "--eval-every", "8", "--seed", "7", "--consensus-every", "4"]
+    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
+                           *args], timeout=300)
+    assert "done: 24 steps" in proc.stdout
+    reference = [read(run, r) for r in range(WORLD)]
+    f = rank_file(run, 24, 0)
+    f.write_bytes(f.read_bytes()[:100])
+    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
+                           "--resume", *args], timeout=300)
+    assert "resumed at step 20" in proc.stdout
+    assert_same_rows(run, reference, equal_nan=True)
+
+
 BAD = [
     (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
     (["--algorithm", "gossip", "--comm-dtype", "fp8"], "--comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
+    (["--algorithm", "diloco", "--topk", "0"], "--topk"),
+    (["--algorithm", "gossip", "--topk", "0.01"], "--topk"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip", "hvd", "ef-alone"])
+@pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip", "hvd", "ef-alone",
+                                                  "topk-zero", "topk-gossip"])
 def test_refused_with_one_line_exit_2(tmp_path, args, option):
     _check_one_line(_run_cli(["--run-dir", str(tmp_path / "never"), *args]), option)

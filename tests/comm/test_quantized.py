@@ -6,9 +6,13 @@ themselves run under mpirun: tests/parallel/test_quantized_parallel.py."""
 import pytest
 import torch
 
-from lsgd_hpc.comm.quantized import (BLOCK, KINDS, allreduce_bytes, broadcast_bytes,
-                                     dequantize, kind_problem, layout, quantize, roundtrip)
-from lsgd_hpc.methods.spec import (COMM_DTYPES, comm_dtype_problem, error_feedback_problem)
+from lsgd_hpc.comm.quantized import (BITS, BLOCK, KINDS, QMAX, allreduce_bytes, broadcast_bytes,
+                                     dequantize, kind_problem, layout, pack, quantize, roundtrip,
+                                     unpack)
+from lsgd_hpc.comm.sparse import (decode, encode, payload_bytes, reduce_records, select,
+                                  sent_vector, sparse_layout)
+from lsgd_hpc.methods.spec import (COMM_DTYPES, comm_dtype_problem, error_feedback_problem,
+                                   topk_problem)
 
 
 def q_of(x, kind):
@@ -66,7 +70,8 @@ def test_zero_and_non_finite_blocks(kind):
     back = dequantize(q, s, kind)
     assert s[0] == 0 and torch.equal(back[0], torch.zeros(8))
     assert torch.isnan(back[1]).all()                            # the whole block
-    assert torch.allclose(back[2], x[2], rtol=0.07, atol=0)
+    assert (back[2] - x[2]).abs().max() <= s[2] / 2 + 1e-6 if kind != "fp8" else \
+        torch.allclose(back[2], x[2], rtol=0.07, atol=0)
     y = torch.ones(8)
     y[3] = float("inf")
     q, s = quantize(y.view(1, 8), kind)
@@ -74,8 +79,9 @@ def test_zero_and_non_finite_blocks(kind):
 
 
 #: the largest error of one quantization relative to its block's max|x|: half a step of
-#: s = max/127 (int8); half an ulp at the top binade, 16 s with s = max/448 (fp8 e4m3)
-REL = {"int8": 0.5 / 127, "fp8": 16 / 448}
+#: s = max/127 (int8), max/7 (int4), max/1 (int2); half an ulp at the top binade, 16 s with
+#: s = max/448 (fp8 e4m3)
+REL = {"int8": 0.5 / 127, "fp8": 16 / 448, "int4": 0.5 / 7, "int2": 0.5}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -83,7 +89,7 @@ REL = {"int8": 0.5 / 127, "fp8": 16 / 448}
 def test_roundtrip_error_within_half_a_step(kind, p):
     torch.manual_seed(0)
     x = torch.randn(3 * BLOCK + 17) * torch.linspace(0.01, 10, 3 * BLOCK + 17)
-    lay = layout(x.numel(), p)
+    lay = layout(x.numel(), p, kind=kind)
     back = roundtrip(x, p, kind)
     pad = torch.zeros(lay.p * lay.c)
     pad[:x.numel()] = x
@@ -93,10 +99,88 @@ def test_roundtrip_error_within_half_a_step(kind, p):
     assert err.max() > 0
 
 
+def test_int4_int2_blocks_by_hand():
+    """int4: s = max|x| / 7, q = round(x / s) in [-7, 7]; int2: s = max|x|, q in {-1, 0, 1};
+    halves to even."""
+    x = torch.tensor([7.0, -3.4, 0.5, 1.5, -7.0, 2.5, 0.49, 6.6])
+    back, s = q_of(x, "int4")
+    assert s == 1.0
+    assert back.tolist() == [7.0, -3.0, 0.0, 2.0, -7.0, 2.0, 0.0, 7.0]
+    y = torch.tensor([2.0, -1.2, 0.9, -0.99, 1.0, -2.0, 0.0, 0.5] * 2)
+    back, s = q_of(y, "int2")
+    assert s == 2.0
+    assert back.tolist() == [2.0, -2.0, 0.0, -0.0, 0.0, -2.0, 0.0, 0.0] * 2
+
+
+def test_pack_by_hand_and_exact_on_random_values():
+    """u = q + 2^(bits-1), the first value in the low bits; unpack(pack(q)) == q."""
+    assert pack(torch.tensor([-7, 7, 0, 3], dtype=torch.int8), 4).tolist() == [1 | 15 << 4,
+                                                                               8 | 11 << 4]
+    assert pack(torch.tensor([-1, 0, 1, 1], dtype=torch.int8), 2).tolist() == [
+        1 | 2 << 2 | 3 << 4 | 3 << 6]
+    g = torch.Generator().manual_seed(3)
+    for kind in ("int4", "int2"):
+        bits, qmax = BITS[kind], int(QMAX[kind])
+        for shape in [(8 // bits,), (3, 5, 64), (1, 4096)]:
+            q = torch.randint(-qmax, qmax + 1, shape, generator=g, dtype=torch.int8)
+            b = pack(q, bits)
+            assert b.dtype == torch.uint8 and b.shape[-1] == shape[-1] * bits // 8
+            assert torch.equal(unpack(b, bits), q)
+        extremes = torch.tensor([-qmax, qmax] * 8, dtype=torch.int8)
+        assert torch.equal(unpack(pack(extremes, bits), bits), extremes)
+
+
+def _block_scales(x: torch.Tensor, p: int, kind: str) -> torch.Tensor:
+    """Each element's block scale s = max|block| / QMAX in an allreduce over p ranks."""
+    lay = layout(x.numel(), p, kind=kind)
+    pad = torch.zeros(lay.p * lay.c)
+    pad[:x.numel()] = x
+    amax = pad.view(-1, lay.be).abs().amax(1, keepdim=True).expand(-1, lay.be).reshape(-1)
+    return amax[:x.numel()] / QMAX[kind]
+
+
+@pytest.mark.parametrize("kind", ["int4", "int2"])
+@pytest.mark.parametrize("n,p", [(1001, 1), (4097, 2), (257, 3), (3 * BLOCK + 17, 5)])
+def test_int4_int2_roundtrip_bounds_and_edges(kind, n, p):
+    """|x - Q(x)| <= s / 2 with s the element's block scale, on odd lengths; zeros come back
+    zeros, a block with one nonzero keeps it exactly, negative extremes come back exactly."""
+    torch.manual_seed(n)
+    x = torch.randn(n) * torch.linspace(0.01, 10, n)
+    err = (roundtrip(x, p, kind) - x).abs()
+    assert (err <= _block_scales(x, p, kind) / 2 * (1 + 1e-6)).all()
+    assert err.max() > 0
+    assert torch.equal(roundtrip(torch.zeros(n), p, kind), torch.zeros(n))
+    one = torch.zeros(n)
+    one[n // 2] = -3.25
+    assert torch.equal(roundtrip(one, p, kind), one)
+    neg = torch.full((n,), -2.5)
+    neg[::3] = -5.0                       # the extremes -QMAX s; -2.5 is -QMAX s / 2
+    back = roundtrip(neg, p, kind)
+    assert torch.equal(back[::3], neg[::3])
+    assert (back - neg).abs().max() <= 2.5 / QMAX[kind] + 1e-6
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "int2"])
+def test_packed_layout_and_bytes(kind):
+    """Blocks of a multiple of 32 / bits elements (whole bytes, aligned scales); counted bytes:
+    the packed payload ceil(n bits / 8) plus 4 per scale; quantize's bytes per block."""
+    bits = BITS[kind]
+    for n, p in [(256, 2), (1001, 3), (4096 * 2 + 1, 2), (123457, 5), (1_000_003, 4)]:
+        lay = layout(n, p, kind=kind)
+        assert lay.be % (32 // bits) == 0 and lay.be <= BLOCK and lay.p * lay.c >= n
+        assert lay.block_bytes == lay.be * bits // 8 and lay.record % 4 == 0
+        assert allreduce_bytes(n, p, kind=kind) == -(-n * bits // 8) + 4 * p * lay.b
+        assert broadcast_bytes(n, kind=kind) == -(-n * bits // 8) + 4 * -(-n // BLOCK)
+        q, s = quantize(torch.randn(p, lay.b, lay.be), kind)
+        assert q.shape == (p, lay.b, lay.block_bytes) and s.shape == (p, lay.b)
+    ratio = allreduce_bytes(1_000_000, 2, kind=kind) / 4e6
+    assert ratio == pytest.approx(bits / 32 + 1 / 4096, rel=1e-3), ratio
+
+
 def test_options_and_their_refusals():
-    assert COMM_DTYPES == ("fp32", "bf16", "int8", "fp8")
+    assert COMM_DTYPES == ("fp32", "bf16", "int8", "fp8", "int4", "int2")
     for ok in ("lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
-        for kind in ("int8", "fp8"):
+        for kind in ("int8", "fp8", "int4", "int2"):
             assert comm_dtype_problem(kind, "mpi", ok) is None
             assert comm_dtype_problem(kind, "torch", ok) is None
     for bad in ("allreduce", "gossip", "lsgd-async"):
@@ -105,17 +189,114 @@ def test_options_and_their_refusals():
     assert "mpi or torch backend" in comm_dtype_problem("fp8", "horovod", "lsgd")
     assert comm_dtype_problem("bf16", "mpi", "gossip") is None     # bf16 stays as it was
     assert error_feedback_problem(False, "fp32") is None
-    assert error_feedback_problem(True, "int8") is None
-    assert "needs --comm-dtype int8 or fp8" in error_feedback_problem(True, "bf16")
+    for kind in ("int8", "int4", "int2"):
+        assert error_feedback_problem(True, kind) is None
+    assert "needs --comm-dtype int8, fp8, int4 or int2" in error_feedback_problem(True, "bf16")
+
+
+# -- top-k (lsgd_hpc.comm.sparse) ------------------------------------------------------------
+def test_topk_layout_and_bytes():
+    """k = ceil(F c) per chunk of c = min(4096, n); one rank's payload: k int16 indices, the
+    values (fp32: 4 bytes; int8/fp8: 1; int4: ceil(k / 2); int2: ceil(k / 4)) and one scale
+    per chunk unless fp32; sent S, received (p - 1) S."""
+    lay = sparse_layout(10_000, 0.01, "int2")
+    assert (lay.c, lay.m, lay.k) == (4096, 3, 41)
+    assert lay.counted == 3 * (4 + 41 * 2 + 11)
+    assert sparse_layout(10_000, 0.01, "fp32").counted == 3 * 41 * 6
+    assert sparse_layout(10_000, 0.01, "int4").counted == 3 * (4 + 82 + 21)
+    assert sparse_layout(300, 0.5, "int8").counted == 1 * (4 + 150 * 2 + 150)
+    assert sparse_layout(300, 1e-9, "fp32").k == 1          # at least one entry a chunk
+    for kind in ("fp32", "int8", "int4", "int2"):
+        assert sparse_layout(123_457, 0.03, kind).record % 4 == 0
+    assert payload_bytes(10_000, 5, 0.01, "int2") == (lay.counted, 4 * lay.counted)
+
+
+@pytest.mark.parametrize("n", [1_000_000, 1_048_583])
+def test_topk_one_percent_int2_under_a_hundredth_of_fp32(n):
+    """F = 0.01 with int2 values, 2 ranks: the bytes sent (and received) over fp32's 4 n."""
+    sent, recv = payload_bytes(n, 2, 0.01, "int2")
+    assert sent == recv
+    ratio = sent / (4 * n)
+    lay = sparse_layout(n, 0.01, "int2")
+    assert ratio == lay.m * (4 + 2 * 41 + 11) / (4 * n)
+    assert ratio <= 0.01 and 0.0059 < ratio < 0.006, ratio      # 97 bytes a 4096 chunk
+    assert payload_bytes(n, 2, 0.01, "fp32")[0] / (4 * n) > 0.01   # fp32 values: 246 bytes
+
+
+def test_topk_select_encode_decode_by_hand():
+    """Chunks of 4: the 2 largest |w| of each, indices ascending; fp32 values exactly,
+    int2 values as sign times the chunk's largest selected; the rank-order sum of two
+    ranks' records."""
+    w = torch.tensor([0.5, -3.0, 2.0, 0.1, 0.0, 0.0, 7.0, -1.0, 4.0, 0.25])  # 3 chunks
+    lay = sparse_layout(10, 0.5, "fp32", chunk=4)
+    assert (lay.c, lay.m, lay.k) == (4, 3, 2)
+    idx, values = select(w, lay)
+    assert idx.tolist() == [[1, 2], [2, 3], [0, 1]]
+    assert values.tolist() == [[-3.0, 2.0], [7.0, -1.0], [4.0, 0.25]]
+    buf = torch.zeros(lay.m * lay.record, dtype=torch.uint8)
+    encode(idx, values, lay, buf)
+    i2, v2 = decode(buf, lay)
+    assert torch.equal(i2, idx) and torch.equal(v2, values)
+    assert sent_vector(i2, v2, lay).tolist() == [0, -3, 2, 0, 0, 0, 7, -1, 4, 0.25]
+    lay2 = sparse_layout(10, 0.5, "int2", chunk=4)
+    buf2 = torch.zeros(lay2.m * lay2.record, dtype=torch.uint8)
+    encode(idx, values, lay2, buf2)
+    i3, v3 = decode(buf2, lay2)
+    assert torch.equal(i3, idx)
+    assert v3.tolist() == [[-3.0, 3.0], [7.0, -0.0], [4.0, 0.0]]
+    both = torch.stack([buf, buf])
+    assert torch.equal(reduce_records(both, lay, 2), 2 * sent_vector(idx, values, lay))
+
+
+def test_topk_options_and_refusals():
+    assert topk_problem(1.0, "bf16", "horovod", "allreduce") is None     # dense: as before
+    for ok in ("easgd", "diloco"):
+        for kind in ("fp32", "int8", "fp8", "int4", "int2"):
+            assert topk_problem(0.01, kind, "mpi", ok) is None
+    for bad in ("allreduce", "gossip", "lsgd-async", "lsgd", "local-sgd", "slowmo"):
+        why = topk_problem(0.1, "fp32", "mpi", bad)
+        assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
+    assert "no periodic average" in topk_problem(0.1, "fp32", "mpi", "gossip")
+    assert "not supported yet" in topk_problem(0.1, "fp32", "mpi", "lsgd")
+    assert "not bf16" in topk_problem(0.1, "bf16", "mpi", "diloco")
+    assert "mpi or torch backend" in topk_problem(0.1, "fp32", "horovod", "diloco")
+    assert error_feedback_problem(True, "fp32", 0.1) is None
+    assert "--topk < 1" in error_feedback_problem(True, "fp32", 1.0)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--algorithm", "diloco", "--topk", "0"], ["--algorithm", "diloco", "--topk", "1.5"],
+    ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
+    ["--algorithm", "allreduce", "--topk", "0.1"], ["--algorithm", "gossip", "--topk", "0.1"],
+    ["--algorithm", "lsgd", "--topk", "0.1"], ["--algorithm", "local-sgd", "--topk", "0.1"],
+    ["--algorithm", "diloco", "--topk", "0.1", "--comm-dtype", "bf16"],
+], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd", "local-sgd",
+        "bf16"])
+def test_config_refuses_topk(argv):
+    from lsgd_hpc.cli.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, env={})
+    assert info.value.option == "--topk" and "\n" not in str(info.value)
+
+
+def test_config_accepts_topk():
+    from lsgd_hpc.cli.config import parse_config
+    cfg = parse_config(["--algorithm", "diloco", "--topk", "0.01", "--comm-dtype", "int2",
+                        "--error-feedback"], env={})
+    assert (cfg.topk, cfg.comm_dtype, cfg.error_feedback) == (0.01, "int2", True)
+    cfg = parse_config(["--algorithm", "easgd", "--topk", "0.05", "--error-feedback"], env={})
+    assert (cfg.topk, cfg.comm_dtype) == (0.05, "fp32")
+    assert parse_config(["--algorithm", "allreduce"], env={}).topk == 1.0
 
 
 @pytest.mark.parametrize("argv,option", [
     (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
     (["--algorithm", "gossip", "--comm-dtype", "fp8"], "--comm-dtype"),
+    (["--algorithm", "allreduce", "--comm-dtype", "int2"], "--comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--comm-dtype", "bf16", "--error-feedback"], "--error-feedback"),
-], ids=["allreduce", "gossip", "hvd-backend", "ef-alone", "ef-bf16"])
+], ids=["allreduce", "gossip", "allreduce-int2", "hvd-backend", "ef-alone", "ef-bf16"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -128,4 +309,8 @@ def test_config_accepts():
     cfg = parse_config(["--algorithm", "diloco", "--comm-dtype", "int8", "--error-feedback"],
                        env={})
     assert (cfg.comm_dtype, cfg.error_feedback) == ("int8", True)
+    for kind in ("int4", "int2"):
+        cfg = parse_config(["--algorithm", "easgd", "--comm-dtype", kind, "--error-feedback"],
+                           env={})
+        assert (cfg.comm_dtype, cfg.error_feedback) == (kind, True)
     assert parse_config(["--algorithm", "easgd"], env={}).error_feedback is False

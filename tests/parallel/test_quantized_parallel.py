@@ -17,13 +17,16 @@ import pytest
 import torch
 from torch import nn
 
-from lsgd_hpc.comm.quantized import (BLOCK, KINDS, Quantized, allreduce_bytes, broadcast_bytes,
-                                     layout, quantized_groups, roundtrip)
+from lsgd_hpc.comm.quantized import (BITS, BLOCK, KINDS, Quantized, allreduce_bytes,
+                                     broadcast_bytes, layout, quantized_groups, roundtrip)
+from lsgd_hpc.comm.sparse import payload_bytes, select, sparse_layout
 from lsgd_hpc.methods import METHODS
 
 BACKEND = os.environ.get("LSGD_TEST_BACKEND", "mpi")
 #: one quantization's largest error relative to its block's max|x| (tests/comm/test_quantized.py)
-REL = {"int8": 0.5 / 127, "fp8": 16 / 448}
+REL = {"int8": 0.5 / 127, "fp8": 16 / 448, "int4": 0.5 / 7, "int2": 0.5}
+#: the one-byte kinds (the methods' training test: int4 and int2 have one of their own)
+ONE_BYTE = [k for k in sorted(KINDS) if BITS[k] == 8]
 PERIODIC = ["lsgd", "easgd", "local-sgd", "diloco", "slowmo"]
 OPTIONS = {"lsgd": dict(tau_local=2, tau_global=4), "easgd": dict(easgd_tau=2),
            "local-sgd": dict(local_steps=4), "diloco": dict(local_steps=4, outer_lr=0.7),
@@ -53,17 +56,19 @@ def vector(rank: int, n: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [256, 1001, 3 * BLOCK * 4 + 5])
 def test_allreduce_same_bits_bound_and_bytes(world, kind, op, n):
     """Sizes not divisible by p nor by the block; every rank ends with the same bits, within
-    two quantizations of the exact sum or mean, and counts n + 4 p b bytes each way."""
+    two quantizations of the exact sum or mean, and counts ceil(n bits / 8) + 4 p b bytes
+    each way."""
     quantized_backend(world)
     q = Quantized(world, kind)
     p = world.size
     t = vector(world.rank, n)
     before = world.stats.snapshot()
     assert q.allreduce_(t, op) is t
-    assert world.stats.bytes_sent - before.bytes_sent == allreduce_bytes(n, p)
-    assert world.stats.bytes_recv - before.bytes_recv == allreduce_bytes(n, p)
+    nb = allreduce_bytes(n, p, kind=kind)
+    assert world.stats.bytes_sent - before.bytes_sent == nb
+    assert world.stats.bytes_recv - before.bytes_recv == nb
     assert world.stats.calls - before.calls == 1
-    assert allreduce_bytes(n, p) == n + 4 * p * layout(n, p).b
+    assert nb == -(-n * BITS[kind] // 8) + 4 * p * layout(n, p, kind=kind).b
     assert len(set(world.allgather_object(digest(t)))) == 1
     inputs = torch.stack([vector(r, n) for r in range(p)]).double()
     exact = inputs.sum(0) / (p if op == "mean" else 1)
@@ -87,16 +92,16 @@ def test_broadcast_same_bits_and_bytes(world, kind):
         assert torch.equal(t, roundtrip(vector(root, n), 1, kind))
         sent = world.stats.bytes_sent - before.bytes_sent
         recv = world.stats.bytes_recv - before.bytes_recv
-        nb = broadcast_bytes(n)
+        nb = broadcast_bytes(n, kind=kind)
         assert (sent, recv) == ((nb, 0) if world.rank == root else (0, nb))
-        assert nb == n + 4 * 2        # ceil(5003 / 4096) scales
+        assert nb == -(-n * BITS[kind] // 8) + 4 * 2        # ceil(5003 / 4096) scales
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_broadcast_across_nodes_forwards_the_same_bytes(world, groups, kind):
     """NodeGroups.broadcast_from_ over quantized groups: quantized once at the source, the
     bytes forwarded hop by hop (never requantized), so every rank holds the same bits; each
-    hop counts n + 4 ceil(n / BLOCK) where float32 counts 4 n."""
+    hop counts ceil(n bits / 8) + 4 ceil(n / BLOCK) where float32 counts 4 n."""
     quantized_backend(world)
     qg = quantized_groups(groups, kind)
     n = 3000
@@ -110,14 +115,16 @@ def test_broadcast_across_nodes_forwards_the_same_bytes(world, groups, kind):
         before = world.stats.snapshot()
         qg.broadcast_from_(t, root)
         assert torch.equal(t, roundtrip(vector(root, n), 1, kind))
-        assert world.stats.bytes_sent - before.bytes_sent == sent32 // (4 * n) * broadcast_bytes(n)
-        assert world.stats.bytes_recv - before.bytes_recv == recv32 // (4 * n) * broadcast_bytes(n)
+        nb = broadcast_bytes(n, kind=kind)
+        assert world.stats.bytes_sent - before.bytes_sent == sent32 // (4 * n) * nb
+        assert world.stats.bytes_recv - before.bytes_recv == recv32 // (4 * n) * nb
     assert len(set(world.allgather_object(digest(t)))) == 1
 
 
 #: an outlier that makes 0.1 round to 0 in its block: int8's step is 100 / 127; fp8's
-#: smallest (subnormal) step is 2^-9 of 1e5 / 448, 0.44
-OUTLIER = {"int8": 100.0, "fp8": 1e5}
+#: smallest (subnormal) step is 2^-9 of 1e5 / 448, 0.44; int4's 5 / 7; int2's 1 (small enough
+#: that the residual of 0.1 a round reaches half a step within the 40 rounds)
+OUTLIER = {"int8": 100.0, "fp8": 1e5, "int4": 5.0, "int2": 1.0}
 
 
 def outliers(rank: int, size: int, big: float, n: int = 1024) -> torch.Tensor:
@@ -182,6 +189,178 @@ def test_error_feedback_rule_exact(world, kind):
     assert "world/numel300" in q.shared.residuals
 
 
+# -- top-k (lsgd_hpc.comm.sparse) ------------------------------------------------------------
+def topk_vector(rank: int, n: int = 256) -> torch.Tensor:
+    """Rank r's input by hand, in chunks of 8: chunk i holds (i + 1) (j + 1) / 8 at position j,
+    except position r, which holds (i + 1) (10 + r), negative for odd r. With k = 2 of 8, rank
+    r's top-2 of every chunk are positions r (its own outlier) and 7."""
+    j = torch.arange(n) % 8
+    i = torch.arange(n) // 8
+    v = (i + 1) * (j + 1) / 8.0
+    v[j == rank] = ((i + 1) * (10.0 + rank) * (-1.0) ** rank)[j == rank]
+    return v.float()
+
+
+def test_topk_by_hand(world):
+    """Chunks of c = 8, F = 1/4: k = 2. Round 1: rank r sends positions (r, 7) of every chunk,
+    values (i + 1)(+-(10 + r), 1); its residual is its vector with those zeroed; the mean is
+    +-(i + 1)(10 + r') / p at position r' < p, i + 1 at 7, zero elsewhere, the same bits on
+    every rank. Round 2 (the same v, plus the residual): position 7 was sent, so 6 (doubled,
+    1.75 (i + 1)) replaces it. A group of one sends nothing: the vector stays as it is."""
+    p, r, n = world.size, world.rank, 256
+    q = Quantized(world, "fp32", error_feedback=True, block=8, topk=0.25)
+    buf = torch.zeros(n)
+    q.agree_buffers(buf)
+    v = topk_vector(r, n)
+    lay = sparse_layout(n, 0.25, "fp32", 8)
+    assert (lay.c, lay.m, lay.k) == (8, 32, 2)
+    idx, values = select(v, lay)
+    scale = torch.arange(1, 33, dtype=torch.float32)
+    assert torch.equal(idx, torch.tensor([[r, 7]] * 32))
+    assert torch.equal(values, torch.stack([scale * (10.0 + r) * (-1.0) ** r, scale], 1))
+    before = world.stats.snapshot()
+    buf.copy_(v)
+    q.allreduce_(buf, "mean")
+    if p == 1:
+        assert torch.equal(buf, v) and not q.shared.residuals
+        return
+    assert world.stats.bytes_sent - before.bytes_sent == 32 * 2 * (2 + 4)
+    assert world.stats.bytes_recv - before.bytes_recv == (p - 1) * 32 * 2 * (2 + 4)
+    sent = torch.zeros(n)
+    sent[r::8], sent[7::8] = v[r::8], v[7::8]
+    e1 = q.shared.residuals["world/buffer0@0+256"].clone()
+    assert torch.equal(e1, v - sent)
+    expected = torch.zeros(n)
+    for rr in range(p):
+        expected[rr::8] = topk_vector(rr, n)[rr::8] / p
+    expected[7::8] = (scale * p) / p
+    assert torch.equal(buf, expected)
+    assert len(set(world.allgather_object(digest(buf)))) == 1
+    buf.copy_(v)
+    q.allreduce_(buf, "mean")
+    w = v + e1
+    sent2 = torch.zeros(n)
+    sent2[r::8], sent2[6::8] = w[r::8], w[6::8]
+    assert torch.equal(w[6::8], scale * 1.75)
+    assert torch.equal(q.shared.residuals["world/buffer0@0+256"], w - sent2)
+    expected[7::8] = 0.0
+    expected[6::8] = (scale * 1.75 * p) / p
+    assert torch.equal(buf, expected)
+    assert len(set(world.allgather_object(digest(buf)))) == 1
+
+
+def test_topk_int2_values_by_hand(world):
+    """The same vectors with int2 values: one scale per chunk, s = max |selected| =
+    (i + 1)(10 + r); the outlier goes as its sign times s, exactly; the 1 at position 7
+    (below s / 2) as 0, and stays in the residual. The sum is +-(i + 1)(10 + r') at r'."""
+    p, r, n = world.size, world.rank, 256
+    q = Quantized(world, "int2", error_feedback=True, block=8, topk=0.25)
+    buf = torch.zeros(n)
+    q.agree_buffers(buf)
+    v = topk_vector(r, n)
+    buf.copy_(v)
+    q.allreduce_(buf, "sum")
+    if p == 1:
+        assert torch.equal(buf, v)
+        return
+    lay = sparse_layout(n, 0.25, "int2", 8)
+    assert lay.counted == 32 * (4 + 2 * 2 + 1)             # scale, 2 int16 indices, 1 byte
+    e = q.shared.residuals["world/buffer0@0+256"]
+    expected_e = v.clone()
+    expected_e[r::8] = 0.0
+    assert torch.equal(e, expected_e)
+    expected = torch.zeros(n)
+    for rr in range(p):
+        expected[rr::8] = topk_vector(rr, n)[rr::8]
+    assert torch.equal(buf, expected)
+    assert len(set(world.allgather_object(digest(buf)))) == 1
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4", "int2"])
+def test_topk_same_bits_and_error_feedback_converges(world, kind):
+    """Random vectors, the default chunk (4096), F = 0.05, an odd length: every rank ends with
+    the same bits, the result has at most p k entries per chunk, and over rounds of the same
+    vectors the running mean of what arrives approaches the true mean (error feedback)."""
+    quantized_backend(world)
+    p, n, topk = world.size, 3 * BLOCK + 77, 0.05
+    truth = torch.stack([vector(r, n) for r in range(p)]).double().mean(0)
+    errors = {}
+    for ef in (True, False):
+        q = Quantized(world, kind, error_feedback=ef, topk=topk)
+        buf = torch.zeros(n)
+        q.agree_buffers(buf)
+        total = torch.zeros(n, dtype=torch.float64)
+        errors[ef] = []
+        for t in range(1, 61):
+            buf.copy_(vector(world.rank, n))
+            q.allreduce_(buf, "mean")
+            if t == 1:
+                lay = sparse_layout(n, topk, kind)
+                per_chunk = torch.zeros(lay.m * lay.c)
+                per_chunk[:n] = (buf != 0).float()
+                assert per_chunk.view(lay.m, lay.c).sum(1).max() <= p * lay.k
+            total += buf.double()
+            errors[ef].append(((total / t) - truth).norm().item() / truth.norm().item())
+        assert len(set(world.allgather_object(digest(buf)))) == 1
+    first, last = errors[True][0], errors[True][-1]
+    assert first > 0.5, first                           # one round sends a twentieth
+    assert last < 0.25 * first, (first, last)           # measured: 0.83 -> 0.14 at 2 ranks
+    assert errors[False][-1] > 0.9 * first, errors[False][-1]    # without it: no better
+
+
+def test_topk_bytes_at_one_percent_with_int2_values(world):
+    """F = 0.01 with int2 values on a vector of 1 048 583 elements: each rank sends
+    S = m (4 + 2 k + ceil(k / 4)) bytes (k = 41 of every 4096), under 0.01 of fp32's 4 n;
+    it receives the other p - 1 ranks' S (at 2 ranks: S, the same ratio)."""
+    quantized_backend(world)
+    p, n = world.size, 1_048_583
+    q = Quantized(world, "int2", error_feedback=True, topk=0.01)
+    buf = vector(world.rank, n)
+    before = world.stats.snapshot()
+    q.allreduce_(buf, "mean")
+    sent = world.stats.bytes_sent - before.bytes_sent
+    recv = world.stats.bytes_recv - before.bytes_recv
+    lay = sparse_layout(n, 0.01, "int2")
+    assert (lay.m, lay.k) == (257, 41)
+    assert sent == lay.m * (4 + 2 * 41 + 11) == payload_bytes(n, p, 0.01, "int2")[0]
+    assert recv == (p - 1) * sent
+    ratio = sent / (4 * n)
+    assert ratio <= 0.01, ratio
+    assert 0.0059 < ratio < 0.0060, ratio                # 24 929 / 4 194 332
+    assert len(set(world.allgather_object(digest(buf)))) == 1
+
+
+def test_topk_state_dict_round_trip(world):
+    """The residuals saved by state_dict and loaded into a fresh wrapper give the same next
+    round, bit for bit; a fresh wrapper without them gives another."""
+    quantized_backend(world)
+    n = 5000
+
+    def wrapper():
+        q = Quantized(world, "int4", error_feedback=True, topk=0.1)
+        buf = torch.zeros(n)
+        q.agree_buffers(buf)
+        return q, buf
+    q, buf = wrapper()
+    for t in range(3):
+        buf.copy_(vector(world.rank + t, n))
+        q.allreduce_(buf, "mean")
+    state = q.state_dict()
+    assert state["topk"] == 0.1 and list(state["residuals"]) == ["world/buffer0@0+5000"]
+    buf.copy_(vector(world.rank + 3, n))
+    q.allreduce_(buf, "mean")
+    results = []
+    for load in (True, False):
+        q2, buf2 = wrapper()
+        if load:
+            q2.load_state_dict(copy.deepcopy(state))
+        buf2.copy_(vector(world.rank + 3, n))
+        q2.allreduce_(buf2, "mean")
+        results.append(buf2)
+    assert torch.equal(results[0], buf)
+    assert not torch.equal(results[1], buf)
+
+
 def rank_data(rank: int, n: int = 64):
     g = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(n, 10, generator=g)
@@ -198,7 +377,7 @@ def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
     if comm.size not in (2, 4):
         pytest.skip("training bodies run at 2 and 4 ranks (suite time)")
     sent = {}
-    runs = [("fp32", False)] + [(k, False) for k in sorted(KINDS)] + [("int8", True)]
+    runs = [("fp32", False)] + [(k, False) for k in ONE_BYTE] + [("int8", True)]
     for dtype, ef in runs:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
@@ -227,6 +406,97 @@ def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
             assert 0.24 <= ratio <= 0.30, (name, key, ratio)
 
 
+@pytest.mark.parametrize("name", ["easgd", "diloco"])
+def test_methods_train_in_int4_and_int2(comm, name):
+    """The methods that send differences (EASGD's elastic difference, DiLoCo's
+    pseudo-gradient) train with int4 values (with error feedback) and int2 values (without),
+    in an eighth and a sixteenth of fp32's bytes (plus scales and elections). (Averages of
+    the parameters themselves, local SGD and SlowMo, would round every weight to 15 or 3
+    levels of its block: int4 and int2 are for differences.)"""
+    quantized_backend(comm.world)
+    if comm.size not in (2, 4):
+        pytest.skip("training bodies run at 2 and 4 ranks (suite time)")
+    sent = {}
+    for dtype, ef in (("fp32", False), ("int4", True), ("int2", False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype,
+                               error_feedback=ef, **OPTIONS[name])
+        x, y = rank_data(comm.rank, 256)
+        s0 = comm.stats.bytes_sent
+        while not method.done:
+            i = (method.steps % 8) * 32
+            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+            opt.zero_grad()
+            loss.backward()
+            method.step(loss)
+        sent[dtype] = comm.stats.bytes_sent - s0
+        xt, yt = rank_data(10_000, 512)
+        with method.reported_model() as m, torch.no_grad():
+            acc = float((m(xt).argmax(1) == yt).float().mean())
+        assert acc > 0.7, (name, dtype, acc)
+        method.close()
+    total = comm.allgather_object(sent)
+    fp32 = sum(t["fp32"] for t in total)
+    for dtype, (low, high) in {"int4": (0.12, 0.15), "int2": (0.06, 0.09)}.items():
+        ratio = sum(t[dtype] for t in total) / fp32
+        assert low <= ratio <= high, (name, dtype, ratio)
+
+
+#: (method, its options, the value kinds tried, the bytes' bound against fp32 for each)
+TOPK_RUNS = {
+    # EASGD with int2 values and error feedback ends near 0.62 here (as dense int2 with error
+    # feedback does): its fp32 and int8 values are tried
+    "easgd": ("easgd", {}, {"fp32": 0.2, "int8": 0.12}),
+    "diloco": ("diloco", {}, {"fp32": 0.2, "int2": 0.1}),
+    # two fragments of 352 and 132 elements: the second is under MIN_ELEMENTS (256) and
+    # moves dense in fp32 (control-sized), so the ratio is about 0.4
+    "streaming-diloco": ("diloco", dict(fragments=2, fragment_sync_delay=1),
+                         {"fp32": 0.5, "int2": 0.45}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TOPK_RUNS))
+def test_methods_train_with_topk(comm, case):
+    """EASGD, DiLoCo and Streaming DiLoCo with F = 0.1 and error feedback: the reported model
+    learns the task in a fraction of fp32's bytes; every rank's DiLoCo outer state has the
+    same bits (each rank sums the same records in the same order)."""
+    quantized_backend(comm.world)
+    if comm.size not in (2, 4):
+        pytest.skip("training bodies run at 2 and 4 ranks (suite time)")
+    name, options, bounds = TOPK_RUNS[case]
+    sent = {}
+    for dtype, topk in [("fp32", 1.0)] + [(k, 0.1) for k in bounds]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype, topk=topk,
+                               error_feedback=topk < 1, **{**OPTIONS[name], **options})
+        x, y = rank_data(comm.rank, 256)
+        s0 = comm.stats.bytes_sent
+        while not method.done:
+            i = (method.steps % 8) * 32
+            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+            opt.zero_grad()
+            loss.backward()
+            method.step(loss)
+        method.drain()
+        sent[(dtype, topk)] = comm.stats.bytes_sent - s0
+        xt, yt = rank_data(10_000, 512)
+        with method.reported_model() as m, torch.no_grad():
+            acc = float((m(xt).argmax(1) == yt).float().mean())
+        assert acc > 0.8, (case, dtype, topk, acc)
+        if name == "diloco":
+            assert len(set(comm.allgather_object(digest(method.rule.prev.data)))) == 1
+        method.close()
+    total = comm.allgather_object(sent)
+    fp32 = sum(t[("fp32", 1.0)] for t in total)
+    for dtype, high in bounds.items():
+        ratio = sum(t[(dtype, 0.1)] for t in total) / fp32
+        assert ratio <= high, (case, dtype, ratio)
+
+
 def test_refusals(comm):
     """Allreduce SGD, gossip and asynchronous LSGD refuse int8/fp8, Horovod refuses both, and
     error feedback needs them: a ValueError on every rank, before any collective."""
@@ -236,26 +506,62 @@ def test_refusals(comm):
     for name in ("allreduce", "gossip", "lsgd-async"):
         with pytest.raises(ValueError, match=f"comm_dtype int8 is not for {name}: "):
             build(name, comm_dtype="int8")
-    with pytest.raises(ValueError, match="error_feedback needs --comm-dtype int8 or fp8"):
+    with pytest.raises(ValueError, match="error_feedback needs --comm-dtype int8, fp8, int4 "):
         build("diloco", error_feedback=True)
     if comm.backend == "horovod":
         with pytest.raises(ValueError, match="int8 needs the mpi or torch backend"):
             build("lsgd", comm_dtype="int8")
+        with pytest.raises(ValueError, match="topk 0.1 needs the mpi or torch backend"):
+            build("diloco", topk=0.1)
 
 
-@pytest.mark.parametrize("name", ["local-sgd", "diloco"])
-def test_error_feedback_resumes_exactly(comm, name):
-    """int8 with error feedback: 7 steps, state saved (through torch.save), 9 more equals a
-    fresh model/optimizer/method loaded from that state and trained the same 9 steps, bit for
-    bit; loaded without the residuals it differs (they matter)."""
+def test_topk_refusals(comm):
+    """topk outside (0, 1], topk < 1 with a method that has no periodic average to sparsify
+    (allreduce SGD, gossip, asynchronous LSGD), with LSGD (not yet), with the methods that
+    average the weights themselves, with bf16 values, and DiLoCo's with a model that has
+    BatchNorm statistics: a ValueError naming topk, one line, on every rank."""
+    def build(name, model=None, **kw):
+        model = model or nn.Linear(4, 2)
+        return METHODS[name](model, torch.optim.SGD(model.parameters(), 0.1), comm, **kw)
+    for bad in (0, 0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"^topk must be in \(0, 1\], got "):
+            build("diloco", topk=bad)
+    why = {"allreduce": "no periodic average", "gossip": "no periodic average",
+           "lsgd-async": "no periodic average", "lsgd": "not supported yet",
+           "local-sgd": "averages the weights themselves",
+           "slowmo": "averages the weights themselves"}
+    for name, words in why.items():
+        with pytest.raises(ValueError, match=f"^topk 0.1 is not for {name}: .*{words}") as info:
+            build(name, topk=0.1)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="^topk 0.1 sends its values as fp32, int8"):
+        build("diloco", topk=0.1, comm_dtype="bf16")
+    bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="^topk 0.1 is not for diloco on a model with "
+                                         "floating-point buffers"):
+        build("diloco", model=bn, topk=0.1)
+    with pytest.raises(ValueError, match="^error_feedback needs"):
+        build("easgd", error_feedback=True, topk=1.0)
+    if comm.backend != "horovod":
+        build("easgd", model=bn, topk=0.1, error_feedback=True).close()   # accepted
+
+
+@pytest.mark.parametrize("name,dtype,topk", [
+    ("local-sgd", "int8", 1.0), ("diloco", "int8", 1.0), ("diloco", "int4", 1.0),
+    ("diloco", "int2", 1.0), ("diloco", "int2", 0.1), ("easgd", "fp32", 0.05)])
+def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
+    """int8, int4 or int2, or top-k (fp32 or int2 values), with error feedback: 7 steps,
+    state saved (through torch.save), 9 more equals a fresh model/optimizer/method loaded
+    from that state and trained the same 9 steps, bit for bit; loaded without the residuals
+    it differs (they matter)."""
     if BACKEND == "horovod":
-        pytest.skip("Horovod refuses int8")
+        pytest.skip("Horovod refuses int8, int4 and int2")
 
     def fresh():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        return model, opt, METHODS[name](model, opt, comm, comm_dtype="int8",
+        return model, opt, METHODS[name](model, opt, comm, comm_dtype=dtype, topk=topk,
                                          error_feedback=True, **OPTIONS[name])
 
     x, y = rank_data(comm.rank, 128)
