@@ -502,8 +502,9 @@ cmd_up() {
 
 all_idle() {
     local states
-    states=$(sinfo -h -N -o '%t' 2> /dev/null) || return 1
-    [[ $(grep -c '^idle$' <<< "$states") -eq $nodes ]]
+    # one line per node and partition it is in: count the nodes, once each
+    states=$(sinfo -h -N -o '%N %t' 2> /dev/null) || return 1
+    [[ $(awk '$2 == "idle" {print $1}' <<< "$states" | sort -u | wc -l) -eq $nodes ]]
 }
 
 # -------------------------------------------------------------------------------------- down
