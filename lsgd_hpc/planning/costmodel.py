@@ -75,13 +75,18 @@ __all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUC
            "gossip_exchange", "neighbor_degrees", "topology_degrees", "method_cost",
            "allreduce_sgd", "lsgd", "easgd", "local_sgd", "diloco", "slowmo",
            "gossip", "smallest_period", "ELECTION_BYTES", "CHECK_BYTES", "FLOAT_BYTES",
-           "WorkerCost", "worker_size", "workers_cluster", "with_workers"]
+           "WorkerCost", "worker_size", "workers_cluster", "with_workers",
+           "between_nodes_allreduce_time", "rho", "VALUE_BITS", "TOPK_CHUNK",
+           "topk_payload_bytes", "ring_allgather_time"]
 
 #: MPI.DOUBLE_INT (score, rank), padded: the payload of one MINLOC election
 ELECTION_BYTES = 16
 #: lsgd_hpc's agreement check before each collective: (numel, dtype, root) and their negatives
 CHECK_BYTES = 48
 FLOAT_BYTES = 4
+#: top-k (lsgd_hpc.comm.sparse): elements per chunk, and bits of each kind of value sent
+TOPK_CHUNK = 4096
+VALUE_BITS = {"fp32": 32, "int8": 8, "fp8": 8, "int4": 4, "int2": 2}
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")
 
 
@@ -146,6 +151,8 @@ class Workload:
     n_buffers: int
     compute_s: float
     element_bytes: float = FLOAT_BYTES
+    topk: float = 1.0        # < 1: EASGD and DiLoCo send each chunk's top-k (topk_payload_bytes)
+    value_bits: int = 32     # bits of each top-k value (VALUE_BITS of the comm_dtype)
 
     @property
     def grad_bytes(self) -> float:
@@ -222,6 +229,54 @@ def allreduce_time(nbytes: float, c: Cluster, coll: Collectives = Collectives())
     cand = _allreduce_candidates(nbytes, c)
     t = min(cand.values()) if coll.algorithm == "auto" else cand[coll.algorithm]
     return t + _call_cost(c)
+
+
+def topk_payload_bytes(n: int, topk: float, value_bits: int = 32,
+                       chunk: int = TOPK_CHUNK) -> int:
+    """S, one rank's top-k payload for an n-element vector (lsgd_hpc.comm.sparse's count):
+    m = ceil(n / c) chunks of c = min(chunk, n), k = ceil(F c) (1 to c) of each sent as an
+    int16 index (int32 above 32768 elements) and a value of ``value_bits``, one float32
+    scale per chunk for quantized values (none for fp32):
+    S = m (scale + 2 k + ceil(k bits / 8))."""
+    c = min(chunk, n)
+    m = -(-n // c)
+    k = max(1, min(c, math.ceil(topk * c)))
+    index = 2 if c <= 32768 else 4
+    scale = 0 if value_bits == 32 else 4
+    return m * (scale + k * index + -(-k * value_bits // 8))
+
+
+def ring_allgather_time(nbytes: float, c: Cluster) -> float:
+    """One allgather of ``nbytes`` from every rank over the whole cluster (the top-k
+    exchange, flat over all ranks): a ring of p - 1 steps, each waiting for the slowest hop;
+    every rank, and each node's network link, receives (p - 1) n:
+    (p-1) alpha + (p-1) n beta, alpha and beta of the slowest link used."""
+    p = c.ranks
+    if p <= 1:
+        return 0.0
+    links = [c.intra] if c.nodes == 1 else [c.inter] if c.ranks_per_node == 1 \
+        else [c.intra, c.inter]
+    alpha, beta = max(x.alpha_s for x in links), max(x.beta_s for x in links)
+    return (p - 1) * (alpha + nbytes * beta) + _call_cost(c)
+
+
+def between_nodes_allreduce_time(nbytes: float, c: Cluster) -> float:
+    """Seconds of the between-nodes stage of a hierarchical allreduce of ``nbytes`` (the
+    package's fp32 allreduce crosses the network link once per node): q rings of n/q over
+    the N nodes sharing each node's link, 2 (N-1) alpha_e + 2 (N-1)/N n beta_e; 0 on one
+    node."""
+    return ring_allreduce(nbytes, c.nodes, c.inter)
+
+
+def rho(n_params: int, c: Cluster, compute_s: float) -> float:
+    """The communication-to-compute ratio: seconds of one fp32 allreduce of the model's
+    ``n_params`` parameters between nodes (between_nodes_allreduce_time of 4 n bytes) over
+    ``compute_s``, the seconds of one compute step (inf when that is 0 and something
+    crosses; 0 on one node)."""
+    t = between_nodes_allreduce_time(n_params * FLOAT_BYTES, c)
+    if compute_s <= 0:
+        return math.inf if t > 0 else 0.0
+    return t / compute_s
 
 
 def broadcast_time(nbytes: float, g: int, link: Link) -> float:
@@ -422,12 +477,21 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
 
 
 def _periodic_allreduce(name: str, setting: str, w: Workload, c: Cluster, period: int,
-                        passes: int, coll: Collectives) -> MethodCost:
+                        passes: int, coll: Collectives, sparse: bool = False) -> MethodCost:
     """Every ``period`` steps one allreduce of the flat vector and ``passes`` elementwise
-    passes over it (EASGD, local SGD, DiLoCo); nothing on one rank."""
+    passes over it (EASGD, local SGD, DiLoCo); nothing on one rank. ``sparse`` (EASGD and
+    DiLoCo) with ``w.topk`` < 1: the allreduce is top-k's allgather of S bytes per rank
+    (topk_payload_bytes; S sent per round, as lsgd_hpc counts it)."""
     n = w.flat_bytes
+    topk = sparse and w.topk < 1
+    if topk:
+        setting += f", top-k {w.topk:g}"
     if c.ranks == 1:
         return MethodCost(name, setting, w.compute_s, 0.0, 0.0)
+    if topk:
+        sent = topk_payload_bytes(w.n_params + w.n_buffers, w.topk, w.value_bits)
+        t = ring_allgather_time(sent, c) + _passes(n, c, passes)
+        return MethodCost(name, setting, w.compute_s, t / period, sent / period)
     t = allreduce_time(n, c, coll) + _passes(n, c, passes)
     return MethodCost(name, setting, w.compute_s, t / period, n / period)
 
@@ -437,7 +501,7 @@ def easgd(w: Workload, c: Cluster, tau: int, coll: Collectives = Collectives()) 
     elementwise passes (d, x, deviation, centre)."""
     if tau < 1:
         raise ValueError("tau must be >= 1")
-    return _periodic_allreduce("easgd", f"tau {tau}", w, c, tau, 6, coll)
+    return _periodic_allreduce("easgd", f"tau {tau}", w, c, tau, 6, coll, sparse=True)
 
 
 def local_sgd(w: Workload, c: Cluster, T: int, coll: Collectives = Collectives()) -> MethodCost:
@@ -454,7 +518,7 @@ def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -
     back (7 in all with the statistics' copy)."""
     if H < 1:
         raise ValueError("H must be >= 1")
-    return _periodic_allreduce("diloco", f"H {H}", w, c, H, 7, coll)
+    return _periodic_allreduce("diloco", f"H {H}", w, c, H, 7, coll, sparse=True)
 
 
 def slowmo(w: Workload, c: Cluster, T: int, every: int,

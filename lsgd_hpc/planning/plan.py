@@ -6,7 +6,11 @@ topology, from the alpha-beta cost model (lsgd_hpc.planning.costmodel).
         --inter-gbps 100 --intra-gbps 600 [--step-ms 45]
     mpirun -np 4 python -m lsgd_hpc.plan --model resnet20 --measure [--nodes 64 ...]
 
-Parameter and buffer counts come from the real model (lsgd_hpc.models). Without --step-ms the
+Parameter and buffer counts come from the real model (lsgd_hpc.models), or --params N names any
+model of N parameters (no buffers; it needs --step-ms). Every plan states rho: the predicted
+seconds of one fp32 allreduce of the parameters between nodes (hierarchical: each node's link
+crossed once) over the compute seconds of one step. --comm-dtype int4/int2 and --topk F (EASGD,
+DiLoCo) are priced from their byte counts (costmodel.topk_payload_bytes). Without --step-ms the
 compute time of one step is estimated from the model's multiply-adds (training ~ 3 x forward,
 2 FLOP per multiply-add) at --tflops achieved TFLOP/s. With --measure (under mpirun or srun,
 one process per rank) the job first measures latency and bandwidth inside and between its
@@ -35,15 +39,15 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
-from lsgd_hpc.methods.spec import COMM_DTYPES, comm_dtype_problem
+from lsgd_hpc.methods.spec import COMM_DTYPES, TOPK_METHODS, comm_dtype_problem, topk_problem
 from lsgd_hpc.planning import costmodel as cm
 
-__all__ = ["ModelFacts", "model_facts", "PlanInputs", "plan", "format_plan", "main",
+__all__ = ["ModelFacts", "model_facts", "params_facts", "PlanInputs", "plan", "format_plan", "main",
            "DATASET_SHAPES"]
 
 #: (classes, input shape) of lsgd_hpc.data's data sets of a fixed shape (their specs'), and
@@ -69,7 +73,7 @@ class UsageError(ValueError):
 @dataclass(frozen=True)
 class ModelFacts:
     model: str
-    dataset: str
+    dataset: Optional[str]  # None: --params (no zoo model)
     n_params: int
     n_buffers: int          # floating-point buffer elements (BatchNorm statistics)
     macs_per_sample: int    # forward multiply-adds of convolutions and linear layers
@@ -110,12 +114,22 @@ def model_facts(model: str, dataset: Optional[str] = None) -> ModelFacts:
     return ModelFacts(model, dataset, n_params, n_buffers, macs[0])
 
 
+#: the model name of a plan for ``--params N`` (no zoo model: no data set, no buffers)
+PARAMS_MODEL = "custom (--params)"
+
+
+def params_facts(n_params: int) -> ModelFacts:
+    """A model given by its parameter count only (``--params N``): no buffers, no data set,
+    no multiply-adds (its step time must be given)."""
+    return ModelFacts(PARAMS_MODEL, None, int(n_params), 0, 0)
+
+
 @dataclass
 class PlanInputs:
     """Everything a plan depends on (printed with the plan, and in --json)."""
 
     model: str
-    dataset: str
+    dataset: Optional[str]
     nodes: int
     ranks_per_node: int
     intra: cm.Link
@@ -123,12 +137,13 @@ class PlanInputs:
     step_s: float
     step_source: str        # "given", "estimated ..." or "measured ..."
     link_source: str
-    batch_size: int
+    batch_size: Optional[int]
     mem_Bps: float
     max_comm_share: float
     allreduce: str = "auto"
     comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
     worker_ranks: object = 1   # ranks per worker (the trainer's --worker-ranks): K or "node"
+    topk: float = 1.0          # < 1: EASGD and DiLoCo send each chunk's top-k (--topk)
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -170,6 +185,12 @@ class _Costing:
         self.workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
                                     element_bytes=WIRE_BYTES[inp.comm_dtype])
         self.full_workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
+        # top-k for EASGD, and DiLoCo on a model without buffers (the trainer refuses it
+        # with BatchNorm statistics: they share the pseudo-gradient's allreduce)
+        self.topk_methods = () if inp.topk >= 1 else \
+            tuple(m for m in TOPK_METHODS if m != "diloco" or facts.n_buffers == 0)
+        self.sparse_workload = replace(self.workload, topk=inp.topk,
+                                       value_bits=cm.VALUE_BITS.get(inp.comm_dtype, 32))
         self.coll = cm.Collectives(inp.allreduce)
         # the cluster the methods run on: the ranks, or the workers' first ranks
         # (--worker-ranks)
@@ -178,6 +199,8 @@ class _Costing:
             cm.workers_cluster(c, cm.worker_size(c, inp.worker_ranks))
 
     def load(self, method: str) -> cm.Workload:
+        if method in self.topk_methods:
+            return self.sparse_workload
         return self.full_workload if comm_dtype_problem(self.inp.comm_dtype, "mpi", method) \
             else self.workload
 
@@ -284,10 +307,21 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     recommended["gossip"] = {"topology": best["topology"], "why": why}
     return {
         "inputs": _inputs_dict(inp, facts),
+        "rho": _rho(cost.cluster, facts, inp.step_s),
         "methods": [_method_row(r) for r in rows],
         "recommended": recommended,
         "gossip": [{k: v for k, v in g.items() if k != "cost"} for g in gossip_rows],
     }
+
+
+def _rho(c: cm.Cluster, facts: ModelFacts, step_s: float) -> Dict:
+    """rho (cm.rho) and its parts: the fp32 bytes of the model's parameters, the seconds of
+    their allreduce between nodes (hierarchical: each node's link crossed once) and of one
+    compute step."""
+    return {"rho": cm.rho(facts.n_params, c, step_s),
+            "allreduce_between_nodes_s": cm.between_nodes_allreduce_time(
+                facts.n_params * cm.FLOAT_BYTES, c),
+            "compute_s": step_s, "fp32_bytes": facts.n_params * cm.FLOAT_BYTES}
 
 
 def _inputs_dict(inp: PlanInputs, facts: ModelFacts) -> Dict:
@@ -315,15 +349,20 @@ def _fmt_ms(s: float) -> str:
 
 
 def format_plan(result: Dict) -> str:
-    i, rec = result["inputs"], result["recommended"]
+    i, rec, r = result["inputs"], result["recommended"], result["rho"]
+    dataset = f" ({i['dataset']})" if i["dataset"] else ""
     lines = [
-        f"model {i['model']} ({i['dataset']}): {i['n_params']:,} parameters + {i['n_buffers']:,} "
+        f"model {i['model']}{dataset}: {i['n_params']:,} parameters + {i['n_buffers']:,} "
         f"buffer elements = {_fmt_bytes(i['model_bytes'])} per model exchange",
         f"cluster: {i['nodes']} nodes x {i['ranks_per_node']} ranks = {i['ranks']} ranks; "
         f"inside a node {i['intra']['gbps']:.4g} Gbit/s, {i['intra']['latency_us']:.3g} us; "
         f"between nodes {i['inter']['gbps']:.4g} Gbit/s, {i['inter']['latency_us']:.3g} us "
         f"({i['link_source']})",
         f"compute per step: {_fmt_ms(i['step_s'])} ms ({i['step_source']})",
+        f"rho = {r['rho']:.3g}: one fp32 allreduce of the parameters between nodes "
+        f"({_fmt_bytes(r['fp32_bytes'])}, hierarchical: each node's link crossed once) "
+        f"{_fmt_ms(r['allreduce_between_nodes_s'])} ms / compute {_fmt_ms(r['compute_s'])} ms"
+        + (" (one node: nothing crosses)" if i["nodes"] == 1 else ""),
     ]
     workers = "worker_size" in i
     if workers:
@@ -404,12 +443,13 @@ def measure_job(facts: ModelFacts, batch: int, ranks_per_node: Optional[int] = N
         groups.free()
         return None, rank, f"--measure: nodes hold different numbers of ranks ({layout})"
     probe = probe_groups(groups)
-    step = measure_step_seconds(facts.model, facts.dataset, batch)
-    step = MPI.COMM_WORLD.allreduce(step, op=MPI.MAX)
+    out = {"nodes": N, "ranks_per_node": p // N, "layout": layout, "probe": probe}
+    if facts.dataset is not None:       # a zoo model (--params: its step is given)
+        step = measure_step_seconds(facts.model, facts.dataset, batch)
+        out.update(step_s=MPI.COMM_WORLD.allreduce(step, op=MPI.MAX),
+                   step_source=f"measured: slowest of {p} rank(s), batch {batch}, this job's "
+                               "CPUs")
     groups.free()
-    out = {"nodes": N, "ranks_per_node": p // N, "layout": layout, "step_s": step,
-           "step_source": f"measured: slowest of {p} rank(s), batch {batch}, this job's CPUs",
-           "probe": probe}
     for kind in ("intra", "inter"):
         link = probe.get(kind)
         if link is not None:
@@ -426,7 +466,10 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     from lsgd_hpc.models.zoo import MODELS
     p = _Parser(prog="python -m lsgd_hpc.plan", description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, choices=MODELS, help="network (lsgd_hpc.models)")
+    p.add_argument("--model", choices=MODELS, help="network (lsgd_hpc.models); or --params")
+    p.add_argument("--params", type=float, metavar="N",
+                   help="in place of --model: a model of N parameters (e.g. 1e9), no buffers; "
+                        "needs --step-ms")
     p.add_argument("--dataset", choices=tuple(DATASET_SHAPES),
                    help="data set whose input shape the model takes (default: the model's own)")
     p.add_argument("--nodes", type=int, help="compute nodes (default with --measure: the job's)")
@@ -453,9 +496,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --measure: K consecutive ranks form a node (default: by host name)")
     p.add_argument("--comm-dtype", choices=COMM_DTYPES, default="fp32",
                    help="what the methods send (the trainer's --comm-dtype): bf16 halves the "
-                        "bytes, int8 and fp8 quarter them (plus a scale per 4096 elements); "
-                        "allreduce SGD and gossip stay fp32 with int8/fp8, as the trainer "
-                        "refuses them")
+                        "bytes, int8 and fp8 quarter them, int4 an eighth, int2 a sixteenth "
+                        "(plus a scale per 4096 elements); allreduce SGD and gossip stay fp32 "
+                        "with int8/fp8/int4/int2, as the trainer refuses them")
+    p.add_argument("--topk", type=float, default=1.0, metavar="F",
+                   help="the trainer's --topk: EASGD and DiLoCo (without buffers) send the "
+                        "largest F of each chunk of 4096, with --comm-dtype's values, by an "
+                        "allgather (default 1: dense)")
     p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
                         "node, train one replica with an allreduce of the gradient inside; the "
@@ -467,6 +514,24 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_model(args) -> None:
+    """Exactly one of --model and --params; --params a whole count >= 1, with --step-ms (no
+    multiply-adds to estimate the step from, no network to time it on) and no --dataset."""
+    if (args.model is None) == (args.params is None):
+        raise UsageError("--model or --params: give exactly one (a model of lsgd_hpc.models, "
+                         "or a parameter count such as 1e9)")
+    if args.params is None:
+        return
+    n = args.params
+    if not (math.isfinite(n) and n >= 1 and n == int(n)):
+        raise UsageError(f"--params: must be a whole number >= 1, got {n:g}")
+    if args.step_ms is None:
+        raise UsageError("--step-ms: required with --params (the compute seconds of one step "
+                         "of that model cannot be estimated or measured here)")
+    if args.dataset is not None:
+        raise UsageError("--dataset: a data set is for --model, not --params")
+
+
 def _check(args) -> None:
     """Every check that needs no MPI, so that every rank fails alike before any collective."""
     def positive(name, v, integer=False):
@@ -475,6 +540,7 @@ def _check(args) -> None:
         if not (v > 0) or math.isinf(v) and integer:
             raise UsageError(f"--{name.replace('_', '-')}: must be > 0, got {v}")
 
+    _check_model(args)
     for name in ("nodes", "ranks_per_node", "batch_size", "measure_ranks_per_node"):
         positive(name, getattr(args, name), integer=True)
     for name in ("inter_gbps", "intra_gbps", "step_ms", "tflops", "mem_gbytes_per_s"):
@@ -483,6 +549,11 @@ def _check(args) -> None:
         v = getattr(args, name)
         if not v >= 0 or math.isinf(v):
             raise UsageError(f"--{name.replace('_', '-')}: must be >= 0 and finite, got {v}")
+    if not 0 < args.topk <= 1:
+        raise UsageError(f"--topk: must be in (0, 1], got {args.topk:g}")
+    problem = topk_problem(args.topk, args.comm_dtype, "mpi", "diloco")
+    if problem:
+        raise UsageError(f"--topk: {problem}")
     if not 0 < args.max_comm_share < 1:
         raise UsageError(f"--max-comm-share: must be in (0, 1), got {args.max_comm_share}")
     if not args.measure:
@@ -509,7 +580,9 @@ def _check(args) -> None:
                          f"{args.nodes * args.ranks_per_node}")
 
 
-def _batch_size(args, facts: ModelFacts) -> int:
+def _batch_size(args, facts: ModelFacts) -> Optional[int]:
+    if facts.dataset is None:           # --params: the batch is the user's, if given
+        return args.batch_size
     return args.batch_size or int(DATASETS[facts.dataset].defaults["batch_size"])
 
 
@@ -541,11 +614,11 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
     if args.worker_ranks != "node" and rpn and rpn % args.worker_ranks:
         raise UsageError(f"--worker-ranks: must divide the ranks of every node "
                          f"(worker_ranks={args.worker_ranks}; {rpn} per node)")
-    return PlanInputs(args.model, facts.dataset, args.nodes or m.get("nodes"),
+    return PlanInputs(facts.model, facts.dataset, args.nodes or m.get("nodes"),
                       rpn, links["intra"],
                       links["inter"], step_s, step_src, ", ".join(srcs), batch,
                       args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
-                      args.comm_dtype, args.worker_ranks)
+                      args.comm_dtype, args.worker_ranks, args.topk)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -556,7 +629,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         args = _parser().parse_args(argv)
         _check(args)
-        facts = model_facts(args.model, args.dataset)
+        facts = (model_facts(args.model, args.dataset) if args.model is not None
+                 else params_facts(int(args.params)))
     except UsageError as exc:
         print(f"lsgd_hpc.plan: error: {exc}", file=sys.stderr)
         return 2
