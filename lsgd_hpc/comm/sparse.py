@@ -34,6 +34,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from lsgd_hpc.comm.codec import dequantize, quantize
+
 __all__ = ["CHUNK", "Sparse", "sparse_layout", "select", "sent_vector", "encode", "decode",
            "reduce_records", "payload_bytes"]
 
@@ -118,7 +120,6 @@ def select(w: torch.Tensor, lay: Sparse) -> Tuple[torch.Tensor, torch.Tensor]:
 
 def _quantized_values(values: torch.Tensor, lay: Sparse) -> Tuple[torch.Tensor, torch.Tensor]:
     """(value bytes (m, value_bytes), scales (m,)) of the selected values (k padded to kp)."""
-    from lsgd_hpc.comm.quantized import quantize
     v = torch.zeros(lay.m, lay.kp, dtype=torch.float32, device=values.device)
     v[:, :lay.k] = values
     q, s = quantize(v, lay.kind)
@@ -148,7 +149,6 @@ def encode(idx: torch.Tensor, values: torch.Tensor, lay: Sparse, buf: torch.Tens
 
 def decode(buf: torch.Tensor, lay: Sparse) -> Tuple[torch.Tensor, torch.Tensor]:
     """(indices (m, k) int64, values (m, k) float32, dequantized) of records ``buf``."""
-    from lsgd_hpc.comm.quantized import dequantize
     scales, ib, vb = _views(buf, lay)
     if lay.kind == "fp32":
         values = vb.clone().view(torch.float32)             # (aligned: a copy)
