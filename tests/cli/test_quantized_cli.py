@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpi_util import REPO, run_mpi
-from test_checkpoint import assert_same_rows, rank_file, read, sets
+from test_checkpoint import read, resumes_like_the_uninterrupted_run
 from test_reliability import _check_one_line, _run_cli
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
@@ -57,17 +57,8 @@ def test_error_feedback_resumes_exactly(tmp_path):
     args = ["--algorithm", "diloco", "--local-steps", "8", "--comm-dtype", "int8",
             "--error-feedback", "--max-steps", "24", "--checkpoint-every", "10",
             "--eval-every", "8", "--seed", "7", "--consensus-every", "4"]
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           *args], timeout=300)
-    assert "done: 24 steps" in proc.stdout
-    assert sets(run) == ["step000000020", "step000000024"]
-    reference = [read(run, r) for r in range(WORLD)]
-    f = rank_file(run, 24, 0)
-    f.write_bytes(f.read_bytes()[:100])
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           "--resume", *args], timeout=300)
-    assert "resumed at step 20" in proc.stdout
-    assert_same_rows(run, reference, equal_nan=True)
+    reference = resumes_like_the_uninterrupted_run(run, args,
+                                                   ["step000000020", "step000000024"])
     assert np.isfinite(reference[0]["train"]["outer_grad_norm"][-1])
 
 
@@ -79,16 +70,7 @@ def test_topk_error_feedback_resumes_exactly(tmp_path):
     args = ["--algorithm", "easgd", "--easgd-tau", "4", "--topk", "0.05", "--comm-dtype",
             "int2", "--error-feedback", "--max-steps", "24", "--checkpoint-every", "10",
             "--eval-every", "8", "--seed", "7", "--consensus-every", "4"]
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           *args], timeout=300)
-    assert "done: 24 steps" in proc.stdout
-    reference = [read(run, r) for r in range(WORLD)]
-    f = rank_file(run, 24, 0)
-    f.write_bytes(f.read_bytes()[:100])
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           "--resume", *args], timeout=300)
-    assert "resumed at step 20" in proc.stdout
-    assert_same_rows(run, reference, equal_nan=True)
+    resumes_like_the_uninterrupted_run(run, args)
 
 
 BAD = [

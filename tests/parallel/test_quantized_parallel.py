@@ -368,6 +368,31 @@ def rank_data(rank: int, n: int = 64):
     return x, y
 
 
+def train_measured(comm, name, dtype, error_feedback, topk=1.0, **options):
+    """``name`` trained 40 steps on the rank-valued task with what it sends in ``dtype``
+    (``topk``, ``error_feedback``): (the method, the bytes this rank sent, the reported
+    model's accuracy on held-out data)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype, topk=topk,
+                           error_feedback=error_feedback, **{**OPTIONS[name], **options})
+    x, y = rank_data(comm.rank, 256)
+    s0 = comm.stats.bytes_sent
+    while not method.done:
+        i = (method.steps % 8) * 32
+        loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+        opt.zero_grad()
+        loss.backward()
+        method.step(loss)
+    method.drain()
+    sent = comm.stats.bytes_sent - s0
+    xt, yt = rank_data(10_000, 512)
+    with method.reported_model() as m, torch.no_grad():
+        acc = float((m(xt).argmax(1) == yt).float().mean())
+    return method, sent, acc
+
+
 @pytest.mark.parametrize("name", PERIODIC)
 def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
     """Each periodic method, the same loop in fp32, int8, fp8 and int8 with error feedback:
@@ -379,23 +404,8 @@ def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
     sent = {}
     runs = [("fp32", False)] + [(k, False) for k in ONE_BYTE] + [("int8", True)]
     for dtype, ef in runs:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype,
-                               error_feedback=ef, **OPTIONS[name])
-        x, y = rank_data(comm.rank, 256)
-        s0 = comm.stats.bytes_sent
-        while not method.done:
-            i = (method.steps % 8) * 32
-            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
-            opt.zero_grad()
-            loss.backward()
-            method.step(loss)
-        sent[(dtype, ef)] = comm.stats.bytes_sent - s0
-        xt, yt = rank_data(10_000, 512)
-        with method.reported_model() as m, torch.no_grad():
-            acc = float((m(xt).argmax(1) == yt).float().mean())
+        method, sent[(dtype, ef)], acc = train_measured(comm, name, dtype=dtype,
+                                                        error_feedback=ef)
         assert acc > 0.75, (name, dtype, ef, acc)
         method.close()
     total = comm.allgather_object(sent)
@@ -418,23 +428,7 @@ def test_methods_train_in_int4_and_int2(comm, name):
         pytest.skip("training bodies run at 2 and 4 ranks (suite time)")
     sent = {}
     for dtype, ef in (("fp32", False), ("int4", True), ("int2", False)):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype,
-                               error_feedback=ef, **OPTIONS[name])
-        x, y = rank_data(comm.rank, 256)
-        s0 = comm.stats.bytes_sent
-        while not method.done:
-            i = (method.steps % 8) * 32
-            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
-            opt.zero_grad()
-            loss.backward()
-            method.step(loss)
-        sent[dtype] = comm.stats.bytes_sent - s0
-        xt, yt = rank_data(10_000, 512)
-        with method.reported_model() as m, torch.no_grad():
-            acc = float((m(xt).argmax(1) == yt).float().mean())
+        method, sent[dtype], acc = train_measured(comm, name, dtype=dtype, error_feedback=ef)
         assert acc > 0.7, (name, dtype, acc)
         method.close()
     total = comm.allgather_object(sent)
@@ -468,24 +462,8 @@ def test_methods_train_with_topk(comm, case):
     name, options, bounds = TOPK_RUNS[case]
     sent = {}
     for dtype, topk in [("fp32", 1.0)] + [(k, 0.1) for k in bounds]:
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype, topk=topk,
-                               error_feedback=topk < 1, **{**OPTIONS[name], **options})
-        x, y = rank_data(comm.rank, 256)
-        s0 = comm.stats.bytes_sent
-        while not method.done:
-            i = (method.steps % 8) * 32
-            loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
-            opt.zero_grad()
-            loss.backward()
-            method.step(loss)
-        method.drain()
-        sent[(dtype, topk)] = comm.stats.bytes_sent - s0
-        xt, yt = rank_data(10_000, 512)
-        with method.reported_model() as m, torch.no_grad():
-            acc = float((m(xt).argmax(1) == yt).float().mean())
+        method, sent[(dtype, topk)], acc = train_measured(
+            comm, name, dtype=dtype, topk=topk, error_feedback=topk < 1, **options)
         assert acc > 0.8, (case, dtype, topk, acc)
         if name == "diloco":
             assert len(set(comm.allgather_object(digest(method.rule.prev.data)))) == 1

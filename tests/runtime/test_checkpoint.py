@@ -155,6 +155,25 @@ def assert_same_rows(run, reference, equal_nan=False):
 
 
 @pytest.mark.mpi
+def resumes_like_the_uninterrupted_run(run, args, sets_kept=None):
+    """Train ``args`` (24 steps, checkpoints at 20 and 24) into ``run``; damage rank 0's file
+    of the newest set; resume: the resume falls back to step 20 and every rank's rows equal
+    the uninterrupted run's. Returns the uninterrupted run's rows."""
+    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
+                           *args], timeout=300)
+    assert "done: 24 steps" in proc.stdout
+    if sets_kept is not None:
+        assert sets(run) == sets_kept
+    reference = [read(run, r) for r in range(WORLD)]
+    f = rank_file(run, 24, 0)
+    f.write_bytes(f.read_bytes()[:100])
+    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
+                           "--resume", *args], timeout=300)
+    assert "resumed at step 20" in proc.stdout
+    assert_same_rows(run, reference, equal_nan=True)
+    return reference
+
+
 def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
     proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
@@ -203,14 +222,4 @@ def test_outer_state_resumes_exactly(tmp_path, method):
     run = tmp_path / "run"
     args = [*method, "--max-steps", "24", "--checkpoint-every", "10", "--eval-every", "8",
             "--seed", "7", "--lr-schedule", "step", "--consensus-every", "4"]
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           *args], timeout=300)
-    assert "done: 24 steps" in proc.stdout
-    assert sets(run) == ["step000000020", "step000000024"]
-    reference = [read(run, r) for r in range(WORLD)]
-    f = rank_file(run, 24, 0)
-    f.write_bytes(f.read_bytes()[:100])
-    proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
-                           "--resume", *args], timeout=300)
-    assert "resumed at step 20" in proc.stdout
-    assert_same_rows(run, reference, equal_nan=True)
+    resumes_like_the_uninterrupted_run(run, args, ["step000000020", "step000000024"])
