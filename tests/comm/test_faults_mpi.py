@@ -243,12 +243,16 @@ def test_lsgd_loses_a_whole_node_and_goes_on_single_node(tmp_path):
 
 
 @pytest.mark.mpi
-def test_int8_with_error_feedback_survives_a_lost_rank(tmp_path):
-    """DiLoCo's outer allreduce in int8 (chunks by the world size, residuals per rank): rank
-    2 lost, the 3 survivors' outer state equal, every value finite, the residuals still fed
-    back (non-zero) afterwards."""
-    proc, res, run_dir = run_ft(tmp_path, "diloco", "--kill", "2:7", "--hidden", "64", "-o",
-                                'comm_dtype="int8"', "-o", "error_feedback=true")
+@pytest.mark.parametrize("wire", [['comm_dtype="int8"'], ['comm_dtype="int2"', "topk=0.1"]],
+                         ids=["int8", "topk-int2"])
+def test_compressed_with_error_feedback_survives_a_lost_rank(tmp_path, wire):
+    """DiLoCo's outer allreduce in int8 (chunks by the world size), or its top-k 10 % with
+    int2 values (an allgather of the survivors' records), residuals per rank: rank 2 lost,
+    the 3 survivors' outer state equal, every value finite, the residuals still fed back
+    (non-zero) afterwards."""
+    options = [a for w in wire for a in ("-o", w)]
+    proc, res, run_dir = run_ft(tmp_path, "diloco", "--kill", "2:7", "--hidden", "64",
+                                *options, "-o", "error_feedback=true")
     check_survivors(proc, res, [2])
     assert len({r["digest"] for r in res}) == 1
     assert all(r["residual_norm"] > 0 for r in res), res
