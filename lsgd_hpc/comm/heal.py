@@ -425,6 +425,7 @@ def join(started: float, parent=None) -> tuple:
     parent.Set_errhandler(MPI.ERRORS_RETURN)
     from lsgd_hpc.comm.injection import replacement_dies_here
     replacement_dies_here()                  # the testing hook (a no-op in training)
+    joined = _leave_unless_joined(2 * ready_timeout())
     try:
         if parent.Get_rank() == 0:
             parent.send(started, dest=0, tag=_READY_TAG)
@@ -441,6 +442,7 @@ def join(started: float, parent=None) -> tuple:
         n_survivors = merged.Get_size() - parent.Get_size()
         mine = sent["replacing"][merged.Get_rank() - n_survivors]
         healed = _connected(track(merged.Split(0, mine)))
+        joined.set()
     except MPI.Exception as exc:
         # the survivors gave this replacement up (the job ended first, or they spawned
         # another after a failure during the join): nothing to do here
@@ -449,6 +451,22 @@ def join(started: float, parent=None) -> tuple:
         sys.stdout.flush()
         os._exit(0)
     return healed, sent
+
+
+def _leave_unless_joined(seconds: float):
+    """A replacement whose survivors all died waits in MPI for good (its "ready" looks up
+    the address of a dead parent): a watchdog thread ends it after ``seconds`` unless the
+    returned event is set (joined). MPI releases the interpreter while it waits."""
+    import threading
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            print(f"[lsgd_hpc] heal: this replacement was not taken in within {seconds:.0f} s "
+                  "(its survivors are gone?); leaving", file=sys.stderr, flush=True)
+            os._exit(1)
+    threading.Thread(target=watch, name="lsgd-heal-join-watchdog", daemon=True).start()
+    return done
 
 
 def _connected(healed):

@@ -196,6 +196,21 @@ def test_a_rank_killed_from_outside_is_replaced(tmp_path):
     check_healed(subprocess.CompletedProcess(cmd, 0, out, err), run_dir, [3], steps=steps)
 
 
+def test_a_replacement_nobody_takes_in_leaves():
+    """A replacement whose survivors all died would wait in MPI for good: its watchdog ends
+    it (status 1, one line) once the join's time is up (here 0.5 s), even while the main
+    thread is blocked."""
+    code = ("import time; from lsgd_hpc.comm.heal import _leave_unless_joined; "
+            "_leave_unless_joined(0.5); time.sleep(30)")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=mpi_env())
+    assert proc.returncode == 1, proc.stderr
+    assert "this replacement was not taken in within 0 s" in proc.stderr or \
+        "this replacement was not taken in within 1 s" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 20
+
+
 @pytest.mark.mpi
 def test_heal_is_refused_where_it_cannot_work(tmp_path):
     """lsgd-async (uneven steps) and a run without ULFM: one line, exit 2, on every rank."""
