@@ -22,6 +22,8 @@ import atexit
 from typing import List
 
 _CREATED: List = []
+#: the record's length at which freed communicators are dropped from it
+_PRUNE_AT = 64
 _ARMED = False
 
 
@@ -29,6 +31,10 @@ def track(comm):
     """Record ``comm`` (an mpi4py communicator; MPI_COMM_NULL is left out); returns it."""
     from mpi4py import MPI
     if comm is not None and comm != MPI.COMM_NULL:
+        if len(_CREATED) >= _PRUNE_AT:
+            # communicators freed since (a rebuilt graph, a disconnect) are COMM_NULL now:
+            # dropped, so the record holds the live ones only, however long the run
+            _CREATED[:] = [c for c in _CREATED if c != MPI.COMM_NULL]
         _CREATED.append(comm)
     return comm
 

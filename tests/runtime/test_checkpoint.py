@@ -154,7 +154,6 @@ def assert_same_rows(run, reference, equal_nan=False):
                                           equal_nan=equal_nan), (r, g, c)
 
 
-@pytest.mark.mpi
 def resumes_like_the_uninterrupted_run(run, args, sets_kept=None):
     """Train ``args`` (24 steps, checkpoints at 20 and 24) into ``run``; damage rank 0's file
     of the newest set; resume: the resume falls back to step 20 and every rank's rows equal
@@ -174,6 +173,7 @@ def resumes_like_the_uninterrupted_run(run, args, sets_kept=None):
     return reference
 
 
+@pytest.mark.mpi
 def test_checkpoint_every_prunes_and_resume_falls_back(tmp_path):
     run = tmp_path / "run"
     proc = run_mpi(WORLD, [sys.executable, "-m", "lsgd_hpc.train", "--run-dir", str(run),
