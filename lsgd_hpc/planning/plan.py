@@ -10,7 +10,8 @@ Parameter and buffer counts come from the real model (lsgd_hpc.models), or --par
 model of N parameters (no buffers; it needs --step-ms). Every plan states rho: the predicted
 seconds of one fp32 allreduce of the parameters between nodes (hierarchical: each node's link
 crossed once) over the compute seconds of one step. --comm-dtype int4/int2 and --topk F (EASGD,
-DiLoCo) are priced from their byte counts (costmodel.topk_payload_bytes). Without --step-ms the
+DiLoCo; LSGD's global pull) are priced from their byte counts (costmodel.topk_payload_bytes,
+planning.recommend). Without --step-ms the
 compute time of one step is estimated from the model's multiply-adds (training ~ 3 x forward,
 2 FLOP per multiply-add) at --tflops achieved TFLOP/s. With --measure (under mpirun or srun,
 one process per rank) the job first measures latency and bandwidth inside and between its
@@ -31,6 +32,14 @@ Recommendations: the smallest period (powers of two) whose predicted communicati
 most --max-comm-share (tau_G first, then the smallest tau_L dividing it); for gossip, among the
 topologies within that share, the one with the largest spectral gap per step (the cheapest one
 when none is within it).
+
+With --recommend the plan also names the method to run, its period and its compressor
+(lsgd_hpc.planning.recommend): allreduce SGD, LSGD (pull delay, compressed global pull),
+DiLoCo, Streaming DiLoCo (fragments, sync delay) and EASGD over H/tau in 4..500, values
+fp32/int8/int4/int2 and top-k 1, 0.03, 0.01, compressed rounds reduced in float32 inside a node
+and compressed between nodes; of the candidates within --recommend-slack of the fastest
+predicted step, the one with the smallest period, then the mildest compression (the quality
+guard: --max-period, --min-topk).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ from lsgd_hpc.methods.spec import COMM_DTYPES, TOPK_METHODS, comm_dtype_problem,
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "params_facts", "PlanInputs", "plan", "format_plan", "main",
-           "DATASET_SHAPES"]
+           "DATASET_SHAPES", "recommendation", "format_recommendation"]
 
 #: (classes, input shape) of lsgd_hpc.data's data sets of a fixed shape (their specs'), and
 #: the data set each model is run on
@@ -144,6 +153,11 @@ class PlanInputs:
     comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
     worker_ranks: object = 1   # ranks per worker (the trainer's --worker-ranks): K or "node"
     topk: float = 1.0          # < 1: EASGD and DiLoCo send each chunk's top-k (--topk)
+    recommend: bool = False    # --recommend: search the candidate grid (planning.recommend)
+    recommend_slack: float = 0.05
+    max_period: int = 500
+    min_topk: float = 0.01
+    compressed_overlap: bool = False   # --assume-compressed-overlap
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -205,6 +219,16 @@ class _Costing:
             else self.workload
 
     def __call__(self, method: str, **options) -> cm.MethodCost:
+        inp = self.inp
+        if (method == "lsgd" and inp.topk < 1 and inp.worker_ranks == 1
+                and not topk_problem(inp.topk, inp.comm_dtype, "mpi", "lsgd")):
+            # LSGD's compressed global pull: the top-k records of the leader's change
+            # (planning.recommend.lsgd_cost; no pull delay, as the trainer refuses one)
+            from lsgd_hpc.planning.recommend import lsgd_cost
+            tau_l, tau_g = options["tau_local"], options["tau_global"]
+            c = lsgd_cost(self.full_workload, self.cluster, tau_l, tau_g, 0, inp.comm_dtype,
+                          inp.topk)
+            return replace(c, setting=f"tau_L {tau_l}, tau_G {tau_g}, top-k {inp.topk:g}")
         return cm.method_cost(method, self.load(method), self.cluster, options, coll=self.coll,
                               worker_ranks=self.inp.worker_ranks)
 
@@ -305,13 +329,69 @@ def plan(inp: PlanInputs, facts: ModelFacts) -> Dict:
     rows.append(best["cost"])
     recommended["local-sgd"]["cost_ratio"] = _cost_ratio(cost)
     recommended["gossip"] = {"topology": best["topology"], "why": why}
-    return {
+    out = {
         "inputs": _inputs_dict(inp, facts),
         "rho": _rho(cost.cluster, facts, inp.step_s),
         "methods": [_method_row(r) for r in rows],
         "recommended": recommended,
         "gossip": [{k: v for k, v in g.items() if k != "cost"} for g in gossip_rows],
     }
+    if inp.recommend:
+        out["recommendation"] = recommendation(inp, facts, out["rho"]["rho"])
+    return out
+
+
+def recommendation(inp: PlanInputs, facts: ModelFacts, rho: float) -> Dict:
+    """--recommend: the method, period and compressor to run (lsgd_hpc.planning.recommend),
+    with the configuration's rho."""
+    from lsgd_hpc.planning import recommend as rc
+    cost = _Costing(inp, facts)
+    rec = rc.recommend(cost.full_workload, cost.cluster, cost.coll, slack=inp.recommend_slack,
+                       max_period=inp.max_period, min_topk=inp.min_topk,
+                       diloco_topk=facts.n_buffers == 0,
+                       compressed_overlap=inp.compressed_overlap)
+    rec["rho"] = rho
+    return rec
+
+
+def format_recommendation(rec: Dict) -> str:
+    """The --recommend section of the text plan."""
+    best = rec["recommended"]
+
+    def compressor(r):
+        return r["comm_dtype"] + (f", top-k {r['topk']:g}" if r["topk"] < 1 else "")
+
+    def setting(r):
+        o = r["options"]
+        names = (("H", "H"), ("fragments", "P"), ("sync_delay", "delay"), ("tau_local", "tau_L"),
+                 ("tau_global", "tau_G"), ("pull_delay", "delay"), ("tau", "tau"))
+        return ", ".join(f"{short} {o[k]}" for k, short in names if k in o) or "every step"
+
+    lines = [
+        "",
+        f"recommended method (rho {rec['rho']:.3g}): {best['method']}, {setting(best)}, "
+        f"{compressor(best)}: {_fmt_ms(best['step_s'])} ms a step "
+        f"({100 * best['comm_share']:.1f}% communication, "
+        f"comm/compute {best['comm_ratio']:.3g})",
+        f"  python -m lsgd_hpc.train {best['args']}",
+        f"  rule: {rec['rule']}",
+        "",
+        f"{'':2}{'method':<17} {'setting':<30} {'compressor':<16} {'step ms':>9} "
+        f"{'comm share':>10} {'wire/step':>11}  note",
+    ]
+    fastest = rec["fastest_step_s"]
+    for i, r in enumerate([best] + rec["runners_up"]):
+        note = "recommended" if i == 0 else "within slack" if r.get("eligible") else ""
+        if r["step_s"] == fastest:
+            note = (note + ", " if note else "") + "fastest"
+        if r["method"] == "allreduce":
+            note = (note + ", " if note else "") + "baseline"
+        if r.get("trainer_refuses"):
+            note = (note + ", " if note else "") + "trainer refuses it today"
+        lines.append(f"{'':2}{r['method']:<17} {setting(r):<30} {compressor(r):<16} "
+                     f"{_fmt_ms(r['step_s']):>9} {100 * r['comm_share']:>9.1f}% "
+                     f"{_fmt_bytes(r['wire_bytes_per_step']):>11}  {note}")
+    return "\n".join(lines)
 
 
 def _rho(c: cm.Cluster, facts: ModelFacts, step_s: float) -> Dict:
@@ -502,11 +582,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=float, default=1.0, metavar="F",
                    help="the trainer's --topk: EASGD and DiLoCo (without buffers) send the "
                         "largest F of each chunk of 4096, with --comm-dtype's values, by an "
-                        "allgather (default 1: dense)")
+                        "allgather; LSGD's global pull the top-k records of the leader's "
+                        "change, broadcast (default 1: dense)")
     p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
                         "node, train one replica with an allreduce of the gradient inside; the "
                         "methods run between workers (default 1: every rank a worker)")
+    p.add_argument("--recommend", action="store_true",
+                   help="also recommend a method, its period and its compressor: the least "
+                        "aggressive candidate (smallest period, then mildest compression) of "
+                        "a grid (allreduce; lsgd; diloco; streaming diloco; easgd; H/tau in "
+                        "4..500; fp32/int8/int4/int2; top-k 1, 0.03, 0.01) whose predicted "
+                        "step is within --recommend-slack of the fastest")
+    p.add_argument("--recommend-slack", type=float, default=0.05, metavar="S",
+                   help="with --recommend: eligible candidates are within this fraction of "
+                        "the fastest predicted step (default 0.05)")
+    p.add_argument("--max-period", type=int, default=500, metavar="H",
+                   help="with --recommend, the quality guard: no period (H, tau) above H "
+                        "(default 500: DiLoCo's)")
+    p.add_argument("--min-topk", type=float, default=0.01, metavar="F",
+                   help="with --recommend, the quality guard: no top-k below F (default 0.01: "
+                        "SparseLoCo's 1%%)")
+    p.add_argument("--assume-compressed-overlap", action="store_true",
+                   help="with --recommend: price a compressed round started early (Streaming "
+                        "DiLoCo's sync delay, LSGD's --pull-delay) as hidden behind compute "
+                        "like an fp32 one (the package runs compressed non-blocking "
+                        "collectives at once today, hiding nothing)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--mtbf-hours", help="the failure planner instead: expected goodput of "
                    "abort, shrink and heal at this per-node MTBF (python -m lsgd_hpc.plan "
@@ -554,6 +655,14 @@ def _check(args) -> None:
     problem = topk_problem(args.topk, args.comm_dtype, "mpi", "diloco")
     if problem:
         raise UsageError(f"--topk: {problem}")
+    if not 0 <= args.recommend_slack < 1:
+        raise UsageError(f"--recommend-slack: must be in [0, 1), got {args.recommend_slack:g}")
+    if args.max_period < 1:
+        raise UsageError(f"--max-period: must be >= 1, got {args.max_period}")
+    if not 0 < args.min_topk <= 1:
+        raise UsageError(f"--min-topk: must be in (0, 1], got {args.min_topk:g}")
+    if args.recommend and args.worker_ranks not in ("1", 1):
+        raise UsageError("--recommend: prices every rank as a worker; leave out --worker-ranks")
     if not 0 < args.max_comm_share < 1:
         raise UsageError(f"--max-comm-share: must be in (0, 1), got {args.max_comm_share}")
     if not args.measure:
@@ -618,7 +727,9 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
                       rpn, links["intra"],
                       links["inter"], step_s, step_src, ", ".join(srcs), batch,
                       args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
-                      args.comm_dtype, args.worker_ranks, args.topk)
+                      args.comm_dtype, args.worker_ranks, args.topk, args.recommend,
+                      args.recommend_slack, args.max_period, args.min_topk,
+                      args.assume_compressed_overlap)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -652,7 +763,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if measured:
             result["measured"] = {k: (asdict(v) if isinstance(v, cm.Link) else v)
                                   for k, v in measured.items()}
-        print(json.dumps(result, indent=2, default=str) if args.json else format_plan(result))
+        if args.json:
+            print(json.dumps(result, indent=2, default=str))
+        else:
+            text = format_plan(result)
+            if "recommendation" in result:
+                text += "\n" + format_recommendation(result["recommendation"])
+            print(text)
     return 0
 
 
