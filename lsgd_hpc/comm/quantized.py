@@ -37,6 +37,35 @@ large n). A broadcast sends (root) or receives (the others) ceil(n bits / 8) +
 padding (fewer than 4 b + 1 bytes a chunk) travels but is not counted. The counted seconds
 are those of the whole operation, quantization included.
 
+Hierarchical allreduce (the world of :func:`quantized_groups`, which every method's stack
+uses, :func:`lsgd_hpc.comm.stack.compose`): when the job spans N > 1 nodes and some node holds
+more than one of the P ranks, an allreduce of a model tensor v_r (rank r on node i) is
+
+1. S_i = sum of the node's v_r in float32, by an allreduce of the plain node communicator
+   (shared memory; nothing leaves the node);
+2. the compressed allreduce above, dense or top-k, of the S_i over the node-roots
+   communicator only (p = N: chunks by the number of nodes), sum divided by P (not N) for a
+   mean; with error feedback the residuals live on the node roots, e_i <- (S_i + e_i) -
+   Q(S_i + e_i), keyed as below (the world's key);
+3. the result broadcast in float32 from each node root to the rest of its node, so every
+   rank of the job holds the same bits (the roots hold the same bits after step 2).
+
+So a node's link carries one compressed vector, not one per rank. With one rank a node the
+roots are the world: the flat allreduce above, unchanged. On one node nothing crosses a node
+boundary, so compression buys nothing there (use fp32 on a single node); the flat compressed
+allreduce is kept for that layout, so that a run on one host still runs and measures the
+wire format it would use between nodes. A bare ``Quantized(comm)`` is always flat.
+
+Bytes of the hierarchical allreduce: the job's counters (``comm.stats``, comm_bytes_*) hold
+what crosses between nodes: on a node root the exchange between the roots, ceil(n bits /
+8) + 4 N b each way (allreduce_bytes(n, N)), nothing on the other ranks; one call and the
+whole operation's seconds on every rank. Per node that is 0.25 (int8) of the 4 n bytes a
+float32 allreduce counts, plus the scales. The float32 phases inside the node (the node's
+allreduce, 4 n each way on every rank of a node of more than one; the root's broadcast, 4 n
+sent by the root, 4 n received by each other rank) are counted apart, in ``node_stats``
+(``QuantizedGroups.node_stats``), as the traffic inside a worker is
+(:mod:`lsgd_hpc.comm.workers`).
+
 Error feedback (``error_feedback=True``; SparseLoCo, MuLoCo, 1-bit Adam): each rank keeps a
 residual e per buffer it allreduces and sends Q(v + e) in phase 1, then sets
 e <- (v + e) - Q(v + e): what rounding dropped is sent in later rounds instead of lost, so
@@ -68,7 +97,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from lsgd_hpc.comm.base import CommError, Communicator, Pending
+from lsgd_hpc.comm.base import CommError, CommStats, Communicator, Pending
 from lsgd_hpc.comm.codec import (BITS, BLOCK, KINDS, QMAX, SCALE_BYTES, dequantize,
                                  kind_problem, pack, quantize, unpack)
 from lsgd_hpc.comm.groups import NodeGroups
@@ -154,6 +183,8 @@ class _Shared:
         self.agreed: List[torch.Tensor] = []
         self.residuals: Dict[str, torch.Tensor] = {}
         self.work: Dict[tuple, dict] = {}
+        #: the float32 phases of hierarchical allreduces, inside the node (not comm_bytes_*)
+        self.node_stats = CommStats()
 
     def registered(self, t: torch.Tensor) -> bool:
         return any(a.data_ptr() == t.data_ptr() and a.numel() == t.numel()
@@ -178,12 +209,14 @@ class _Shared:
 
 class _Booked:
     """Count one quantized collective as its logical payload: the backend's own counts of the
-    byte buffers it moved are replaced by (sent, received); the seconds are the whole
-    operation's, quantization included; one call."""
+    byte buffers it moved are replaced by (sent, received) (``keep``: the bytes booked inside
+    stay as they are); the seconds are the whole operation's, quantization included; one
+    call."""
 
     def __init__(self, stats, sent: int = 0, recv: int = 0,
-                 unit: Optional[Tuple[int, int]] = None):
+                 unit: Optional[Tuple[int, int]] = None, keep: bool = False):
         self.stats, self.sent, self.recv, self.unit = stats, sent, recv, unit
+        self.keep = keep
 
     def __enter__(self):
         self.before = self.stats.snapshot()
@@ -191,7 +224,10 @@ class _Booked:
 
     def __exit__(self, *exc) -> bool:
         st, b = self.stats, self.before
-        if self.unit is not None:       # forwarded hops: each wire record counts as logical
+        if self.keep:
+            self.sent = st.bytes_sent - b.bytes_sent
+            self.recv = st.bytes_recv - b.bytes_recv
+        elif self.unit is not None:     # forwarded hops: each wire record counts as logical
             wire, logical = self.unit
             self.sent = (st.bytes_sent - b.bytes_sent) // wire * logical
             self.recv = (st.bytes_recv - b.bytes_recv) // wire * logical
@@ -199,6 +235,27 @@ class _Booked:
         st.bytes_recv = b.bytes_recv + int(self.recv)
         st.calls = b.calls + 1
         st.seconds = b.seconds + time.perf_counter() - self.t0
+        return False
+
+
+class _Apart:
+    """Move what a collective counts in ``stats`` (bytes, calls, seconds) to ``apart``: the
+    float32 phases inside the node of a hierarchical allreduce."""
+
+    def __init__(self, stats: CommStats, apart: CommStats):
+        self.stats, self.apart = stats, apart
+
+    def __enter__(self):
+        self.before = self.stats.snapshot()
+
+    def __exit__(self, *exc) -> bool:
+        st, b, a = self.stats, self.before, self.apart
+        a.bytes_sent += st.bytes_sent - b.bytes_sent
+        a.bytes_recv += st.bytes_recv - b.bytes_recv
+        a.calls += st.calls - b.calls
+        a.seconds += st.seconds - b.seconds
+        st.bytes_sent, st.bytes_recv = b.bytes_sent, b.bytes_recv
+        st.calls, st.seconds = b.calls, b.seconds
         return False
 
 
@@ -220,6 +277,8 @@ class Quantized:
             raise CommError(f"block must be a positive multiple of 4, got {block!r}")
         self.inner, self.kind = inner, kind
         self.shared = _shared or _Shared(kind, bool(error_feedback), block, float(topk))
+        #: the QuantizedGroups whose world this is (its allreduces go hierarchical), or None
+        self._groups: Optional["QuantizedGroups"] = None
 
     def __getattr__(self, name):          # everything not overridden: the inner communicator
         return getattr(self.inner, name)
@@ -257,10 +316,12 @@ class Quantized:
             if check is not None:
                 check(what, t)
 
-    def _work(self, lay: Layout, device, what: str) -> dict:
-        """Work buffers of one layout on this communicator, made once (collectively: every
-        member makes them at the same call) and agreed on at creation."""
-        key = (self.inner.key, what, lay, str(device))
+    def _work(self, lay: Layout, device, what: str,
+              comm: Optional[Communicator] = None) -> dict:
+        """Work buffers of one layout on ``comm`` (default: this communicator), made once
+        (collectively: every member makes them at the same call) and agreed on at creation."""
+        comm = self.inner if comm is None else comm
+        key = (comm.key, what, lay, str(device))
         w = self.shared.work.get(key)
         if w is None:
             u8 = dict(dtype=torch.uint8, device=device)
@@ -270,9 +331,9 @@ class Quantized:
                 w["recv"] = torch.zeros(lay.p, lay.record, **u8)
                 w["own"] = torch.zeros(lay.record, **u8)
                 w["all"] = torch.zeros(lay.p, lay.record, **u8)
-                self.inner.agree_buffers(w["send"], w["own"])
+                comm.agree_buffers(w["send"], w["own"])
             else:
-                self.inner.agree_buffers(w["send"])
+                comm.agree_buffers(w["send"])
             self.shared.work[key] = w
         return w
 
@@ -299,70 +360,113 @@ class Quantized:
             return self.inner.allreduce_(tensor, op)
         self.inner._check_allreduce(tensor, op)
         self._agree("allreduce_", tensor)
+        key = self.shared.key(self.inner.key, tensor)
+        levels = self.hierarchy()
+        if levels is not None:
+            return self._hierarchical_allreduce(tensor, op, key, *levels)
+        div = self.inner.size if op == "mean" else 1
+        return self._reduce(self.inner, tensor, div, key)
+
+    def hierarchy(self) -> Optional[Tuple[Communicator, Optional[Communicator]]]:
+        """(node, roots), the plain communicators of the hierarchical allreduce, when this
+        is the world of :func:`quantized_groups` over more than one node with more than one
+        member on some node; None otherwise (the flat allreduce over ``inner``)."""
+        groups = self._groups
+        if groups is None:
+            return None
+        node_of = groups.node_of
+        if max(node_of) < 1 or max(node_of.count(i) for i in set(node_of)) < 2:
+            return None
+        unwrap = lambda c: None if c is None else getattr(c, "inner", c)  # noqa: E731
+        return unwrap(groups.node), unwrap(groups.roots)
+
+    def _hierarchical_allreduce(self, tensor: torch.Tensor, op: str, key: str,
+                                node: Communicator, roots: Optional[Communicator]
+                                ) -> torch.Tensor:
+        """Sum in float32 inside the node, the compressed allreduce of the node sums over the
+        node roots (divided by the world size for a mean; residuals on the roots), the
+        result broadcast in float32 inside the node. The job's counters get the exchange
+        between the roots (and one call, the whole operation's seconds); the two float32
+        phases inside the node are counted in ``node_stats``."""
+        div = self.inner.size if op == "mean" else 1
+        with _Booked(self.inner.stats, keep=True):
+            with _Apart(node.stats, self.shared.node_stats):
+                node.allreduce_(tensor, "sum")                 # the node's sum, float32
+            if roots is not None:
+                self._reduce(roots, tensor, div, key)
+            with _Apart(node.stats, self.shared.node_stats):
+                node.broadcast_(tensor, 0)                     # the root's bits to all
+        return tensor
+
+    def _reduce(self, comm: Communicator, tensor: torch.Tensor, div: int,
+                key: str) -> torch.Tensor:
+        """The flat compressed allreduce of ``tensor`` over ``comm`` (its sum divided by
+        ``div``; residual ``key``), booked in ``comm.stats``."""
         if self.sparse:
-            return self._sparse_allreduce(tensor, op)
-        p, n = self.inner.size, tensor.numel()
+            return self._sparse_allreduce(comm, tensor, div, key)
+        p, n = comm.size, tensor.numel()
         lay = layout(n, p, self.block, self.kind)
-        w = self._work(lay, tensor.device, "allreduce")
-        with _Booked(self.inner.stats, lay.counted, lay.counted):
+        w = self._work(lay, tensor.device, "allreduce", comm)
+        with _Booked(comm.stats, lay.counted, lay.counted):
             x = w["x"]
             x[:n].copy_(tensor.reshape(-1))
             e = None
             if self.error_feedback:
-                e = self.shared.residual(self.shared.key(self.inner.key, tensor), tensor)
+                e = self.shared.residual(key, tensor)
                 x[:n].add_(e)                                   # v + e
             qv, sv = self._pack(x, w["send"], lay)
             if e is not None:                                   # e <- (v + e) - Q(v + e)
                 torch.sub(x[:n], dequantize(qv, sv, self.kind).reshape(-1)[:n], out=e)
             # phase 1: chunk j to rank j
-            self.inner.alltoall(w["send"].view(-1), w["recv"].view(-1))
+            comm.alltoall(w["send"].view(-1), w["recv"].view(-1))
             rq, rs = self._split(w["recv"], lay)
             reduced = dequantize(rq, rs, self.kind).sum(0)      # (b, be), float32
-            if op == "mean":
-                reduced.div_(p)
+            if div != 1:
+                reduced.div_(div)
             self._pack(reduced.reshape(-1), w["own"], lay)
             # phase 2: every reduced chunk to every rank; all dequantize the same bytes
-            self.inner.allgather(w["own"], w["all"].view(-1))
+            comm.allgather(w["own"], w["all"].view(-1))
             aq, as_ = self._split(w["all"], lay)
             tensor.view(-1).copy_(dequantize(aq, as_, self.kind).reshape(-1)[:n])
         return tensor
 
-    def _sparse_allreduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    def _sparse_allreduce(self, comm: Communicator, tensor: torch.Tensor, div: int,
+                          key: str) -> torch.Tensor:
         """Top-k of every chunk of v (+ e), an allgather of every rank's records, the sum
-        in rank order (lsgd_hpc.comm.sparse); e <- (v + e) - sent(v + e)."""
-        p, n = self.inner.size, tensor.numel()
+        in rank order (lsgd_hpc.comm.sparse), divided by ``div``; e <- (v + e) - sent(v + e)."""
+        p, n = comm.size, tensor.numel()
         lay = sparse_layout(n, self.topk, self.kind, self.block)
-        w = self._sparse_work(lay, tensor.device)
+        w = self._sparse_work(lay, tensor.device, comm)
         sent_bytes, recv_bytes = lay.counted, (p - 1) * lay.counted
-        with _Booked(self.inner.stats, sent_bytes, recv_bytes):
+        with _Booked(comm.stats, sent_bytes, recv_bytes):
             x = w["x"]
             x.copy_(tensor.reshape(-1))
             e = None
             if self.error_feedback:
-                e = self.shared.residual(self.shared.key(self.inner.key, tensor), tensor)
+                e = self.shared.residual(key, tensor)
                 x.add_(e)                                       # w = v + e
             idx, values = select(x, lay)
             encode(idx, values, lay, w["send"])
             if e is not None:                                   # e <- w - sent(w)
                 torch.sub(x, sent_vector(*decode(w["send"], lay), lay), out=e)
-            self.inner.allgather(w["send"], w["all"].view(-1))
+            comm.allgather(w["send"], w["all"].view(-1))
             total = reduce_records(w["all"], lay, p)
-            if op == "mean":
-                total.div_(p)
+            if div != 1:
+                total.div_(div)
             tensor.view(-1).copy_(total)
         return tensor
 
-    def _sparse_work(self, lay: Sparse, device) -> dict:
-        """The sparse allreduce's buffers of one layout, made once and agreed on."""
-        p = self.inner.size                # (a shrunk world gathers fewer messages)
-        key = (self.inner.key, "sparse", lay, p, str(device))
+    def _sparse_work(self, lay: Sparse, device, comm: Communicator) -> dict:
+        """The sparse allreduce's buffers of one layout on ``comm``, made once and agreed on."""
+        p = comm.size                      # (a shrunk world gathers fewer messages)
+        key = (comm.key, "sparse", lay, p, str(device))
         w = self.shared.work.get(key)
         if w is None:
             u8 = dict(dtype=torch.uint8, device=device)
             w = {"x": torch.zeros(lay.n, dtype=torch.float32, device=device),
                  "send": torch.zeros(lay.m * lay.record, **u8),
                  "all": torch.zeros(p, lay.m * lay.record, **u8)}
-            self.inner.agree_buffers(w["send"])
+            comm.agree_buffers(w["send"])
             self.shared.work[key] = w
         return w
 
@@ -416,7 +520,22 @@ class Quantized:
 
     # -- groups and state --------------------------------------------------------------------
     def dup(self) -> "Quantized":
-        return Quantized(self.inner.dup(), self.kind, _shared=self.shared)
+        q = Quantized(self.inner.dup(), self.kind, _shared=self.shared)
+        q._groups = self._groups               # (the world's dup stays hierarchical)
+        return q
+
+    @property
+    def node_stats(self) -> CommStats:
+        """What the float32 phases inside the node of hierarchical allreduces counted (the
+        job's counters, ``stats``, hold what crossed between the node roots)."""
+        return self.shared.node_stats
+
+    @property
+    def counters(self) -> tuple:
+        """Every counter this communicator's collectives count in (lsgd_hpc.comm.accounting
+        restores them all): the inner one's, and ``node_stats`` for a hierarchical world."""
+        inner = getattr(self.inner, "counters", None) or (self.inner.stats,)
+        return (*inner, self.shared.node_stats) if self._groups is not None else tuple(inner)
 
     def split(self, color: int, key: Optional[int] = None) -> Optional["Quantized"]:
         sub = self.inner.split(color, key)
@@ -446,6 +565,11 @@ class QuantizedGroups(NodeGroups):
         return q._broadcast(tensor, q.world_rank == world_root,
                             lambda b: self.plain.broadcast_from_(b, world_root))
 
+    @property
+    def node_stats(self) -> CommStats:
+        """The float32 traffic inside the nodes of the world's hierarchical allreduces."""
+        return self.world.node_stats
+
     def state_dict(self) -> dict:
         return self.world.state_dict()
 
@@ -462,4 +586,6 @@ def quantized_groups(groups: NodeGroups, kind: str = "int8", error_feedback: boo
     wrap = lambda c: None if c is None else Quantized(c, kind, _shared=world.shared)  # noqa: E731
     fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(NodeGroups)}
     fields.update(world=world, node=wrap(groups.node), roots=wrap(groups.roots))
-    return QuantizedGroups(**fields, plain=groups)
+    out = QuantizedGroups(**fields, plain=groups)
+    world._groups = out
+    return out

@@ -50,14 +50,12 @@ _NOT_TOPK = {
     "gossip": "gossip exchanges parameters with neighbours; it has no periodic average to "
               "sparsify",
     "lsgd-async": "lsgd-async broadcasts a leader's parameters; it has no periodic average "
-                  "to sparsify",
-    "lsgd": "top-k of LSGD's leader pull is not supported yet (a later task); topk is for "
-            "easgd and diloco",
+                  "to sparsify (synchronous lsgd's global pull takes topk)",
     "local-sgd": "local-sgd averages the weights themselves, which top-k would set to zero "
                  "but for the largest; use diloco --outer-lr 1 --outer-momentum 0 (local SGD "
                  "sending its pseudo-gradient) with --topk",
     "slowmo": "slowmo averages the weights themselves, which top-k would set to zero but for "
-              "the largest; topk is for easgd and diloco",
+              "the largest; topk is for easgd, diloco and lsgd",
 }
 
 #: Option kinds and how a value of each is described in an error
@@ -301,8 +299,10 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "F in (0, 1]: with F < 1 the periodic allreduce of easgd and diloco (Streaming "
            "DiLoCo too) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
            "largest magnitude as (index, value), values as --comm-dtype (fp32, int8, fp8, "
-           "int4, int2); with --error-feedback what was left out is sent later (see "
-           "docs/algorithms.md); 1: dense", section="cluster and backend",
+           "int4, int2); with --error-feedback what was left out is sent later; lsgd's "
+           "global pull sends the top-k of the leader's change since the last pull (its own "
+           "error feedback; not with --pull-delay) (see docs/algorithms.md); 1: dense",
+           section="cluster and backend",
            low=0, low_open=True, high=1),
     Option("stop_check_every", 10, "int",
            "steps between the non-blocking agreements on a stop signal",

@@ -246,16 +246,20 @@ def test_lsgd_loses_a_whole_node_and_goes_on_single_node(tmp_path):
 @pytest.mark.parametrize("wire", [['comm_dtype="int8"'], ['comm_dtype="int2"', "topk=0.1"]],
                          ids=["int8", "topk-int2"])
 def test_compressed_with_error_feedback_survives_a_lost_rank(tmp_path, wire):
-    """DiLoCo's outer allreduce in int8 (chunks by the world size), or its top-k 10 % with
-    int2 values (an allgather of the survivors' records), residuals per rank: rank 2 lost,
-    the 3 survivors' outer state equal, every value finite, the residuals still fed back
-    (non-zero) afterwards."""
+    """DiLoCo's outer allreduce in int8, or its top-k 10 % with int2 values, hierarchical
+    (node sums in float32, the compressed exchange between the node roots, residuals on the
+    roots): rank 2, the root of node 1, lost; rank 3 becomes that node's root, the nodes
+    are 2 and 1 ranks (still hierarchical); the 3 survivors' outer state equal, every value
+    finite, the residuals still fed back (non-zero) on both roots afterwards, none on the
+    other rank."""
     options = [a for w in wire for a in ("-o", w)]
     proc, res, run_dir = run_ft(tmp_path, "diloco", "--kill", "2:7", "--hidden", "64",
                                 *options, "-o", "error_feedback=true")
     check_survivors(proc, res, [2])
     assert len({r["digest"] for r in res}) == 1
-    assert all(r["residual_norm"] > 0 for r in res), res
+    roots = [r for r in res if r["local_rank"] == 0]
+    assert len(roots) == 2 and all(r["residual_norm"] > 0 for r in roots), res
+    assert all(r["residual_norm"] == 0 for r in res if r["local_rank"] != 0), res
 
 
 @pytest.mark.mpi

@@ -250,14 +250,13 @@ def test_topk_select_encode_decode_by_hand():
 
 def test_topk_options_and_refusals():
     assert topk_problem(1.0, "bf16", "horovod", "allreduce") is None     # dense: as before
-    for ok in ("easgd", "diloco"):
+    for ok in ("easgd", "diloco", "lsgd"):
         for kind in ("fp32", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.01, kind, "mpi", ok) is None
-    for bad in ("allreduce", "gossip", "lsgd-async", "lsgd", "local-sgd", "slowmo"):
+    for bad in ("allreduce", "gossip", "lsgd-async", "local-sgd", "slowmo"):
         why = topk_problem(0.1, "fp32", "mpi", bad)
         assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
     assert "no periodic average" in topk_problem(0.1, "fp32", "mpi", "gossip")
-    assert "not supported yet" in topk_problem(0.1, "fp32", "mpi", "lsgd")
     assert "not bf16" in topk_problem(0.1, "bf16", "mpi", "diloco")
     assert "mpi or torch backend" in topk_problem(0.1, "fp32", "horovod", "diloco")
     assert error_feedback_problem(True, "fp32", 0.1) is None
@@ -268,10 +267,10 @@ def test_topk_options_and_refusals():
     ["--algorithm", "diloco", "--topk", "0"], ["--algorithm", "diloco", "--topk", "1.5"],
     ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
     ["--algorithm", "allreduce", "--topk", "0.1"], ["--algorithm", "gossip", "--topk", "0.1"],
-    ["--algorithm", "lsgd", "--topk", "0.1"], ["--algorithm", "local-sgd", "--topk", "0.1"],
+    ["--algorithm", "lsgd-async", "--topk", "0.1"], ["--algorithm", "local-sgd", "--topk", "0.1"],
     ["--algorithm", "diloco", "--topk", "0.1", "--comm-dtype", "bf16"],
-], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd", "local-sgd",
-        "bf16"])
+], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async",
+        "local-sgd", "bf16"])
 def test_config_refuses_topk(argv):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -314,3 +313,25 @@ def test_config_accepts():
                            env={})
         assert (cfg.comm_dtype, cfg.error_feedback) == (kind, True)
     assert parse_config(["--algorithm", "easgd"], env={}).error_feedback is False
+
+
+def test_hierarchy_only_across_nodes_with_a_node_of_several():
+    """The world of quantized_groups goes hierarchical (lsgd_hpc.comm.quantized) when the
+    layout spans more than one node and some node holds more than one member: nodes of
+    2 + 2 and 2 + 1, not one rank a node nor one node; a bare Quantized never; its
+    counters then name node_stats too (accounting.uncounted restores them)."""
+    from types import SimpleNamespace
+
+    from lsgd_hpc.comm.base import CommStats
+    from lsgd_hpc.comm.quantized import Quantized
+    inner = SimpleNamespace(stats=CommStats(), key="world", size=4)
+    q = Quantized(inner, "int8")
+    assert q.hierarchy() is None and q.counters == (inner.stats,)
+    node, roots = SimpleNamespace(inner="node"), SimpleNamespace(inner="roots")
+    for node_of, hier in (([0, 0, 1, 1], True), ([0, 0, 1], True), ([0, 1, 1, 1], True),
+                          ([0, 1, 2, 3], False), ([0, 0, 0, 0], False)):
+        q._groups = SimpleNamespace(node_of=node_of, node=node, roots=roots)
+        assert q.hierarchy() == (("node", "roots") if hier else None), node_of
+    q._groups = SimpleNamespace(node_of=[0, 0, 1, 1], node=node, roots=None)   # not a root
+    assert q.hierarchy() == ("node", None)
+    assert q.counters == (inner.stats, q.node_stats)

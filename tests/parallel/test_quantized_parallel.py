@@ -5,7 +5,10 @@ The quantized allreduce and broadcasts end with the same bits on every rank, wit
 quantization bound of the exact result, and count the documented bytes; error feedback
 removes the bias that rounding leaves and follows its update rule exactly; every periodic
 method trains with int8 and fp8 in a quarter of the bytes; a run with error feedback resumes
-exactly from its state_dict (lsgd_hpc.comm.quantized).
+exactly from its state_dict (lsgd_hpc.comm.quantized). At layouts of several nodes with more
+than one rank on some node (4 ranks as 2 + 2, 5 as 2 + 2 + 1) the methods' allreduces are
+hierarchical: node sums in float32, the compressed exchange between the node roots (whose
+counters hold the bytes between nodes), the result spread inside the node; checked by hand.
 """
 
 import copy
@@ -193,6 +196,115 @@ def test_error_feedback_rule_exact(world, kind):
     loose = vector(world.rank, 300)                        # outside every registered buffer
     q.allreduce_(loose, "sum")
     assert "world/numel300" in q.shared.residuals
+
+
+# -- hierarchical: node sums in float32, the compressed exchange between node roots ------------
+def hierarchical(groups) -> bool:
+    """Whether quantized_groups' world runs its allreduces hierarchically at this layout:
+    more than one node, and some node with more than one rank."""
+    node_of = list(groups.node_of)
+    return groups.n_nodes > 1 and max(node_of.count(i) for i in set(node_of)) > 1
+
+
+def node_sums(groups, vectors):
+    """Each node's float32 sum of its ranks' ``vectors`` (rank order: at two ranks a node the
+    order cannot matter), by node index."""
+    sums = {}
+    for r, v in enumerate(vectors):
+        i = groups.node_of[r]
+        sums[i] = v.clone() if i not in sums else sums[i] + v
+    return [sums[i] for i in range(groups.n_nodes)]
+
+
+def flat_by_hand(inputs, kind, div):
+    """The flat two-phase allreduce of ``inputs`` (one per member, float32) by hand: each
+    member's Q, the float32 sum in member order, divided by ``div``, Q again."""
+    m, n = len(inputs), inputs[0].numel()
+    total = torch.zeros(n)
+    for v in inputs:
+        total += roundtrip(v, m, kind)
+    return roundtrip(total / div if div != 1 else total, m, kind)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_hierarchical_allreduce_by_hand(world, groups, kind):
+    """quantized_groups' world with error feedback, two rounds (mean): the node sums in
+    float32, their compressed allreduce over the node roots (chunks by the number of nodes),
+    divided by the world size, spread in float32: the result by hand, the same bits on every
+    rank; the residuals on the node roots only, e <- (S + e) - Q(S + e) of the node sum S; the
+    job's counters hold the roots' exchange (allreduce_bytes(n, nodes)), the node's float32
+    phases are counted apart. At one rank a node (or one node): the flat allreduce."""
+    quantized_backend(world)
+    p, n = world.size, 3 * BLOCK + 77
+    qg = quantized_groups(groups, kind, error_feedback=True)
+    q = qg.world
+    buf = torch.zeros(n)
+    q.agree_buffers(buf)
+    key = "world/buffer0@0+%d" % n
+    hier = hierarchical(groups)
+    N = groups.n_nodes if hier else p
+    residual = [torch.zeros(n) for _ in range(N)]
+    for rnd in range(2):
+        vs = [vector(r + 10 * rnd, n) for r in range(p)]
+        buf.copy_(vs[world.rank])
+        before, node_before = world.stats.snapshot(), q.node_stats.snapshot()
+        q.allreduce_(buf, "mean")
+        sent = world.stats.bytes_sent - before.bytes_sent
+        recv = world.stats.bytes_recv - before.bytes_recv
+        sums = node_sums(groups, vs) if hier else vs
+        w = [s + e for s, e in zip(sums, residual)]
+        residual = [x - roundtrip(x, N, kind) for x in w]
+        expected = flat_by_hand(w, kind, p)
+        assert torch.equal(buf, expected), (rnd, (buf - expected).abs().max())
+        assert len(set(world.allgather_object(digest(buf)))) == 1
+        assert world.stats.calls - before.calls == 1
+        mine = groups.node_index if hier else world.rank
+        if not hier or groups.is_root:
+            assert torch.equal(q.shared.residuals[key], residual[mine])
+            assert (sent, recv) == (allreduce_bytes(n, N, kind=kind),) * 2
+        else:
+            assert key not in q.shared.residuals and (sent, recv) == (0, 0)
+        node_sent = q.node_stats.bytes_sent - node_before.bytes_sent
+        if hier:             # float32: the node's allreduce (4 n), the root's broadcast (4 n)
+            assert node_sent == 4 * n * (1 + groups.is_root) * (groups.local_size > 1)
+        else:
+            assert node_sent == 0
+    # the bytes between nodes: about a quarter (int8) or an eighth (int4) of float32's 4 n
+    if hier and groups.is_root:
+        ratio = allreduce_bytes(n, N, kind=kind) / (4 * n)
+        assert ratio <= {"int8": 0.2505, "int4": 0.1255}[kind], ratio
+
+
+def test_hierarchical_topk_by_hand(world, groups):
+    """Top-k (F = 1/4 of chunks of 8, float32 values) through quantized_groups' world, sum:
+    the roots send the top-2 of every chunk of their node's float32 sum; at two ranks a
+    node the sum of ranks r and r + 1 of topk_vector has its two outliers at positions r and
+    r + 1, which are what is sent; the records summed in node order, the same bits
+    everywhere."""
+    topk_backend()
+    quantized_backend(world)
+    p, n = world.size, 256
+    qg = quantized_groups(groups, "fp32", error_feedback=True, block=8, topk=0.25)
+    buf = torch.zeros(n)
+    qg.world.agree_buffers(buf)
+    buf.copy_(topk_vector(world.rank, n))
+    qg.world.allreduce_(buf, "sum")
+    hier = hierarchical(groups)
+    vs = [topk_vector(r, n) for r in range(p)]
+    sums = node_sums(groups, vs) if hier else vs
+    lay = sparse_layout(n, 0.25, "fp32", 8)
+    expected = torch.zeros(n)
+    for s in sums:                                          # in node (member) order
+        idx, values = select(s, lay)
+        dense = torch.zeros(lay.m, lay.c)
+        dense.scatter_(1, idx, values)
+        expected += dense.view(-1)[:n]
+    assert torch.equal(buf, expected)
+    assert len(set(world.allgather_object(digest(buf)))) == 1
+    if hier and groups.local_size == 2:
+        first = groups.root_of_node(groups.node_index)
+        got = (buf.view(32, 8) != 0).nonzero()[:, 1].unique().tolist()
+        assert set(range(first, first + 2)) <= set(got)
 
 
 # -- top-k (lsgd_hpc.comm.sparse) ------------------------------------------------------------
@@ -401,6 +513,20 @@ def train_measured(comm, name, dtype, error_feedback, topk=1.0, **options):
     return method, sent, acc
 
 
+def between_nodes(comm, total, key, fp32_key):
+    """(ratio, over all ranks): bytes sent with ``key`` against float32's (``total``: every
+    rank's bytes by run). At a hierarchical layout (hierarchical()) the ratio is taken over
+    the node roots, the ranks whose counters hold what crosses between nodes (the float32
+    phases of a hierarchical allreduce inside a node are counted apart; the other ranks'
+    counters hold what else they send); elsewhere over all ranks."""
+    everyone = sum(t[key] for t in total) / sum(t[fp32_key] for t in total)
+    if not hierarchical(comm.groups):
+        return everyone, everyone
+    g = comm.groups
+    roots = [total[g.root_of_node(i)] for i in range(g.n_nodes)]
+    return sum(t[key] for t in roots) / sum(t[fp32_key] for t in roots), everyone
+
+
 @pytest.mark.parametrize("name", PERIODIC)
 def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
     """Each periodic method, the same loop in fp32, int8, fp8 and int8 with error feedback:
@@ -417,11 +543,10 @@ def test_methods_train_in_a_quarter_of_the_bytes(comm, name):
         assert acc > 0.75, (name, dtype, ef, acc)
         method.close()
     total = comm.allgather_object(sent)
-    fp32 = sum(t[("fp32", False)] for t in total)
     for key in sent:
         if key != ("fp32", False):
-            ratio = sum(t[key] for t in total) / fp32
-            assert 0.24 <= ratio <= 0.30, (name, key, ratio)
+            ratio, everyone = between_nodes(comm, total, key, ("fp32", False))
+            assert 0.24 <= ratio <= 0.30 and everyone <= 0.30, (name, key, ratio, everyone)
 
 
 @pytest.mark.parametrize("name", ["easgd", "diloco"])
@@ -440,10 +565,9 @@ def test_methods_train_in_int4_and_int2(comm, name):
         assert acc > 0.7, (name, dtype, acc)
         method.close()
     total = comm.allgather_object(sent)
-    fp32 = sum(t["fp32"] for t in total)
     for dtype, (low, high) in {"int4": (0.12, 0.15), "int2": (0.06, 0.09)}.items():
-        ratio = sum(t[dtype] for t in total) / fp32
-        assert low <= ratio <= high, (name, dtype, ratio)
+        ratio, everyone = between_nodes(comm, total, dtype, "fp32")
+        assert low <= ratio <= high and everyone <= high, (name, dtype, ratio, everyone)
 
 
 #: (method, its options, the value kinds tried, the bytes' bound against fp32 for each)
@@ -503,7 +627,7 @@ def test_refusals(comm):
 
 def test_topk_refusals(comm):
     """topk outside (0, 1], topk < 1 with a method that has no periodic average to sparsify
-    (allreduce SGD, gossip, asynchronous LSGD), with LSGD (not yet), with the methods that
+    (allreduce SGD, gossip, asynchronous LSGD), with the methods that
     average the weights themselves, with bf16 values, and DiLoCo's with a model that has
     BatchNorm statistics: a ValueError naming topk, one line, on every rank."""
     topk_backend()
@@ -514,7 +638,7 @@ def test_topk_refusals(comm):
         with pytest.raises(ValueError, match=r"^topk must be in \(0, 1\], got "):
             build("diloco", topk=bad)
     why = {"allreduce": "no periodic average", "gossip": "no periodic average",
-           "lsgd-async": "no periodic average", "lsgd": "not supported yet",
+           "lsgd-async": "no periodic average",
            "local-sgd": "averages the weights themselves",
            "slowmo": "averages the weights themselves"}
     for name, words in why.items():
@@ -567,7 +691,9 @@ def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                 "method": method.state_dict()}, buf)
     residuals = method.state_dict()["error_feedback"]["residuals"]
-    if comm.size > 1:
+    if comm.size > 1 and hierarchical(comm.groups) and not comm.groups.is_root:
+        assert not residuals             # hierarchical: the residuals live on the node roots
+    elif comm.size > 1:
         assert residuals and all(k.startswith("world/buffer") for k in residuals)
         assert all(v.abs().max() > 0 for v in residuals.values())
     train(model, opt, method, 9)

@@ -12,9 +12,12 @@ from lsgd_hpc.comm import Election, FlatParams, NodeGroups
 from lsgd_hpc.comm.failures import is_process_failure
 from lsgd_hpc.comm.injection import injection_point
 from lsgd_hpc.comm.hierarchy import HierarchicalBroadcast
+from lsgd_hpc.comm.delta import (BookedBroadcast, apply_delta, delta_layout, encode_delta,
+                                 message_buffer)
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 from lsgd_hpc.methods.rules.state import broadcast_copy, take_parameters
+from lsgd_hpc.methods.spec import OptionError
 
 __all__ = ["LeaderRule", "BN_POLICIES", "window_score", "to_the_leader"]
 
@@ -76,6 +79,16 @@ class LeaderRule(Rule):
     level's proximal term runs at every step on which its pull does not land, toward the
     last copy that landed. ``state_dict`` completes a broadcast in flight and keeps the
     leader's copy and the step to pull at. d = 0 is the rule above, through the same code.
+
+    Compressed global pull (the communicators send top-k: ``--topk F`` < 1; docs/algorithms.md,
+    "Compressed leader pull"): every rank keeps a reference r of the global leader (the
+    global copy x~_L; the same bits on every rank, the common x_0 at the first step). At a
+    global pull the leader sends d = C(x_L - r), the top-k records of each chunk with values
+    as comm_dtype (lsgd_hpc.comm.delta), through the node hierarchy; every rank (the leader
+    too) sets r <- r + d, and the others pull toward r:  x_i <- x_i - c_G (x_i - r). The
+    leader is not pulled (its pull is zero in LSGD; what r lacks of x_L is sent at later
+    pulls). r is shared state (checkpoints, recoveries, rejoins). The local pull inside a
+    node stays the dense broadcast of comm_dtype. Not with ``pull_delay`` (refused).
     """
 
     name = "lsgd"
@@ -121,6 +134,27 @@ class LeaderRule(Rule):
             if self.multi_level:
                 self.delay_node[LOCAL] = groups.node.dup()
             self.delay_roots = groups.roots.dup() if groups.roots is not None else None
+        # the compressed global pull (topk < 1 on the communicators): the reference r is the
+        # global copy; ``msg`` the last message (records) sent or received
+        self.topk = float(getattr(self.world, "topk", 1.0))
+        self.compressed = self.topk < 1
+        if self.compressed:
+            if self.pull_delay:
+                raise OptionError("topk", f"{self.topk:g} is not for lsgd with pull_delay "
+                                  f"{self.pull_delay}: the compressed pull is blocking "
+                                  "(use pull_delay 0)")
+            self.delta_lay = delta_layout(self.sent.numel(), self.topk, self.world.kind)
+            self.msg = message_buffer(self.delta_lay, self.sent.device)
+            self.world.agree_buffers(self.msg)
+            self.reference = self.copies[GLOBAL]
+            self.reference_ready = False          # set to the common x_0 at the first step
+            self.shared_state = ("reference", "reference_ready")
+
+    def before_step(self, step: int) -> None:
+        if self.compressed and not self.reference_ready:
+            # the parameters before the first optimizer step: the common x_0 on every rank
+            self.reference.copy_(self.sent)
+            self.reference_ready = True
 
     def score(self) -> float:
         return window_score(self.losses)
@@ -152,8 +186,11 @@ class LeaderRule(Rule):
             self._log(step, GLOBAL, el, score)
             injection_point("elected", step, leader=el.world_rank == self.world.world_rank)
             self.track(step, **{"leader/score": el.score})
-            self._pull(GLOBAL, el.world_rank, self.pull_global,
-                       lambda t: self.groups.broadcast_from_(t, el.world_rank))
+            if self.compressed:
+                self._pull_compressed(el.world_rank, self.pull_global)
+            else:
+                self._pull(GLOBAL, el.world_rank, self.pull_global,
+                           lambda t: self.groups.broadcast_from_(t, el.world_rank))
         if self.pull_every_step:
             if self.multi_level and not local_now:
                 self._proximal(LOCAL, self.pull_local / self.tau_local)
@@ -172,6 +209,23 @@ class LeaderRule(Rule):
         self.have_copy[level] = True
         if not is_leader:
             self.apply_pull(level, c)
+
+    def _pull_compressed(self, leader: int, c: float) -> None:
+        """The global pull, compressed: the leader's d = C(x_L - r) to every rank (records,
+        through the node hierarchy), r <- r + d everywhere, then x <- x - c (x - r) on the
+        others. r changes only once the whole message is here (a recovery relies on it)."""
+        is_leader = self.world.world_rank == leader
+        if is_leader:
+            encode_delta(self.sent, self.reference, self.delta_lay, self.msg)
+        self.pull_in_flight = (GLOBAL, is_leader)
+        with BookedBroadcast(self.world.stats, self.delta_lay):
+            self.groups.broadcast_from_(self.msg, leader)
+        self.pull_in_flight = None
+        apply_delta(self.reference, self.msg, self.delta_lay)
+        self.pulls_done[GLOBAL] += 1
+        self.have_copy[GLOBAL] = True
+        if not is_leader:
+            self.apply_pull(GLOBAL, c)
 
     def apply_pull(self, level: int, c: float) -> None:
         """Pull toward the copy of ``level``'s leader just received: x <- x - c (x - x_L)."""
@@ -282,8 +336,12 @@ class LeaderRule(Rule):
         state = {"losses": list(self.losses)}
         if self.pull_every_step:      # the copies the next steps pull toward
             for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
-                if self.have_copy[level]:
+                if self.have_copy[level] and not (self.compressed and level == GLOBAL):
                     state[f"{name}_copy"] = self.copies[level].clone()
+        if self.compressed:           # the reference (shared), which is the global copy
+            state["reference"] = self.reference.clone()
+            state["reference_ready"] = bool(self.reference_ready)
+            state["pulled_global"] = bool(self.have_copy[GLOBAL])
         if self.pull_delay:           # a leader copy received, to pull toward at its step
             self.drain()
             for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
@@ -295,6 +353,13 @@ class LeaderRule(Rule):
     def load_state_dict(self, state: dict) -> None:
         self.losses.clear()
         self.losses.extend(float(v) for v in state["losses"])
+        if self.compressed:
+            if "reference" not in state:
+                raise ValueError("lsgd: this state was saved without the compressed pull's "
+                                 "reference (topk 1); resume with the topk it was saved with")
+            self.reference.copy_(state["reference"])
+            self.reference_ready = bool(state["reference_ready"])
+            self.have_copy[GLOBAL] = bool(state["pulled_global"])
         for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
             if f"{name}_copy" in state:
                 self.copies[level].copy_(state[f"{name}_copy"])
@@ -345,6 +410,9 @@ class LeaderRule(Rule):
                 pulls.setdefault(rep["pending"][:3], []).append(r)
         for key in sorted(pulls):
             level, count, node = key
+            if self.compressed and level == GLOBAL:
+                self._resume_compressed(recovery, count)
+                continue
             holders = [r for r, rep in enumerate(reports)
                        if (level != LOCAL or rep["node"] == node)
                        and (rep["done"].get(level, 0) == count + 1
@@ -380,6 +448,32 @@ class LeaderRule(Rule):
             if self.multi_level:
                 self.delay_node[LOCAL] = groups.node.dup()
             self.delay_roots = groups.roots.dup() if groups.roots is not None else None
+
+    def _resume_compressed(self, recovery, count: int) -> None:
+        """A compressed global pull cut off: the reference r is shared state, so every
+        survivor already holds the source's r, which has the message d in it iff the source
+        finished the pull (r changes only once the whole message is there). If a survivor
+        holds the message (it finished, or it is the leader: its ``msg``), it is broadcast
+        from the lowest such, every survivor that lacks it in r adds it (the same bits), and
+        the survivors that were in it pull; else nobody has it and nobody pulls."""
+        world, reports, mine = recovery.world, recovery.reports, recovery.mine
+        key = (GLOBAL, count, "")
+        holders = [r for r, rep in enumerate(reports)
+                   if rep["done"].get(GLOBAL, 0) == count + 1
+                   or (rep["pending"] is not None and rep["pending"][:3] == key
+                       and rep["pending"][3])]
+        in_it = mine["pending"] is not None and mine["pending"][:3] == key
+        if holders:
+            broadcast_copy(world, self.msg, min(holders), self.msg)
+            if reports[recovery.source]["done"].get(GLOBAL, 0) != count + 1:
+                apply_delta(self.reference, self.msg, self.delta_lay)
+            if in_it and not mine["pending"][3]:
+                self.apply_pull(GLOBAL, self.pull_global)
+            self.pulls_done[GLOBAL] = count + 1
+            self.have_copy[GLOBAL] = True
+            mine["done"][GLOBAL] = count + 1
+        if in_it:
+            mine["pending"] = None                   # done, should the resume rerun
 
     def _resume_delayed(self, recovery) -> None:
         """pull_delay: each broadcast in flight is completed on every survivor of its group
@@ -424,9 +518,11 @@ class LeaderRule(Rule):
         score: the window mean of its last losses, restored from its checkpoint; theirs is
         +inf), which is also their copy of the global leader."""
         leader = to_the_leader(self, world, joined, source)
-        if joined:
+        if joined and not self.compressed:
             self.copies[GLOBAL].copy_(self.flat.flat[:self.copies[GLOBAL].numel()])
             self.have_copy[GLOBAL], self.have_copy[LOCAL] = True, False
+        elif joined:                  # the reference is shared state: taken from the source
+            self.have_copy[LOCAL] = False
             if self.pull_delay:           # a local leader's copy in the survivor's state is
                 self.delayed.pop(LOCAL, None)     # its node's: not necessarily this rank's
         return f"the global leader's parameters (rank {leader}) and a fresh optimizer state"
