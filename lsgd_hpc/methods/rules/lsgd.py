@@ -518,10 +518,10 @@ class LeaderRule(Rule):
         score: the window mean of its last losses, restored from its checkpoint; theirs is
         +inf), which is also their copy of the global leader."""
         leader = to_the_leader(self, world, joined, source)
-        if joined and not self.compressed:
-            self.copies[GLOBAL].copy_(self.flat.flat[:self.copies[GLOBAL].numel()])
-            self.have_copy[GLOBAL], self.have_copy[LOCAL] = True, False
-        elif joined:                  # the reference is shared state: taken from the source
+        if joined:
+            if not self.compressed:   # compressed: the reference is shared state, the source's
+                self.copies[GLOBAL].copy_(self.flat.flat[:self.copies[GLOBAL].numel()])
+                self.have_copy[GLOBAL] = True
             self.have_copy[LOCAL] = False
             if self.pull_delay:           # a local leader's copy in the survivor's state is
                 self.delayed.pop(LOCAL, None)     # its node's: not necessarily this rank's
