@@ -208,6 +208,26 @@ def probe_main(out: str) -> int:
     return 0
 
 
+def rho_fields(n_params: int, nodes: int, ranks_per_node: int, inter: Dict, compute_s: float,
+               measured_allreduce_s: Optional[float] = None) -> Dict:
+    """rho of one run (docs/planning.md, lsgd_hpc.planning.costmodel.rho): the seconds of one
+    fp32 allreduce of the model's ``n_params`` parameters between the nodes over the run's
+    compute seconds of one step. The allreduce seconds are ``measured_allreduce_s`` when the
+    run measured them ("measured"), else the planner's prediction from the link it probed
+    (``inter``: alpha_s, and beta_s or beta_s_per_byte; "predicted": the between-nodes stage
+    of the hierarchical allreduce, 2 (N-1) alpha + 2 (N-1)/N 4 n beta)."""
+    from lsgd_hpc.planning import costmodel as cm
+    if measured_allreduce_s is not None:
+        t, source = float(measured_allreduce_s), "measured"
+    else:
+        beta = inter.get("beta_s", inter.get("beta_s_per_byte"))
+        link = cm.Link(float(inter["alpha_s"]), float(beta))
+        c = cm.Cluster(nodes, ranks_per_node, link, link)
+        t, source = cm.between_nodes_allreduce_time(cm.FLOAT_BYTES * n_params, c), "predicted"
+    rho = t / compute_s if compute_s > 0 else float("nan")
+    return {"rho": rho, "rho_allreduce_s": t, "rho_compute_s": compute_s, "rho_source": source}
+
+
 if __name__ == "__main__":
     import sys
     if len(sys.argv) == 3 and sys.argv[1] == "--probe":

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from _common import LayoutError, check_layout, row, spread, write_result  # noqa: E402
+from _common import LayoutError, check_layout, rho_fields, row, spread, write_result  # noqa: E402
 
 from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
@@ -117,7 +117,8 @@ def worker(out: str, quick: bool, nodes: int, rate: str) -> int:
     if comm.rank == 0:
         write_result(out, {"samples": samples, "steps": steps,
                            "model_bytes": 4 * sum(p.numel() for p in
-                                                  build_model(MODEL, 10, SHAPE).parameters())})
+                                                  build_model(MODEL, 10, SHAPE).parameters()),
+                           "inter": probe.get("inter")})
     return 0
 
 
@@ -152,15 +153,21 @@ def run(quick: bool = False, timeout: float = 600, log=print, key: str = "overla
         a, b = med[f"{name} overlap"], med[f"{name} blocking"]
         hidden = 1.0 - a["comm_s"] / b["comm_s"] if b["comm_s"] > 0 else float("nan")
         speedup = b["step_s"] / a["step_s"]
-        shares[name] = {"hidden_share": hidden, "speedup": speedup, "overlap": a, "blocking": b}
+        # rho: one fp32 allreduce of the model between the nodes, predicted from the probed
+        # link, over the blocking run's compute a step (its step less its communication)
+        rho = rho_fields(res["model_bytes"] // 4, tta.NODES, tta.RANKS_PER_NODE, res["inter"],
+                         b["step_s"] - b["comm_s"]) if res.get("inter") else {}
+        shares[name] = {"hidden_share": hidden, "speedup": speedup, "overlap": a, "blocking": b,
+                        **rho}
         rows.append(row(f"overlap_{name}",
                         f"{name} ({', '.join(f'{k}={v}' for k, v in on.items())}) vs the same "
                         f"without overlap, {MODEL} batch {BATCH}, 2 nodes x 2 ranks at {RATE}",
                         f"exposed comm {a['comm_s'] * 1e3:.1f} vs {b['comm_s'] * 1e3:.1f} ms/step "
                         f"(hidden {100 * hidden:.0f} %); step {a['step_s'] * 1e3:.1f} vs "
-                        f"{b['step_s'] * 1e3:.1f} ms",
+                        f"{b['step_s'] * 1e3:.1f} ms"
+                        + (f"; rho {rho['rho']:.3g} ({rho['rho_source']})" if rho else ""),
                         speedup, "step time without / with the overlap (hidden share in figures)",
-                        hidden_share=hidden))
+                        hidden_share=hidden, **rho))
     return {**base, "status": "ok", "methods": shares, "steps": res["steps"],
             "model_bytes": res["model_bytes"], "samples": res["samples"], "rows": rows,
             "notes": ["overlap: hidden share = 1 - exposed comm (overlap) / exposed comm "

@@ -57,7 +57,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from _common import LayoutError, check_layout, median, row, write_result  # noqa: E402
+from _common import LayoutError, check_layout, median, rho_fields, row, write_result  # noqa: E402
 
 from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
@@ -466,6 +466,12 @@ def layout_failed(base: Dict, error: str) -> Dict:
             "results": {}, "rows": [row("time_to_accuracy", "", f"failed: {error}", None, "")]}
 
 
+def _n_params() -> int:
+    """The parameters of MODEL on digits (what rho's fp32 allreduce moves)."""
+    from lsgd_hpc.planning.plan import model_facts
+    return model_facts(MODEL, "digits").n_params
+
+
 def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
     rows, table = [], {}
     gpu = gpu_case_ratios()
@@ -482,9 +488,14 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
         vs = lsgd_t / baselines[best] if best and math.isfinite(baselines[best]) else None
         closest = min(gpu, key=lambda g: abs(math.log(g["ratio"] / ratio))) if ratio == ratio \
             and ratio > 0 else None
+        # rho: one fp32 allreduce of the model between the nodes, predicted from the probed
+        # link, over the allreduce runs' compute seconds a step (median over seeds)
+        inter = ((data["probe"] or {}).get("probe") or {}).get("inter")
+        rho = rho_fields(_n_params(), NODES, RANKS_PER_NODE, inter, median(
+            [r["compute_s_per_step"] for r in ar])) if inter and ar else {}
         table[rate] = {"time_to_target_median": tt, "best_baseline": best,
                        "lsgd_over_best_baseline": vs, "compute_to_allreduce": ratio,
-                       "gpu_case": closest["case"] if closest else None,
+                       "gpu_case": closest["case"] if closest else None, **rho,
                        "seeds": {label: {str(s): {k: v for k, v in r.items() if k != "curve"}
                                          for s, r in by_seed.items()}
                                  for label, by_seed in runs.items()},
@@ -502,9 +513,10 @@ def summarise(base: Dict, per_rate: Dict, errors: Dict, off: List[str]) -> Dict:
             f"LSGD vs best baseline ({best}; baselines: "
             f"{', '.join(k for k in tt if k != 'lsgd')})",
             f"{per_method}; compute:allreduce {ratio:.2g}:1"
-            + (f" (like {closest['case']}, {closest['ratio']:.2g}:1)" if closest else ""),
+            + (f" (like {closest['case']}, {closest['ratio']:.2g}:1)" if closest else "")
+            + (f"; rho {rho['rho']:.3g} ({rho['rho_source']})" if rho else ""),
             vs, "LSGD time / best baseline's", lsgd_s=lsgd_t, best_baseline=best,
-            compute_to_allreduce=ratio))
+            compute_to_allreduce=ratio, **rho))
     for k, v in errors.items():
         rows.append(row(f"time_to_accuracy {k}", "", f"failed: {v}", None, ""))
     status = "ok" if not errors else ("failed" if not per_rate else "partial")

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _common import fmt_bytes  # noqa: E402  (the benchmarks' and experiments' byte format)
 
 COLUMNS = ["task", "method", "family", "quality", "quality_of", "quality_std",
-           "training_time_s", "time_to_target_s", "bytes_sent", "source"]
+           "training_time_s", "time_to_target_s", "bytes_sent", "source", "rho"]
 
 
 def _f(x) -> Optional[float]:
@@ -60,7 +60,8 @@ def methods_rows(out: Path) -> List[dict]:
                      # to the target only when every seed got there
                      "time_to_target_s": (_f(s["time_to_target_s_mean"])
                                           if everyone[0] == everyone[-1] else None),
-                     "bytes_sent": _f(s["bytes_sent_mean"]), "source": "methods"})
+                     "bytes_sent": _f(s["bytes_sent_mean"]), "source": "methods",
+                     "rho": None})
     return rows
 
 
@@ -76,7 +77,7 @@ def network_rows(out: Path) -> List[dict]:
                      "time_to_target_s": _f(s.get("time_to_target_s")) if reached else None,
                      "bytes_sent": (steps * per_step if reached and steps is not None
                                     and per_step is not None else None),
-                     "source": "network"})
+                     "source": "network", "rho": _f(s.get("rho"))})
     return rows
 
 
@@ -93,7 +94,7 @@ def lm_rows(out: Path) -> List[dict]:
                      "time_to_target_s": _f(s.get("time_to_target_s_mean",
                                                   s.get("time_to_target_s"))),
                      "bytes_sent": _f(s.get("bytes_sent_mean", s.get("bytes_sent"))),
-                     "source": "lm"})
+                     "source": "lm", "rho": _f(s.get("rho"))})
     return rows
 
 
@@ -133,7 +134,9 @@ def ratios(rows: List[dict]) -> List[dict]:
 
             def ratio(a, b):
                 return None if a is None or not b else a / b
+            ar = next((x for x in mine if x["method"] in ("allreduce", "allreduce SGD")), None)
             out.append({"task": task, "method": r["method"], "best_baseline": best["method"],
+                        "rho": ar.get("rho") if ar else None,
                         "quality_of": r["quality_of"], "quality": r["quality"],
                         "best_quality": best["quality"], "quality_diff": diff,
                         "fastest_baseline": fastest["method"] if fastest else None,
@@ -183,10 +186,13 @@ def markdown(rows: List[dict]) -> List[str]:
     rat = ratios(rows)
     if rat:
         lines += ["", "LSGD against the best tuned baseline of each task (best quality; for "
-                  "time to target, the fastest baseline to the target):", "",
-                  "| task | LSGD method | best baseline | quality: LSGD vs baseline | "
+                  "time to target, the fastest baseline to the target); rho: one fp32 "
+                  "allreduce of the model between the nodes over one compute step, allreduce "
+                  "SGD's in that task (predicted from the probed link; n/a: one host, no "
+                  "link; docs/planning.md):", "",
+                  "| task | rho | LSGD method | best baseline | quality: LSGD vs baseline | "
                   "time to target, x fastest baseline | bytes, x best baseline |",
-                  "|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|"]
         for r in rat:
             ref = {"quality_of": r["quality_of"], "quality": r["best_quality"]}
             diff = r["quality_diff"]
@@ -194,7 +200,8 @@ def markdown(rows: List[dict]) -> List[str]:
                 "perplexity") else f"{100 * diff:+.1f} points")
             tt = ("n/a" if r["time_to_target_ratio"] is None else
                   f"x{r['time_to_target_ratio']:.2f} ({r['fastest_baseline']})")
-            lines.append(f"| {r['task']} | {r['method']} | {r['best_baseline']} | "
+            rho = "n/a" if r["rho"] is None else f"{r['rho']:.3g}"
+            lines.append(f"| {r['task']} | {rho} | {r['method']} | {r['best_baseline']} | "
                          f"{_q(r)} vs {_q(ref)} ({d}) | {tt} | "
                          + ("n/a" if r["bytes_ratio"] is None else f"x{r['bytes_ratio']:.2f}")
                          + " |")

@@ -153,6 +153,9 @@ class Workload:
     element_bytes: float = FLOAT_BYTES
     topk: float = 1.0        # < 1: EASGD and DiLoCo send each chunk's top-k (topk_payload_bytes)
     value_bits: int = 32     # bits of each top-k value (VALUE_BITS of the comm_dtype)
+    #: int8/fp8/int4/int2, or top-k: the averaging methods' rounds are the package's
+    #: compressed allreduce (hierarchical or flat, planning.recommend.hier_allreduce_time)
+    comm_dtype: str = "fp32"
 
     @property
     def grad_bytes(self) -> float:
@@ -476,24 +479,35 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
                       glob / tau_global, n / p / tau_global)
 
 
+def _averaging_round(w: Workload, c: Cluster, coll: Collectives,
+                     topk: bool = False) -> Tuple[float, float]:
+    """(seconds, bytes sent per rank) of one averaging round of the flat vector. With
+    ``w.comm_dtype`` int8/fp8/int4/int2 or ``topk`` (top-k ``w.topk`` of ``w.comm_dtype``
+    values): the package's compressed allreduce, hierarchical on several nodes of several
+    ranks (float32 inside the node, compressed between the node roots), flat over all ranks
+    otherwise (planning.recommend.hier_allreduce_time and round_bytes_sent); else the
+    library's allreduce of ``w.flat_bytes`` (fp32, bf16)."""
+    if topk or w.comm_dtype not in ("fp32", "bf16"):
+        from lsgd_hpc.planning.recommend import hier_allreduce_time, round_bytes_sent
+        m, f = w.n_params + w.n_buffers, w.topk if topk else 1.0
+        kind = "fp32" if w.comm_dtype == "bf16" else w.comm_dtype
+        return hier_allreduce_time(m, c, kind, f), round_bytes_sent(m, c, kind, f)
+    return allreduce_time(w.flat_bytes, c, coll), w.flat_bytes
+
+
 def _periodic_allreduce(name: str, setting: str, w: Workload, c: Cluster, period: int,
                         passes: int, coll: Collectives, sparse: bool = False) -> MethodCost:
-    """Every ``period`` steps one allreduce of the flat vector and ``passes`` elementwise
-    passes over it (EASGD, local SGD, DiLoCo); nothing on one rank. ``sparse`` (EASGD and
-    DiLoCo) with ``w.topk`` < 1: the allreduce is top-k's allgather of S bytes per rank
-    (topk_payload_bytes; S sent per round, as lsgd_hpc counts it)."""
-    n = w.flat_bytes
+    """Every ``period`` steps one averaging round of the flat vector (_averaging_round) and
+    ``passes`` elementwise passes over its float32 copy (EASGD, local SGD, DiLoCo); nothing
+    on one rank. ``sparse`` (EASGD and DiLoCo) with ``w.topk`` < 1: the round is top-k's."""
     topk = sparse and w.topk < 1
     if topk:
         setting += f", top-k {w.topk:g}"
     if c.ranks == 1:
         return MethodCost(name, setting, w.compute_s, 0.0, 0.0)
-    if topk:
-        sent = topk_payload_bytes(w.n_params + w.n_buffers, w.topk, w.value_bits)
-        t = ring_allgather_time(sent, c) + _passes(n, c, passes)
-        return MethodCost(name, setting, w.compute_s, t / period, sent / period)
-    t = allreduce_time(n, c, coll) + _passes(n, c, passes)
-    return MethodCost(name, setting, w.compute_s, t / period, n / period)
+    t, sent = _averaging_round(w, c, coll, topk)
+    t += _passes((w.n_params + w.n_buffers) * FLOAT_BYTES, c, passes)
+    return MethodCost(name, setting, w.compute_s, t / period, sent / period)
 
 
 def easgd(w: Workload, c: Cluster, tau: int, coll: Collectives = Collectives()) -> MethodCost:
@@ -528,12 +542,13 @@ def slowmo(w: Workload, c: Cluster, T: int, every: int,
     communication, 5 passes over the parameters (u: 3, x_old, copy back)."""
     if T < 1 or every < 1 or every % T:
         raise ValueError("T must be >= 1 and every a positive multiple of T")
-    n = w.flat_bytes
+    n = (w.n_params + w.n_buffers) * FLOAT_BYTES
     setting = f"T {T}, slow every {every}"
     if c.ranks == 1:
         return MethodCost("slowmo", setting, w.compute_s, 0.0, 0.0)
-    t = (allreduce_time(n, c, coll) + _passes(n, c, 3)) / T + _passes(n, c, 5) / every
-    return MethodCost("slowmo", setting, w.compute_s, t, n / T)
+    round_s, sent = _averaging_round(w, c, coll)
+    t = (round_s + _passes(n, c, 3)) / T + _passes(n, c, 5) / every
+    return MethodCost("slowmo", setting, w.compute_s, t, sent / T)
 
 
 def gossip(w: Workload, c: Cluster, topology: str,

@@ -11,7 +11,10 @@ model of N parameters (no buffers; it needs --step-ms). Every plan states rho: t
 seconds of one fp32 allreduce of the parameters between nodes (hierarchical: each node's link
 crossed once) over the compute seconds of one step. --comm-dtype int4/int2 and --topk F (EASGD,
 DiLoCo; LSGD's global pull) are priced from their byte counts (costmodel.topk_payload_bytes,
-planning.recommend). Without --step-ms the
+planning.recommend); a compressed round of EASGD, local SGD, DiLoCo or SlowMo is priced as the
+package runs it: on several nodes of several ranks, float32 inside the node and compressed
+between the node roots only; on one node, or one rank a node, flat over all ranks
+(planning.recommend.hier_allreduce_time). Without --step-ms the
 compute time of one step is estimated from the model's multiply-adds (training ~ 3 x forward,
 2 FLOP per multiply-add) at --tflops achieved TFLOP/s. With --measure (under mpirun or srun,
 one process per rank) the job first measures latency and bandwidth inside and between its
@@ -197,7 +200,8 @@ class _Costing:
         self.cluster = cm.Cluster(inp.nodes, inp.ranks_per_node, inp.intra, inp.inter,
                                   mem_Bps=inp.mem_Bps)
         self.workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s,
-                                    element_bytes=WIRE_BYTES[inp.comm_dtype])
+                                    element_bytes=WIRE_BYTES[inp.comm_dtype],
+                                    comm_dtype=inp.comm_dtype)
         self.full_workload = cm.Workload(facts.n_params, facts.n_buffers, inp.step_s)
         # top-k for EASGD, and DiLoCo on a model without buffers (the trainer refuses it
         # with BatchNorm statistics: they share the pseudo-gradient's allreduce)

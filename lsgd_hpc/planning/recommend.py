@@ -18,7 +18,8 @@ Compressors. ``(kind, F)``: values of ``kind`` (fp32, int8, int4, int2) and top-
                         chunks, k = ceil(4096 F) (index, value) records per chunk, int16
                         indices, a 4-byte scale per chunk (none for fp32 values)
 
-Hierarchical compressed allreduce (``hier_allreduce_time``): float32 reduce-scatter and
+Compressed allreduce (``hier_allreduce_time``), as lsgd_hpc.comm.quantized runs it. With
+several nodes and more than one rank a node, hierarchical: float32 reduce-scatter and
 allgather inside the node (shared memory, NVLink), compression only between nodes, where q
 rings (one per slice of n / q) share each node's link:
 
@@ -27,6 +28,17 @@ rings (one per slice of n / q) share each node's link:
                                                   package's hierarchical allreduce, rho's)
     X = (N-1) alpha_e + (N-1) S beta_e            top-k: an allgather of every node's
                                                   records, each node's link receiving (N-1) S
+
+One node, or one rank a node: the flat compressed allreduce over all p ranks, on the one
+kind of link they share (inside the node, or between nodes), chunked by p:
+
+    T(kind, F) = 2 (p-1) alpha + 2 (p-1)/p B_p beta      dense, B_p = allreduce_bytes(n, p)
+    T(kind, F) = (p-1) (alpha + S beta)                  top-k: an allgather of the records
+
+Bytes counted per round (``round_bytes_sent``, comm_bytes_sent's mean over ranks): the node
+roots send B (or S) between nodes, the other ranks nothing: B / q; flat: B_p (or S) a rank.
+The plan's methods table prices EASGD, local SGD, DiLoCo and SlowMo with ``--comm-dtype``
+int8/fp8/int4/int2 or ``--topk`` by these (costmodel._periodic_allreduce).
 
 A dense fp32 round is the library's own allreduce (costmodel.allreduce_time, the fastest of
 ring, hierarchical and recursive doubling), as the methods' table prices it.
@@ -75,7 +87,7 @@ from typing import Dict, List, Optional, Tuple
 
 from lsgd_hpc.planning import costmodel as cm
 
-__all__ = ["wire_bytes", "pull_bytes", "hier_allreduce_time", "diloco_cost", "easgd_cost",
+__all__ = ["wire_bytes", "pull_bytes", "hier_allreduce_time", "round_bytes_sent", "hierarchical", "diloco_cost", "easgd_cost",
            "streaming_diloco_cost", "lsgd_cost", "Candidate", "candidates", "recommend",
            "GRID_PERIODS", "GRID_KINDS", "GRID_TOPK", "GRID_FRAGMENTS", "MAX_PERIOD",
            "MIN_TOPK", "MIN_VALUE_BITS", "SLACK", "STREAMING_DELAY", "PULL_DELAY",
@@ -138,19 +150,44 @@ def pull_bytes(n: int, kind: str = "fp32", topk: float = 1.0) -> int:
     return broadcast_bytes(int(n), kind=kind)
 
 
+def hierarchical(c: cm.Cluster) -> bool:
+    """Whether a compressed allreduce runs hierarchically on ``c`` (several nodes, more than
+    one rank a node), as lsgd_hpc.comm.quantized.quantized_groups does; else flat."""
+    return c.nodes > 1 and c.ranks_per_node > 1
+
+
+def _groups(c: cm.Cluster) -> int:
+    """The ranks a compressed exchange runs over: the node roots, or all ranks (flat)."""
+    return c.nodes if hierarchical(c) else c.ranks
+
+
 def hier_allreduce_time(n: int, c: cm.Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
-    """One allreduce of n float32 elements, reduced in float32 inside each node and
-    compressed (``kind``, ``topk``) between nodes (the module docstring's T(kind, F))."""
-    N, q = c.nodes, c.ranks_per_node
-    inside = cm.ring_allreduce(cm.FLOAT_BYTES * n, q, c.intra)
-    if N <= 1:
-        return inside + cm._call_cost(c)
-    b = wire_bytes(n, N, kind, topk)
-    if topk < 1:
-        between = (N - 1) * (c.inter.alpha_s + b * c.inter.beta_s)
+    """One compressed (``kind``, ``topk``) allreduce of n float32 elements as the package runs
+    it (the module docstring's T(kind, F)): reduced in float32 inside each node and
+    compressed between the node roots when hierarchical(c); else the flat compressed
+    allreduce over all ranks."""
+    if c.ranks <= 1:
+        return 0.0
+    g = _groups(c)
+    b = wire_bytes(n, g, kind, topk)
+    if hierarchical(c):
+        inside, link = cm.ring_allreduce(cm.FLOAT_BYTES * n, c.ranks_per_node, c.intra), c.inter
     else:
-        between = cm.ring_allreduce(b, N, c.inter)
+        inside, link = 0.0, c.intra if c.nodes == 1 else c.inter
+    if topk < 1:
+        between = (g - 1) * (link.alpha_s + b * link.beta_s)
+    else:
+        between = cm.ring_allreduce(b, g, link)
     return inside + between + cm._call_cost(c)
+
+
+def round_bytes_sent(n: int, c: cm.Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
+    """Bytes one compressed allreduce of n elements counts sent, the mean over ranks (the
+    module docstring's): B / q (the node roots' exchange), or B_p (flat)."""
+    if c.ranks <= 1:
+        return 0.0
+    b = wire_bytes(n, _groups(c), kind, topk)
+    return b / c.ranks_per_node if hierarchical(c) else float(b)
 
 
 def _round_time(n: int, c: cm.Cluster, kind: str, topk: float,
@@ -168,7 +205,7 @@ def _periodic(name: str, setting: str, w: cm.Workload, c: cm.Cluster, period: in
         return cm.MethodCost(name, setting, w.compute_s, 0.0, 0.0)
     t = _round_time(n, c, kind, topk, coll) + cm._passes(cm.FLOAT_BYTES * n, c, passes)
     return cm.MethodCost(name, setting, w.compute_s, t / period,
-                         wire_bytes(n, c.nodes, kind, topk) / period)
+                         wire_bytes(n, _groups(c), kind, topk) / period)
 
 
 def diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, kind: str = "fp32", topk: float = 1.0,
@@ -214,7 +251,7 @@ def streaming_diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, fragments: int,
                   - _hidden(delay, w, kind, topk, compressed_overlap))
     t = P * exposed / H + cm._passes(cm.FLOAT_BYTES * n, c, 7) / H
     return cm.MethodCost("streaming-diloco", setting, w.compute_s, t,
-                         P * wire_bytes(frag, c.nodes, kind, topk) / H)
+                         P * wire_bytes(frag, _groups(c), kind, topk) / H)
 
 
 def lsgd_cost(w: cm.Workload, c: cm.Cluster, tau_local: int, tau_global: int,
@@ -329,7 +366,7 @@ def candidates(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collecti
     def add(cost: cm.MethodCost, method, period, kind, topk, options):
         m = w.n_params if method == "lsgd" else n          # LSGD pulls the parameters only
         wire = (pull_bytes(m, kind, topk) if method == "lsgd"
-                else wire_bytes(m, c.nodes, kind, topk))
+                else wire_bytes(m, _groups(c), kind, topk))
         out.append(Candidate(method, period, kind, topk, cost.step_s, cost.comm_s,
                              cost.compute_s, wire / period, wire / (4.0 * m) if m else 1.0,
                              options, _args(method, options, kind, topk),

@@ -29,10 +29,11 @@ for p in (str(REPO), str(REPO / "benchmarks")):
 from lsgd_hpc.testing import mpi_env, mpirun_cmd, run_group  # noqa: E402
 # The layout and link-rate check every benchmark and experiment that claims a multi-node
 # layout or a link rate runs on what its own runs reported (benchmarks/_common.py).
-from _common import LayoutError, check_layout, fmt_bytes  # noqa: E402
+from _common import LayoutError, check_layout, fmt_bytes, rho_fields  # noqa: E402
 
 __all__ = ["REPO", "RAW", "raw_dir", "train_many", "write_csv", "read_csv", "new_figure",
-           "save_figure", "write_json", "LayoutError", "check_layout", "fmt_bytes"]
+           "save_figure", "write_json", "LayoutError", "check_layout", "fmt_bytes", "rho_fields",
+           "RHO_COLUMNS", "add_rho", "rho_sentence"]
 
 #: where raw runs go (ignored by git)
 RAW = REPO / "runs" / "results"
@@ -106,3 +107,25 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+#: the rho columns an experiment over links adds to its tables (rho_fields)
+RHO_COLUMNS = ["rho", "rho_allreduce_s", "rho_compute_s", "rho_source"]
+
+
+def add_rho(rows: Iterable[dict], n_params: int, link_of, layout_of, compute_of) -> None:
+    """rho_fields into every row whose link is known: ``link_of(row)`` the probed link between
+    the nodes (or None), ``layout_of(row)`` (nodes, ranks per node), ``compute_of(row)`` the
+    run's compute seconds of one step."""
+    for r in rows:
+        link = link_of(r)
+        if link:
+            r.update(rho_fields(n_params, *layout_of(r), link, compute_of(r)))
+
+
+def rho_sentence(where: str, row: dict, n_params: int) -> str:
+    """The finding for one row with rho_fields: rho and its parts."""
+    return (f"rho {where}: {row['rho']:.3g} ({row['rho_source']} from the probed link: one "
+            f"fp32 allreduce of the {n_params:,} parameters between the nodes "
+            f"{1e3 * row['rho_allreduce_s']:.3g} ms / compute {1e3 * row['rho_compute_s']:.3g}"
+            " ms a step).")

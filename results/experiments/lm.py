@@ -49,7 +49,12 @@ lm.json. Training time is the trainer's (evaluations excluded; the slowest rank'
 seconds in communication calls (the rank that spent most). Bytes are the logical payload
 (docs/metrics.md): a broadcast counts once as sent (at its root) and once per receiver as
 received, an allreduce once per rank in both, so "bytes sent" flatters broadcast-based methods
-(LSGD) against allreduce-based ones; the findings give both. Raw runs: runs/results/lm/.
+(LSGD) against allreduce-based ones; the findings give both. Every run and summary row
+carries rho (docs/planning.md): one fp32 allreduce of the parameters between the nodes
+predicted from the probed link, over the compute seconds a step (training time less
+communication, / steps): columns rho, rho_allreduce_s, rho_compute_s, rho_source
+(``--refresh-rho`` adds them to recorded results, training nothing). Raw runs:
+runs/results/lm/.
 """
 
 from __future__ import annotations
@@ -70,8 +75,9 @@ REPO = HERE.parents[1]
 for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure,  # noqa: E402
-                     write_csv, write_json)
+from _shared import (RHO_COLUMNS, LayoutError, check_layout, new_figure, raw_dir,  # noqa: E402
+                     rho_sentence, save_figure, write_csv, write_json)
+from _shared import add_rho as shared_add_rho  # noqa: E402
 
 NAME = "lm"
 TITLE = "Language model: held-out perplexity against training time and bytes, 2 emulated nodes"
@@ -107,13 +113,13 @@ WARMUP = ["--method", "allreduce", "--steps", "4", "--eval-every", "0"]
 
 RUN_COLUMNS = ["ranks", "nodes", "method", "role", "lr", "lr_picked_at", "seed", "tuned_pick",
                "final_val_loss", "final_loss", "final_perplexity", "model", "training_time_s", "comm_s",
-               "wall_time_s", "bytes_sent", "bytes_recv", "steps"]
+               "wall_time_s", "bytes_sent", "bytes_recv", "steps", *RHO_COLUMNS]
 SUMMARY_COLUMNS = ["ranks", "method", "lrs_tried", "lr", "lr_picked_at", "seeds", "final_loss",
                    "final_perplexity", "perplexity_std", "final_val_loss", "training_time_s", "comm_s", "bytes_sent", "bytes_recv",
                    "steps", "rank_by_perplexity",
                    "best_baseline", "perplexity_minus_best_baseline",
                    "perplexity_over_best_baseline", "time_over_best_baseline",
-                   "bytes_sent_over_best_baseline", "bytes_recv_over_best_baseline"]
+                   "bytes_sent_over_best_baseline", "bytes_recv_over_best_baseline", *RHO_COLUMNS]
 
 
 # -- the cluster ------------------------------------------------------------------------------
@@ -235,6 +241,43 @@ def pick_lrs(tune_rows: List[Dict]) -> Dict:
             for r in rs:
                 r["tuned_pick"] = int(lr == picks[key])
     return picks
+
+
+#: parameters of examples/char_lm.py at WORKLOAD's sizes (d_model 128, 2 layers, 4 heads,
+#: context 64): what rho's fp32 allreduce moves
+N_PARAMS = 470_784
+
+
+def add_rho(rows: List[Dict], summary: List[Dict], probes: Dict) -> None:
+    """rho of every run and summary row (_shared.rho_fields): one fp32 allreduce of the
+    model between the 2 nodes, predicted from the link the job of that rank count probed,
+    over the compute seconds of one step (training time less communication, / steps; a
+    summary row: its means)."""
+    def link(r):
+        probe = probes.get(str(r["ranks"])) or probes.get(r["ranks"]) or {}
+        return (probe.get("probe") or {}).get("inter")
+
+    shared_add_rho([*rows, *summary], N_PARAMS, link, lambda r: (NODES, r["ranks"] // NODES),
+                   lambda r: (r["training_time_s"] - r["comm_s"]) / r["steps"])
+
+
+def rho_findings(summary: List[Dict]) -> List[str]:
+    """One sentence a rank count: allreduce SGD's rho there and its parts."""
+    return [rho_sentence(f"at {s['ranks']} ranks ({NODES} nodes)", s, N_PARAMS)
+            for s in summary if s["method"] == "allreduce SGD" and "rho" in s]
+
+
+def refresh_rho(out) -> List[str]:
+    """rho into OUT/lm.json, lm_runs.csv and lm_summary.csv from the recorded numbers,
+    training nothing (``python results/experiments/lm.py --refresh-rho``); returns the rho
+    findings."""
+    out = Path(out)
+    doc = json.loads((out / "lm.json").read_text())
+    add_rho(doc["runs"], doc["summary"], doc["probes"])
+    write_json(out / "lm.json", doc)
+    write_csv(out / "lm_runs.csv", doc["runs"], RUN_COLUMNS + ["final_loss_spread_over_ranks"])
+    write_csv(out / "lm_summary.csv", doc["summary"], SUMMARY_COLUMNS)
+    return rho_findings(doc["summary"])
 
 
 def summarize(rows: List[Dict]) -> List[Dict]:
@@ -582,6 +625,7 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
                                                          for k, v in errors.items()],
                 "seconds": time.perf_counter() - t0}
     summary = summarize(rows)
+    add_rho(rows, summary, probes)
     write_csv(out / "lm_runs.csv", rows, RUN_COLUMNS + ["final_loss_spread_over_ranks"])
     write_csv(out / "lm_summary.csv", summary, SUMMARY_COLUMNS)
     worlds = sorted({r["ranks"] for r in rows if r["role"] == "report"})
@@ -606,7 +650,7 @@ def run(out, quick: bool = False, log=print, ranks=None, steps=None, lrs=None, s
              + "; reported seeds "
              f"{', '.join(map(str, seeds))}; perplexity = exp(held-out loss per byte) of the "
              "reported model (LSGD: the elected leader) at the end."]
-    found += findings(rows, summary, len(seeds), len(lrs))
+    found += findings(rows, summary, len(seeds), len(lrs)) + rho_findings(summary)
     found += [f"error in {k}: {v}" for k, v in errors.items()]
     seconds = time.perf_counter() - t0
     write_json(out / "lm.json", {"summary": summary, "runs": rows, "probes": probes,
@@ -644,10 +688,16 @@ def main(argv=None) -> int:
     p.add_argument("--tune-every-rank", action="store_true",
                    help="try every learning rate at every rank count (default: at the first; "
                         "the others train each method's pick there)")
+    p.add_argument("--refresh-rho", action="store_true",
+                   help="add rho to OUT's recorded tables, training nothing")
     p.add_argument("--job", help=argparse.SUPPRESS)     # the MPI job itself (every rank)
     args = p.parse_args(argv)
     if args.job:
         return job(args.job)
+    if args.refresh_rho:
+        for line in refresh_rho(args.out):
+            print("-", line)
+        return 0
     if args.methods:
         unknown = set(args.methods) - {m for m, _ in METHODS}
         if unknown:

@@ -36,6 +36,10 @@ docs/metrics.md counts it) is reported beside it.
 
 Outputs in --out: links_runs.csv, links_summary.csv (per rate and method), links_<rate>.png
 (held-out perplexity against training time and against bytes between nodes), links.json.
+Every run and summary row carries rho (docs/planning.md): one fp32 allreduce of the
+parameters between the nodes, predicted from the link the rate's job probed ("predicted"),
+over the run's compute seconds a step (training time less communication, / steps), in the
+columns rho, rho_allreduce_s, rho_compute_s, rho_source; a finding gives allreduce SGD's.
 """
 
 from __future__ import annotations
@@ -55,8 +59,9 @@ for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 import lm  # noqa: E402
-from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure,  # noqa: E402
-                     write_csv, write_json)
+from _shared import (RHO_COLUMNS, LayoutError, check_layout, new_figure, raw_dir,  # noqa: E402
+                     rho_sentence, save_figure, write_csv, write_json)
+from _shared import add_rho as shared_add_rho  # noqa: E402
 
 NAME = "lm_links"
 TITLE = "Slow links: the language model at 100 Mbit/s and 1 Gbit/s, low-bandwidth methods"
@@ -81,11 +86,13 @@ TUNE_SEED = 0
 EVAL_EVERY = 16
 RUN_COLUMNS = ["rate", "method", "role", "lr", "seed", "tuned_pick", "final_val_loss",
                "final_loss", "final_perplexity", "training_time_s", "comm_s", "bytes_sent",
-               "link_bytes", "steps"]
+               "link_bytes", "steps", *RHO_COLUMNS]
 SUMMARY_COLUMNS = ["rate", "method", "lr", "seeds", "final_perplexity", "perplexity_std",
                    "training_time_s", "comm_s", "bytes_sent", "link_bytes",
                    "perplexity_over_allreduce", "time_over_allreduce",
-                   "link_bytes_over_allreduce"]
+                   "link_bytes_over_allreduce", *RHO_COLUMNS]
+#: what rho's fp32 allreduce moves: the language model's parameters
+N_PARAMS = lm.N_PARAMS
 
 
 # -- the MPI job (every rank) -----------------------------------------------------------------
@@ -179,6 +186,34 @@ def summarize(rows: List[Dict]) -> List[Dict]:
                 s["link_bytes_over_allreduce"] = (s["link_bytes"] / base["link_bytes"]
                                                   if base["link_bytes"] else math.nan)
     return out
+
+
+def add_rho(rows: List[Dict], summary: List[Dict], probes: Dict) -> None:
+    """rho of every run and summary row (_shared.rho_fields): the fp32 allreduce of the
+    model between the 2 nodes predicted from the link that rate's job probed, over the run's
+    compute seconds a step (training time less communication, / steps; a summary row: the
+    mean over its seeds)."""
+    def link(role):
+        return lambda r: ((probes.get(f"{r['rate']} {role or r['role']}") or {}).get("probe")
+                          or {}).get("inter")
+
+    def compute(r):
+        return (r["training_time_s"] - r["comm_s"]) / r["steps"]
+
+    layout = lambda r: (lm.NODES, WORLD // lm.NODES)  # noqa: E731
+    shared_add_rho(rows, N_PARAMS, link(None), layout, compute)
+    for s in summary:
+        rs = [r for r in rows if (r["rate"], r["method"], r["role"]) == (s["rate"], s["method"],
+                                                                         "report")]
+        if rs:
+            mean = sum(map(compute, rs)) / len(rs)
+            shared_add_rho([s], N_PARAMS, link("report"), layout, lambda _: mean)
+
+
+def rho_findings(summary: List[Dict]) -> List[str]:
+    """One sentence a rate: allreduce SGD's rho there and its parts."""
+    return [rho_sentence(f"at {s['rate']}", s, N_PARAMS) for s in summary
+            if s["method"] == "allreduce SGD" and "rho" in s]
 
 
 def plot(rows: List[Dict], rate: str, out: Path) -> str:
@@ -357,6 +392,7 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, lrs=None, s
                                                          for k, v in errors.items()],
                 "seconds": time.perf_counter() - t0}
     summary = summarize(rows)
+    add_rho(rows, summary, probes)
     write_csv(out / "links_runs.csv", rows, RUN_COLUMNS)
     write_csv(out / "links_summary.csv", summary, SUMMARY_COLUMNS)
     figures = [plot(rows, rate, out) for rate in rates
@@ -376,7 +412,7 @@ def _all_findings(rows, summary, n, rates, lrs, seeds) -> List[str]:
             f"ranks on 2 emulated nodes, rates {', '.join(rates)}; learning rates "
             f"{', '.join(f'{lr:g}' for lr in lrs)} tuned at {rates[0]} (seed {TUNE_SEED}), "
             f"reported seeds {', '.join(map(str, seeds))}; bytes between nodes measured on "
-            "the links."] + findings(summary) + equal_time(rows, summary)
+            "the links."] + findings(summary) + rho_findings(summary) + equal_time(rows, summary)
 
 
 def refresh(out) -> Dict:
@@ -386,12 +422,14 @@ def refresh(out) -> Dict:
     doc = json.loads((out / "links.json").read_text())
     rows = doc["runs"]
     summary = summarize(rows)
+    add_rho(rows, summary, doc.get("probes", {}))
     rates = list(dict.fromkeys(r["rate"] for r in rows if r["role"] == "report"))
     lrs = sorted({r["lr"] for r in rows if r["role"] == "tune"}) or \
         sorted({r["lr"] for r in rows})
     seeds = sorted({r["seed"] for r in rows if r["role"] == "report"})
     write_csv(out / "links_runs.csv", rows, RUN_COLUMNS)
     write_csv(out / "links_summary.csv", summary, SUMMARY_COLUMNS)
+    write_json(out / "links.json", {**doc, "summary": summary, "runs": rows})
     figures = [plot(rows, rate, out) for rate in rates]
     found = _all_findings(rows, summary, rows[0]["steps"], rates, lrs, seeds)
     found += [f"error in {k}: {v}" for k, v in doc.get("errors", {}).items()]

@@ -51,12 +51,17 @@ link; the scale model's errors; and across the two rates, how much the slower li
 Outputs in --out: time_to_accuracy.csv (per rate and method: measured and predicted step time
 and time to accuracy, their errors), curves.csv (accuracy against training time, every run),
 fit.csv (the fitted parameters per rate), time_to_accuracy.png, accuracy_vs_time.png,
-step_time_predicted.png. Raw runs (HDF5): runs/results/network/.
+step_time_predicted.png. Every row of time_to_accuracy.csv carries rho (docs/planning.md): one
+fp32 allreduce of the parameters between the nodes predicted from the rate's probed link, over
+the row's step time less its communication (columns rho, rho_allreduce_s, rho_compute_s,
+rho_source); ``--refresh-rho`` adds them to recorded results, training nothing. Raw runs
+(HDF5): runs/results/network/.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shutil
 import statistics
@@ -70,8 +75,9 @@ REPO = HERE.parents[1]
 for _p in (REPO, REPO / "benchmarks", HERE):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
-from _shared import (LayoutError, check_layout, new_figure, raw_dir, save_figure,  # noqa: E402
-                     write_csv, write_json)
+from _shared import (LayoutError, check_layout, new_figure, raw_dir, rho_sentence,  # noqa: E402
+                     save_figure, write_csv, write_json)
+from _shared import add_rho as shared_add_rho  # noqa: E402
 
 import scale_model  # noqa: E402
 import time_to_accuracy as tta  # noqa: E402
@@ -209,6 +215,36 @@ def table_rows(results: Dict, pred: Dict) -> List[Dict]:
                 "fitted_on": "+".join(p.get("fitted_on", [])),
             })
     return rows
+
+
+def add_rho(rows: List[Dict], pred: Dict, n_params: int) -> None:
+    """rho of every row (_shared.rho_fields): one fp32 allreduce of the model's ``n_params``
+    parameters between the 2 nodes, predicted from the link the rate's job probed
+    (``pred[rate]["inter"]``), over the row's compute seconds a step (its measured step time
+    less its communication, medians over seeds)."""
+    shared_add_rho(rows, n_params, lambda r: pred.get(r["rate"], {}).get("inter"),
+                   lambda r: (tta.NODES, tta.RANKS_PER_NODE),
+                   lambda r: r["step_time_s"] - r["comm_s_per_step"])
+
+
+def rho_findings(rows: List[Dict], n_params: int) -> List[str]:
+    """One sentence a rate: allreduce SGD's rho there and its parts."""
+    return [rho_sentence(f"at {r['rate']}", r, n_params) for r in rows
+            if r["method"] == "allreduce" and "rho" in r]
+
+
+def refresh_rho(out) -> List[str]:
+    """rho into OUT/network.json's rows and OUT/time_to_accuracy.csv from the recorded
+    numbers, training nothing (``python results/experiments/network.py --refresh-rho``);
+    returns the rho findings."""
+    from lsgd_hpc.planning.plan import model_facts
+    out = Path(out)
+    doc = json.loads((out / "network.json").read_text())
+    n_params = model_facts(tta.MODEL, "digits").n_params
+    add_rho(doc["rows"], doc["prediction"], n_params)
+    write_json(out / "network.json", doc)
+    write_csv(out / "time_to_accuracy.csv", doc["rows"])
+    return rho_findings(doc["rows"], n_params)
 
 
 def curve_rows(results: Dict) -> List[Dict]:
@@ -479,6 +515,8 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
         scale_model.cm.Workload(model_facts(tta.MODEL, "digits").n_params, 0, 0).flat_bytes)
     pred = predict(results, mem)
     rows = table_rows(results, pred)
+    n_params = model_facts(tta.MODEL, "digits").n_params
+    add_rho(rows, pred, n_params)
     tables = [write_csv(out / "time_to_accuracy.csv", rows).name,
               write_csv(out / "curves.csv", curve_rows(results)).name,
               write_csv(out / "fit.csv", [{"rate": r, "fitted_on": "+".join(p["fitted_on"]),
@@ -492,7 +530,8 @@ def run(out, quick: bool = False, log=print, seeds: Optional[List[int]] = None,
     plot_curves(results, rates, target, out / "accuracy_vs_time.png")
     plot_step_times(rows, rates, out / "step_time_predicted.png")
     figures = ["time_to_accuracy.png", "accuracy_vs_time.png", "step_time_predicted.png"]
-    found = findings(rows, rates, target, len(seeds), pred) + slowmo_as_local_sgd(results, rates)
+    found = (findings(rows, rates, target, len(seeds), pred) + rho_findings(rows, n_params)
+             + slowmo_as_local_sgd(results, rates))
     for k, v in res.get("errors", {}).items():
         found.append(f"error in {k}: {v}")
     seconds = time.perf_counter() - t0
@@ -510,7 +549,13 @@ def main(argv=None) -> int:
                    help=f"one seed, {QUICK['steps']} steps, target {QUICK['target']:.0%}".replace("%", "%%"))
     p.add_argument("--seeds", type=int, nargs="+", help="seeds (default 0 1 2; quick: 0)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per link rate's job")
+    p.add_argument("--refresh-rho", action="store_true",
+                   help="add rho to OUT's recorded tables, training nothing")
     args = p.parse_args(argv)
+    if args.refresh_rho:
+        for line in refresh_rho(args.out):
+            print("-", line)
+        return 0
     res = run(args.out, args.quick, seeds=args.seeds, timeout=args.timeout)
     for f in res["findings"]:
         print("-", f)

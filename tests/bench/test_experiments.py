@@ -121,6 +121,7 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
         ppl = [float(r["final_perplexity"]) for r in report if r["method"] == s["method"]]
         assert abs(float(s["final_perplexity"]) - sum(ppl) / 2) < 1e-3
     assert all(s["best_baseline"] == "allreduce SGD" for s in summary)
+    assert all(float(s["rho"]) > 0 and s["rho_source"] == "predicted" for s in summary)
     png = (out / "lm_4ranks.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "LSGD multi-leader wins against" in p.stdout or \
@@ -194,8 +195,9 @@ def test_headline_ratios_against_the_best_tuned_baseline(tmp_path):
         w.writerows([["" if v is None else v for v in r] for r in rows])
     (tmp_path / "lm").mkdir()
     (tmp_path / "lm" / "lm_summary.csv").write_text(
-        "ranks,method,final_perplexity,training_time_s,bytes_sent\n"
-        "4,LSGD multi-leader,9.5,10,200\n4,DiLoCo,9.0,9,100\n4,allreduce SGD,9.2,12,900\n")
+        "ranks,method,final_perplexity,training_time_s,bytes_sent,rho\n"
+        "4,LSGD multi-leader,9.5,10,200,0.4\n4,DiLoCo,9.0,9,100,0.45\n"
+        "4,allreduce SGD,9.2,12,900,0.5\n")
     lines = hl.headline(tmp_path)
     (noisy,) = [r for r in hl.ratios(hl.collect(tmp_path)) if r["task"].startswith("noisy")]
     assert noisy["best_baseline"] == "EASGD" and abs(noisy["quality_diff"] + 0.04) < 1e-12
@@ -205,6 +207,9 @@ def test_headline_ratios_against_the_best_tuned_baseline(tmp_path):
     (lm,) = [r for r in hl.ratios(hl.collect(tmp_path)) if r["task"].startswith("character")]
     assert lm["best_baseline"] == "DiLoCo" and abs(lm["quality_diff"] - 0.5) < 1e-12
     assert abs(lm["bytes_ratio"] - 2.0) < 1e-12
+    assert lm["rho"] == 0.5 and noisy["rho"] is None      # allreduce SGD's; one host: none
+    assert any(ln.startswith("| character LM, 4 ranks | 0.5 | LSGD multi-leader |")
+               for ln in lines), lines
     assert lines[0] == "## Headline" and (tmp_path / "headline.csv").exists()
     # allreduce did not reach the target in every seed: no time to target in the table
     assert any("| noisy digits (40 % labels wrong), 4 ranks | allreduce SGD | 80.0 % ± 2.0 | "
@@ -241,6 +246,8 @@ def test_lm_links_experiment_measures_the_bytes_on_the_links(tmp_path):
     assert dl < ar / 10, (dl, ar)            # 2 int8 outer steps against 16 fp32 allreduces
     summary = _csv(out / "links_summary.csv")
     assert {s["method"] for s in summary} == set(runs)
+    for s in summary:        # rho from the probed link and the run's compute
+        assert float(s["rho"]) > 0 and s["rho_source"] == "predicted"
     png = (out / "links_100mbit.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
@@ -276,7 +283,11 @@ def test_lm_links_equal_time_findings_and_refresh(tmp_path):
                              "link_bytes": 900, "steps": 16, "curve": curve(pts)})
         out = tmp_path / "lm_links"
         out.mkdir()
-        (out / "links.json").write_text(json.dumps({"runs": rows, "errors": {}}))
+        # the 100 Mbit/s report job's probe: 1e-8 s a byte between the nodes, no latency
+        probes = {"100mbit report": {"probe": {"inter": {"alpha_s": 0.0,
+                                                         "beta_s_per_byte": 1e-8}}}}
+        (out / "links.json").write_text(json.dumps({"runs": rows, "errors": {},
+                                                    "probes": probes}))
         res = lk.refresh(out)
         found = "\n".join(res["findings"])
         # at 20 s (LSGD's end) LSGD is at 9.5, allreduce SGD between 12 and 9
@@ -285,9 +296,77 @@ def test_lm_links_equal_time_findings_and_refresh(tmp_path):
         assert "allreduce SGD reaches LSGD's 9.50 (reached at 20.0 s) in" in found, found
         assert res["figures"] == ["links_100mbit.png"]
         assert (out / "links_100mbit.png").read_bytes()[:4] == b"\x89PNG"
-        assert len(_csv(out / "links_summary.csv")) == 2
+        summary = {s["method"]: s for s in _csv(out / "links_summary.csv")}
+        assert len(summary) == 2
+        # rho: the fp32 allreduce of the 470,784 parameters between the 2 nodes predicted from
+        # the probe, 2 (1/2) 4 n 1e-8 s, over the compute a step, (40 - 1) / 16 s for
+        # allreduce SGD (training time less communication, over its 16 steps)
+        t = 4 * 470_784 * 1e-8
+        ar = summary["allreduce SGD"]
+        assert float(ar["rho_allreduce_s"]) == pytest.approx(t, rel=1e-5)
+        assert float(ar["rho_compute_s"]) == pytest.approx(39 / 16, rel=1e-5)
+        assert float(ar["rho"]) == pytest.approx(t / (39 / 16), rel=1e-5)
+        assert ar["rho_source"] == "predicted"
+        assert float(summary["LSGD"]["rho"]) == pytest.approx(t / (19 / 16), rel=1e-5)
+        assert all(r["rho"] for r in _csv(out / "links_runs.csv"))
+        assert "rho at 100mbit: 0.00773 (predicted" in found, found
+        assert "rho" in json.loads((out / "links.json").read_text())["summary"][0]
     finally:
         sys.path[:] = path
         for name in set(sys.modules) - modules:     # the experiments' own modules only
             if str(REPO / "results") in str(getattr(sys.modules[name], "__file__", "") or ""):
+                del sys.modules[name]
+
+
+def test_rho_of_the_recorded_network_runs_and_the_language_model(tmp_path):
+    """rho into the network experiment's recorded tables (--refresh-rho, training nothing),
+    by hand from the probed link; the language model's parameter count that rho moves."""
+    import importlib.util
+    import json
+    path, modules = list(sys.path), set(sys.modules)
+    try:
+        mods = {}
+        for name in ("network", "lm"):
+            spec = importlib.util.spec_from_file_location(
+                f"results_{name}", REPO / "results" / "experiments" / f"{name}.py")
+            mods[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mods[name])
+        out = tmp_path / "network"
+        out.mkdir()
+        doc = json.loads((REPO / "results" / "network" / "network.json").read_text())
+        for r in doc["rows"]:
+            for k in ("rho", "rho_allreduce_s", "rho_compute_s", "rho_source"):
+                r.pop(k, None)
+        (out / "network.json").write_text(json.dumps(doc))
+        found = mods["network"].refresh_rho(out)
+        rows = _csv(out / "time_to_accuracy.csv")
+        ar = next(r for r in rows if (r["rate"], r["method"]) == ("1gbit", "allreduce"))
+        # 2 nodes: 2 (1/2) 4 n beta_e + 2 alpha_e, n = 1,126,410 (mlp_wide on digits)
+        inter = doc["prediction"]["1gbit"]["inter"]
+        t = 4 * 1_126_410 * inter["beta_s"] + 2 * inter["alpha_s"]
+        assert float(ar["rho_allreduce_s"]) == pytest.approx(t, rel=1e-5)
+        compute = float(ar["step_time_s"]) - float(ar["comm_s_per_step"])
+        assert float(ar["rho"]) == pytest.approx(t / compute, rel=1e-4)
+        assert len(found) == 2 and found[0].startswith("rho at 1gbit: ")
+        # benchmarks/time_to_accuracy.py: rho per rate in its results and rows
+        tta = sys.modules["time_to_accuracy"]
+        run = {"time_to_target": 1.0, "compute_s_per_step": 0.02, "comm_s_per_step": 0.01,
+               "curve": []}
+        probe = {"probe": {"inter": {"alpha_s": 0.0, "beta_s_per_byte": 1e-9}}}
+        res = tta.summarise({"target": 0.9, "seeds": [0], "steps": 10},
+                            {"1gbit": {"runs": {"allreduce": {0: run}}, "probe": probe}}, {}, [])
+        t = 4 * 1_126_410 * 1e-9
+        assert res["results"]["1gbit"]["rho"] == pytest.approx(t / 0.02)
+        assert res["rows"][0]["data"]["rho_source"] == "predicted"
+        assert f"rho {t / 0.02:.3g} (predicted)" in res["rows"][0]["figures"]
+        # the language model (examples/char_lm.py at lm.WORKLOAD's sizes)
+        sys.path.insert(0, str(REPO / "examples"))
+        import char_lm
+        model = char_lm.ByteLM(128, 2, 4, 64)
+        assert mods["lm"].N_PARAMS == sum(p.numel() for p in model.parameters())
+    finally:
+        sys.path[:] = path
+        for name in set(sys.modules) - modules:     # the experiments' own modules only
+            if str(REPO / "results") in str(getattr(sys.modules[name], "__file__", "") or "") \
+                    or name == "char_lm":
                 del sys.modules[name]

@@ -6,6 +6,8 @@ changed."""
 import importlib.util
 import math
 
+import pytest
+
 from mpi_util import REPO
 
 
@@ -92,6 +94,17 @@ def test_every_method_is_predicted_by_its_cost_model():
         assert len(ratio) == 1 and all(m[0] in ratio[0] for m in net.METHODS[:3]), ratio
         assert "ratio" in ratio[0]
     assert text.count("the held-out leader score against the train score") == 2
+    # rho a row: one fp32 allreduce of n parameters between the 2 nodes from the probed link,
+    # 2 alpha + 2 (1/2) 4 n beta, over the row's step time less its communication
+    n = 1_000_000
+    net.add_rho(rows, pred, n)
+    ar = next(r for r in rows if (r["rate"], r["method"]) == ("1gbit", "allreduce"))
+    link = pred["1gbit"]["inter"]
+    t = 2 * link["alpha_s"] + 4 * n * link["beta_s"]
+    assert ar["rho_allreduce_s"] == pytest.approx(t)
+    assert ar["rho"] == pytest.approx(t / (ar["step_time_s"] - ar["comm_s_per_step"]))
+    assert ar["rho_source"] == "predicted"
+    assert net.rho_findings(rows, n)[0].startswith("rho at 1gbit: ")
 
 
 def test_slowmo_equal_to_local_sgd_is_a_finding():

@@ -437,9 +437,22 @@ def test_comm_dtype_int8_quarters_the_quantized_methods_bytes():
     inp = lambda dtype: pl.PlanInputs(  # noqa: E731
         "resnet20", facts.dataset, 4, 4, cm.Link.from_gbps(100, 2), cm.Link.from_gbps(10, 5),
         0.05, "given", "given", 128, 1e12, 0.1, "auto", dtype)
-    fp32, int8 = ({m["method"]: m["bytes_per_step"] for m in pl.plan(inp(d), facts)["methods"]}
+    plans = {d: pl.plan(inp(d), facts) for d in ("fp32", "int8")}
+    fp32, int8 = ({m["method"]: m["bytes_per_step"] for m in plans[d]["methods"]}
                   for d in ("fp32", "int8"))
-    for method in ("lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
-        assert int8[method] / fp32[method] == pytest.approx((1 + 4 / 4096) / 4, rel=0.02), method
+    # LSGD's broadcasts forward the quantized bytes: a quarter of fp32's, plus the scales
+    assert int8["lsgd"] / fp32["lsgd"] == pytest.approx((1 + 4 / 4096) / 4, rel=0.02)
+    # the averaging methods' int8 allreduce is hierarchical on 4 nodes x 4 ranks: a node
+    # root sends B = m + 4 N b bytes between the 4 roots (b = ceil(ceil(m / 4) / 4096)
+    # scales a chunk), the other ranks nothing: B / 4 a rank, mean over the 16 ranks
+    m = facts.n_params + facts.n_buffers
+    b = -(-(-(-m // 4)) // 4096)
+    B = m + 4 * 4 * b
+    from lsgd_hpc.comm.quantized import allreduce_bytes
+    assert allreduce_bytes(m, 4, kind="int8") == B
+    rec = plans["int8"]["recommended"]
+    for method, period in (("easgd", rec["easgd"]["tau"]), ("local-sgd", rec["local-sgd"]["T"]),
+                           ("diloco", rec["diloco"]["H"]), ("slowmo", rec["slowmo"]["T"])):
+        assert int8[method] == pytest.approx(B / 4 / period), method
     for method in ("allreduce", "gossip"):
         assert int8[method] == fp32[method], method

@@ -105,8 +105,8 @@ def test_int4_int2_bytes_by_hand():
     assert 8192 * WIRE_BYTES["int4"] == 4104 and 8192 * WIRE_BYTES["int2"] == 2056
     c = cm.Cluster(2, 1, cm.Link(0.0, 0.0), cm.Link(0.0, 1e-9))
     for dtype, nbytes in (("int4", 4104), ("int2", 2056)):
-        w = cm.Workload(8192, 0, 1.0, element_bytes=WIRE_BYTES[dtype])
-        d = cm.diloco(w, c, 4)
+        w = cm.Workload(8192, 0, 1.0, element_bytes=WIRE_BYTES[dtype], comm_dtype=dtype)
+        d = cm.diloco(w, c, 4)                  # one rank a node: the flat compressed allreduce
         assert d.bytes_per_step == pytest.approx(nbytes / 4)
         assert d.comm_s == pytest.approx(nbytes * 1e-9 / 4)     # ring of 2: 2 (1/2) n beta
 
@@ -115,9 +115,12 @@ def test_int4_int2_bytes_by_hand():
 def test_cli_int4_int2_bytes(dtype):
     result = plan_json(["--params", "8192", *CLUSTER, "--step-ms", "10", "--comm-dtype", dtype])
     nbytes = {"int4": 4104, "int2": 2056}[dtype]
+    # 2 nodes x 4 ranks: hierarchical, the node roots exchange 4096 or 2048 bytes and 2 chunks x
+    # 1 scale between the 2 nodes; mean over the 4 ranks of a node
     for name, period in (("diloco", "H"), ("local-sgd", "T")):
         m = method(result, name)
-        assert m["bytes_per_step"] == pytest.approx(nbytes / result["recommended"][name][period])
+        assert m["bytes_per_step"] == pytest.approx(
+            nbytes / 4 / result["recommended"][name][period])
     assert method(result, "allreduce")["bytes_per_step"] == 8192 * 4      # stays fp32
 
 
@@ -143,18 +146,25 @@ def test_topk_payload_matches_the_package():
 
 
 def test_topk_diloco_easgd_cost_by_hand():
-    # 2 nodes x 2 ranks; allgather ring of 3 steps on the slowest link (inter)
+    # 2 nodes x 2 ranks: hierarchical, as the package runs it: a float32 ring allreduce inside
+    # the node (2 (1) 1e-6 + 2 (1/2) 40000 1e-10), then the 2 node roots' allgather of the
+    # records, 1 step on the inter link; a root sends S, its neighbour nothing: S / 2 a rank
     c = cm.Cluster(2, 2, cm.Link(1e-6, 1e-10), cm.Link(1e-5, 1e-9))
     s = 3 * (4 + 82 + 11)                                       # 10000 elements, 1 %, int2
-    w = cm.Workload(10000, 0, 1.0, element_bytes=WIRE_BYTES["int2"], topk=0.01, value_bits=2)
-    assert cm.ring_allgather_time(s, c) == pytest.approx(3 * (1e-5 + s * 1e-9))
+    w = cm.Workload(10000, 0, 1.0, element_bytes=WIRE_BYTES["int2"], topk=0.01, value_bits=2,
+                    comm_dtype="int2")
+    inside = 2e-6 + 40000 * 1e-10
     for cost in (cm.diloco(w, c, 4), cm.easgd(w, c, 4)):
-        assert cost.bytes_per_step == pytest.approx(s / 4)
-        assert cost.comm_s == pytest.approx(3 * (1e-5 + s * 1e-9) / 4)
+        assert cost.bytes_per_step == pytest.approx(s / 2 / 4)
+        assert cost.comm_s == pytest.approx((inside + 1e-5 + s * 1e-9) / 4)
         assert "top-k 0.01" in cost.setting
-    # local SGD takes no top-k: it stays dense
+    # local SGD takes no top-k: it stays dense, int2 between the roots: 2500 bytes and
+    # 2 chunks x ceil(5000 / 4096) = 2 scales of 4 bytes (allreduce_bytes(10000, 2))
     dense = cm.local_sgd(w, c, 4)
-    assert dense.bytes_per_step == pytest.approx(10000 * WIRE_BYTES["int2"] / 4)
+    assert dense.bytes_per_step == pytest.approx((2500 + 4 * 2 * 2) / 2 / 4)
+    assert dense.comm_s == pytest.approx((inside + 2 * 1e-5 + 2516 * 1e-9) / 4)
+    # the flat allgather (one node, or one rank a node) is still there for the plan's users
+    assert cm.ring_allgather_time(s, c) == pytest.approx(3 * (1e-5 + s * 1e-9))
 
 
 def test_cli_topk_prices_easgd_and_diloco_only():
@@ -162,10 +172,12 @@ def test_cli_topk_prices_easgd_and_diloco_only():
                         "--comm-dtype", "int2", "--topk", "0.01"])
     s = 3 * (4 + 82 + 11)
     rec = result["recommended"]
-    assert method(result, "diloco")["bytes_per_step"] == pytest.approx(s / rec["diloco"]["H"])
-    assert method(result, "easgd")["bytes_per_step"] == pytest.approx(s / rec["easgd"]["tau"])
+    # 2 nodes x 4 ranks: the node roots send S (top-k) or allreduce_bytes(10000, 2, int2) =
+    # 2500 + 4 x 2 x 2 (dense), the other 3 ranks of a node nothing: / 4 a rank
+    assert method(result, "diloco")["bytes_per_step"] == pytest.approx(s / 4 / rec["diloco"]["H"])
+    assert method(result, "easgd")["bytes_per_step"] == pytest.approx(s / 4 / rec["easgd"]["tau"])
     assert method(result, "local-sgd")["bytes_per_step"] == pytest.approx(
-        10000 * WIRE_BYTES["int2"] / rec["local-sgd"]["T"])
+        2516 / 4 / rec["local-sgd"]["T"])
     # a zoo model with BatchNorm buffers: DiLoCo stays dense (the trainer refuses top-k)
     z = plan_json(["--model", "resnet20", *CLUSTER, "--step-ms", "10", "--topk", "0.01"])
     assert "top-k" not in method(z, "diloco")["setting"]
@@ -180,3 +192,50 @@ def test_cli_topk_prices_easgd_and_diloco_only():
 def test_cli_topk_refused(args, needle):
     p = plan_cli(["--params", "1e6", *CLUSTER, "--step-ms", "1", *args])
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+# -- compressed rounds in the methods' table: hierarchical or flat, as the package runs them --
+INTRA, INTER = cm.Link(1e-6, 1e-11), cm.Link(1e-5, 1e-9)
+
+
+def table(nodes, rpn, dtype, n=12 * 4096, step_s=0.01, intra=INTRA):
+    inp = PlanInputs(params_facts(n).model, None, nodes, rpn, intra, INTER, step_s, "given",
+                     "given", None, math.inf, 0.1, "auto", dtype)
+    return plan(inp, params_facts(n))
+
+
+def test_table_prices_int8_diloco_hierarchically_by_hand():
+    # 4 nodes x 2 ranks, 49,152 elements (12 blocks of 4096), passes free. int8 between the 4
+    # node roots: chunks of 12,288 = 3 blocks, B = 49,152 + 4 x 4 x 3 = 49,200 bytes
+    n, B = 12 * 4096, 49_200
+    inside = 2 * 1 * 1e-6 + 2 * (1 / 2) * 4 * n * 1e-11     # float32 ring over the node's 2
+    between = 2 * 3 * 1e-5 + 2 * (3 / 4) * B * 1e-9         # int8 ring over the 4 roots
+    result = table(4, 2, "int8")
+    d = method(result, "diloco")
+    H = result["recommended"]["diloco"]["H"]
+    assert d["setting"] == f"H {H}"
+    assert d["comm_s"] == pytest.approx((inside + between) / H)
+    assert d["bytes_per_step"] == pytest.approx(B / 2 / H)      # the root sends B, the other 0
+    # the same figure as --recommend's pricing of that candidate
+    from lsgd_hpc.planning import recommend as rc
+    w = cm.Workload(n, 0, 0.01)
+    assert d["comm_s"] == pytest.approx(rc.diloco_cost(w, cm.Cluster(4, 2, INTRA, INTER), H,
+                                                       "int8").comm_s)
+
+
+def test_table_prices_a_single_node_flat_by_hand():
+    # 1 node x 8 ranks: nothing crosses a node, the package runs the flat int8 allreduce over
+    # all 8 ranks on the node's link: chunks of 6,144 = 2 blocks, B = 49,152 + 4 x 8 x 2
+    B = 49_216
+    intra = cm.Link(1e-6, 1e-9)
+    result = table(1, 8, "int8", intra=intra)
+    d = method(result, "diloco")
+    H = result["recommended"]["diloco"]["H"]
+    assert d["comm_s"] == pytest.approx((2 * 7 * 1e-6 + 2 * (7 / 8) * B * 1e-9) / H)
+    assert d["bytes_per_step"] == pytest.approx(B / H)          # every rank sends B
+    # one rank a node (4 x 1): flat over the 4 ranks on the network link, B = 49,200
+    result = table(4, 1, "int8")
+    d = method(result, "diloco")
+    H = result["recommended"]["diloco"]["H"]
+    assert d["comm_s"] == pytest.approx((2 * 3 * 1e-5 + 2 * (3 / 4) * 49_200 * 1e-9) / H)
+    assert d["bytes_per_step"] == pytest.approx(49_200 / H)
