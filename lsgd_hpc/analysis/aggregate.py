@@ -68,7 +68,10 @@ receiver as received), ``steps`` the last logged training step (maximum over ran
 Bytes are the method's own traffic (between workers); a run with workers that span ranks
 adds ``n_workers`` and ``total_worker_bytes_sent`` (the sum over ranks of the last
 ``worker_bytes_sent``: the traffic inside the workers) to summary.csv (both columns, empty
-for runs without workers, whenever one of the runs has them).
+for runs without workers, whenever one of the runs has them). A run whose compressed
+allreduces were hierarchical (the node_* columns of /train) adds ``total_node_bytes_sent``
+(the sum over ranks of the last ``node_bytes_sent``: the float32 traffic inside the nodes;
+``total_bytes_sent`` is then what crossed between them), likewise.
 
 ``final_consensus_distance`` is the consensus distance at the run's last probe and
 ``mean_consensus_distance`` the mean over its probes (empty without probes).
@@ -129,7 +132,8 @@ from lsgd_hpc.analysis.tables import (ACCURACY_FIGURES, CURVE_COLUMNS, FAULT_COL
                                       SUMMARY_COLUMNS, fault_rows,
                                       TARGET_ACC_COLUMNS, TARGET_LOSS_COLUMNS, Targets,
                                       consensus_figures, curve_rows, eval_table,
-                                      global_elections, leader_counts, leader_rule,
+                                      global_elections, has_node_traffic, leader_counts,
+                                      leader_rule,
                                       summarize_run, summary_columns, time_to_accuracy,
                                       time_to_loss, train_table, write_curves_csv,
                                       write_summary_csv, write_table_csv)
@@ -231,8 +235,9 @@ def _tables(runs: list[Run], targets: Targets, by: Sequence[str] | None,
         raise AggregateError(f"cannot plot against {', '.join(unknown)}: measured figures are "
                              f"{', '.join(figures)}")
     with_workers = any(r.has_workers for r in runs)
+    with_nodes = any(has_node_traffic(r) for r in runs)
     return {"runs": runs, "summary": summary,
-            "summary_columns": summary_columns(targets, with_workers),
+            "summary_columns": summary_columns(targets, with_workers, with_nodes),
             "groups": groups, "group_rows": group_rows, "group_columns": columns,
             "predictors": predictors, "correlations": correlations, "plots": [],
             "curve_rows": 0, "faults": fault_rows(runs)}

@@ -7,6 +7,8 @@ and its test accuracy and the mean test accuracy over workers. The leader rule i
 ``lsgd_hpc.aggregate`` (EASGD: the centre; methods without elections: rank 0). A run with
 workers that span ranks (--worker-ranks) shows each rank's worker and the bytes it sent
 inside it; its workers are the unit of the mean and the best (one replica per worker).
+A run whose compressed allreduces were hierarchical (the node_* columns of /train) shows each
+rank's float32 bytes sent inside its node (node_bytes) beside bytes_sent (between nodes).
 The last line says whether the run completed, from its completion record
 (``RUN_DIR/complete.json``, lsgd_hpc.runtime.completion): ``completion: complete (600/600
 steps)``, ``completion: stopped on purpose ...`` or ``completion: NOT COMPLETE: ...``.
@@ -29,7 +31,8 @@ from lsgd_hpc.analysis.rundir import (AggregateError, Run, col, completion_state
                                       describe_completion, read_run)
 from lsgd_hpc.analysis.formatting import fmt_acc, fmt_bytes, fmt_num
 from lsgd_hpc.runtime.completion import read_completion
-from lsgd_hpc.analysis.tables import eval_table, global_elections, leader_counts, leader_rule
+from lsgd_hpc.analysis.tables import (eval_table, global_elections, has_node_traffic,
+                                      leader_counts, leader_rule)
 from lsgd_hpc.ranklists import format_ranks
 
 PROG = "lsgd_hpc.summary"
@@ -41,6 +44,7 @@ def format_summary(run: Run) -> str:
     skipped = f", {len(run.skipped)} skipped" if run.skipped else ""
     lines.append(f"metrics: {run.path / 'metrics'}/rank*.h5 ({len(files)} files{skipped})")
     workers = run.has_workers
+    nodes = has_node_traffic(run)      # node_*: float32 traffic inside the node (comm_*: between)
     lines.append(f"run {run.name}: algorithm {run.algorithm}, {run.world_size} ranks on "
                  f"{run.n_nodes} node(s)" + (f", {run.n_workers} workers" if workers else ""))
     counts = leader_counts(run)
@@ -63,6 +67,7 @@ def format_summary(run: Run) -> str:
     lines.append(f"{'rank':>5} {'node':>5}" + (f" {'worker':>6}" if workers else "")
                  + f" {'train_loss':>11} {'test_acc':>9} {'times_leader':>14} "
                  f"{'bytes_sent':>12}" + (f" {'worker_bytes':>12}" if workers else "")
+                 + (f" {'node_bytes':>12}" if nodes else "")
                  + ("  status" if lost else ""))
     for r in sorted(run.ranks):
         d = run.ranks[r]
@@ -76,12 +81,14 @@ def format_summary(run: Run) -> str:
             status = (f"  lost (recovery at step {lost[r]}; rows to step "
                       f"{int(steps[-1]) if len(steps) else 0})" if r in lost else "  ok")
         inside = col(d, "train", "worker_bytes_sent")
+        in_node = col(d, "train", "node_bytes_sent")
         lines.append(f"{r:>5} {node!s:>5}"
                      + (f" {d['attrs'].get('worker_index', '?')!s:>6}" if workers else "")
                      + f" {fmt_num(loss[-1] if len(loss) else math.nan):>11} "
                      f"{fmt_acc(acc[-1] if len(acc) else math.nan):>9} "
                      f"{counts.get(r, 0):>14} {fmt_bytes(sent[-1] if len(sent) else 0):>12}"
                      + (f" {fmt_bytes(inside[-1] if len(inside) else 0):>12}" if workers else "")
+                     + (f" {fmt_bytes(in_node[-1] if len(in_node) else 0):>12}" if nodes else "")
                      + status)
     use = tab["complete"] if tab["complete"].any() else np.ones(len(tab["step"]), bool)
     rule = leader_rule(run)

@@ -22,7 +22,8 @@ __all__ = ["SUMMARY_COLUMNS", "CURVE_COLUMNS", "FAULT_COLUMNS", "fault_rows", "w
            "TARGET_LOSS_COLUMNS", "Targets", "global_elections", "leader_rule", "eval_table",
            "train_table", "time_to_accuracy", "time_to_loss", "consensus_figures",
            "summarize_run", "leader_counts", "summary_columns", "write_table_csv",
-           "write_summary_csv", "curve_rows", "write_curves_csv", "WORKER_COLUMNS"]
+           "write_summary_csv", "curve_rows", "write_curves_csv", "WORKER_COLUMNS",
+           "NODE_COLUMNS", "has_node_traffic"]
 
 SUMMARY_COLUMNS = (
     "run", "algorithm", "world_size", "n_nodes", "epochs", "seed", "wall_time", "training_time",
@@ -39,6 +40,10 @@ FAULT_COLUMNS = ("run", "step", "wall_time", "lost_ranks", "n_lost", "world_size
 #: SUMMARY_COLUMNS: the workers, and the traffic inside them (total_bytes_sent stays the
 #: method's own, between workers)
 WORKER_COLUMNS = ("n_workers", "total_worker_bytes_sent")
+#: summary.csv's column for runs whose compressed allreduces were hierarchical (node_* columns
+#: in /train), after WORKER_COLUMNS: the float32 traffic inside the nodes (total_bytes_sent
+#: stays what crossed between the nodes)
+NODE_COLUMNS = ("total_node_bytes_sent",)
 CURVE_COLUMNS = ("run", "rank", "step", "wall_time", "metric", "value")
 
 
@@ -346,6 +351,10 @@ def summarize_run(run: Run, targets: Targets | None = None) -> dict:
         inside = [_last(col(d, "train", "worker_bytes_sent", np.int64))
                   for d in run.ranks.values()]
         row["total_worker_bytes_sent"] = int(sum(int(b) for b in inside if b is not None))
+    if has_node_traffic(run):
+        inside = [_last(col(d, "train", "node_bytes_sent", np.int64))
+                  for d in run.ranks.values()]
+        row["total_node_bytes_sent"] = int(sum(int(b) for b in inside if b is not None))
     row["final_consensus_distance"], row["mean_consensus_distance"] = consensus_figures(run)
     row["failures"] = len([ev for ev in run.faults() if ev["lost_ranks"]])
     row["lost_ranks"] = format_ranks(run.lost_ranks)
@@ -384,11 +393,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def summary_columns(targets: Targets | None = None, workers: bool = False) -> tuple[str, ...]:
+def summary_columns(targets: Targets | None = None, workers: bool = False,
+                    nodes: bool = False) -> tuple[str, ...]:
     """summary.csv's columns: SUMMARY_COLUMNS, then (``workers``: some run has workers that
-    span ranks) WORKER_COLUMNS, then the target columns of the targets given."""
+    span ranks) WORKER_COLUMNS, then (``nodes``: some run has node_* columns,
+    has_node_traffic) NODE_COLUMNS, then the target columns of the targets given."""
     return (SUMMARY_COLUMNS + (WORKER_COLUMNS if workers else ())
-            + (targets.columns() if targets else ()))
+            + (NODE_COLUMNS if nodes else ()) + (targets.columns() if targets else ()))
+
+
+def has_node_traffic(run: Run) -> bool:
+    """Whether the run's files have the node_* columns of /train: the float32 traffic inside
+    the node of hierarchical compressed allreduces (docs/metrics.md)."""
+    return any("node_bytes_sent" in d.get("train", {}) for d in run.ranks.values())
 
 
 def write_table_csv(rows: list[dict], columns: Iterable[str], path: str | os.PathLike) -> None:
@@ -404,7 +421,8 @@ def write_table_csv(rows: list[dict], columns: Iterable[str], path: str | os.Pat
 def write_summary_csv(runs: list[Run], path: str | os.PathLike,
                       targets: Targets | None = None) -> list[dict]:
     rows = [summarize_run(r, targets) for r in runs]
-    write_table_csv(rows, summary_columns(targets, any(r.has_workers for r in runs)), path)
+    write_table_csv(rows, summary_columns(targets, any(r.has_workers for r in runs),
+                                          any(has_node_traffic(r) for r in runs)), path)
     return rows
 
 
@@ -420,8 +438,10 @@ def curve_rows(run: Run) -> Iterator[tuple]:
                                     ("train_accuracy", "accuracy", float),
                                     ("comm_bytes_sent", "comm_bytes_sent", np.int64),
                                     ("worker_bytes_sent", "worker_bytes_sent", np.int64),
+                                    ("node_bytes_sent", "node_bytes_sent", np.int64),
                                     ("training_time", "training_time", float)):
-            if name == "worker_bytes_sent" and name not in d.get("train", {}):
+            if name in ("worker_bytes_sent", "node_bytes_sent") and \
+                    name not in d.get("train", {}):
                 continue
             vals = col(d, "train", name, dtype)
             for s, wt, v in zip(tstep, twall, vals):

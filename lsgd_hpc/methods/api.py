@@ -317,6 +317,19 @@ class Method(Recoverable):
         spread from the representative. ``comm.stats`` holds the method's own traffic."""
         return None if self.workers is None else self.workers.stats
 
+    @property
+    def node_stats(self):
+        """Cumulative float32 traffic inside the node of the hierarchical compressed
+        allreduces (``CommStats``; None unless ``comm_dtype`` is int8, fp8, int4 or int2 or
+        ``topk`` < 1, at a layout of several nodes with more than one rank on some node,
+        lsgd_hpc.comm.quantized): each node's sum, and the result spread from the node's
+        root. ``comm.stats`` then holds what crosses between the nodes (on node roots), and
+        its seconds include these phases'."""
+        wire = self.wire
+        if wire is None or wire.world.hierarchy() is None:
+            return None
+        return wire.node_stats
+
     # -- set-up ------------------------------------------------------------------------------
     def broadcast_initial(self) -> None:
         """Collective: every worker takes rank 0's parameters and buffers (the common x_0);
@@ -510,6 +523,8 @@ class Method(Recoverable):
                  "rule": self.rule.state_dict()}
         if self.wire is not None and self.error_feedback:
             state["error_feedback"] = self.wire.state_dict()      # the residuals
+        if self.node_stats is not None:               # (the node_* columns go on from it)
+            state["node_stats"] = self.node_stats.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -520,6 +535,8 @@ class Method(Recoverable):
         self.rule.load_state_dict(state["rule"])
         if self.wire is not None and self.error_feedback:   # (none saved: they start at zero)
             self.wire.load_state_dict(state.get("error_feedback", {}))
+        if self.node_stats is not None and "node_stats" in state:
+            self.node_stats.load_state_dict(state["node_stats"])
         self.done = bool(self.max_steps is not None and not self.rule.owns_schedule
                          and self.steps >= self.max_steps)
 

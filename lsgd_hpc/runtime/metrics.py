@@ -56,7 +56,7 @@ OPTIONAL_GROUPS = ("faults",)
 #: resumed run is compared with an uninterrupted one on everything else).
 TIME_COLUMNS = ("wall_time", "training_time", "comm_seconds", "compute_seconds",
                 "overhead_seconds", "probe_seconds", "eval_seconds", "checkpoint_seconds",
-                "metrics_seconds", "worker_seconds", "recovery_seconds")
+                "metrics_seconds", "worker_seconds", "node_seconds", "recovery_seconds")
 
 
 #: bytes of one chunk of a column (1024 rows of an 8-byte column): a flush writes into the

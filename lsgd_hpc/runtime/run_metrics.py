@@ -20,7 +20,11 @@ from lsgd_hpc.runtime.metrics import (GROUPS, OPTIONAL_GROUPS, SCHEMA_VERSION, M
                                      encode_config, open_rank_file, rank_file)
 from lsgd_hpc.runtime.rundir import git_sha, make_run_dir
 
-__all__ = ["RunMetrics", "open_metrics"]
+__all__ = ["RunMetrics", "open_metrics", "NODE_COLUMNS"]
+
+#: /train's columns of the traffic inside the node of a hierarchical compressed allreduce
+#: (cumulative; docs/metrics.md): written when ``method.node_stats`` is not None
+NODE_COLUMNS = {"node_bytes_sent": "i8", "node_bytes_recv": "i8", "node_seconds": "f8"}
 
 
 class RunMetrics(MetricsWriter):
@@ -59,6 +63,9 @@ class RunMetrics(MetricsWriter):
         self._hooks: list = []
         #: the method whose extra /train columns ``log_step`` fills in (set by open_metrics)
         self.method = None
+        #: the counters of the node_* columns (the float32 traffic inside the node of a
+        #: hierarchical compressed allreduce, ``method.node_stats``), or None: no such columns
+        self.node_stats = None
 
     # -- compute time ------------------------------------------------------------------------
     @property
@@ -187,6 +194,10 @@ class RunMetrics(MetricsWriter):
         if self.method is not None:
             # the method's own /train columns (async LSGD's staleness, local SGD's T)
             extra = {**self.method.rule.train_columns(), **extra}
+        if self.node_stats is not None:      # inside the node; comm_* between the nodes
+            n = self.node_stats
+            extra = {"node_bytes_sent": n.bytes_sent, "node_bytes_recv": n.bytes_recv,
+                     "node_seconds": n.seconds, **extra}
         # columns of the user's own (open_metrics' extra_columns) not given: NaN
         extra = {**{c: math.nan for c in self.columns["train"]
                     if c not in GROUPS["train"] and c not in extra}, **extra}
@@ -285,6 +296,11 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     # the same arguments on every rank: every rank refuses them alike, before any collective
     extra = ({g: dict(c) for g, c in method.rule.extra_columns.items()}
              if method is not None else {})
+    # the hierarchical compressed allreduce's float32 traffic inside the node (the same on
+    # every rank: it follows from the node layout and the method's options)
+    node_stats = getattr(method, "node_stats", None) if method is not None else None
+    if node_stats is not None:
+        extra.setdefault("train", {}).update(NODE_COLUMNS)
     for group, cols in (extra_columns or {}).items():
         if group not in GROUPS or group in OPTIONAL_GROUPS:
             raise ValueError(f"extra_columns: no group {group!r} (the groups: "
@@ -322,6 +338,7 @@ def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
     if method is not None:
         method.set_metrics(writer)
         writer.method = method
+        writer.node_stats = node_stats
         writer.time_steps_of(method)
     ft = getattr(comm, "fault_tolerance", None)
     if ft is not None:                               # on_failure="shrink": /faults rows

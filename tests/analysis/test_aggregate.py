@@ -391,3 +391,34 @@ def test_cli_summary(runs_root, tmp_path):
     assert p.returncode == 2 and "Traceback" not in p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("lsgd_hpc.summary: error: ")
+
+
+def test_node_traffic_in_summary_curves_and_text(tmp_path):
+    """A run with the node_* columns of /train (a hierarchical compressed allreduce: float32
+    inside the node) gets total_node_bytes_sent in summary.csv (the sum over ranks of the
+    last node_bytes_sent), node_bytes_sent curves and a node_bytes column in the summary
+    text; a run without them leaves the cell empty and has neither."""
+    from lsgd_hpc.analysis.tables import (NODE_COLUMNS, curve_rows, has_node_traffic,
+                                          write_summary_csv)
+    hier = write_run(tmp_path, "diloco_int8", "diloco", 1, ALLREDUCE_ACC + [[0.1, 0.3, 0.45]])
+    flat = write_run(tmp_path, "diloco_fp32", "diloco", 1, ALLREDUCE_ACC + [[0.1, 0.3, 0.45]])
+    for r in range(4):
+        with h5py.File(hier / "metrics" / f"rank{r:05d}.h5", "a") as f:
+            f["train/node_bytes_sent"] = (1000 * (1 + r % 2) * TRAIN_STEPS).astype(np.int64)
+            f["train/node_bytes_recv"] = (1000 * TRAIN_STEPS).astype(np.int64)
+            f["train/node_seconds"] = 0.001 * TRAIN_STEPS
+    runs = [agg.read_run(hier), agg.read_run(flat)]
+    assert [has_node_traffic(r) for r in runs] == [True, False]
+    write_summary_csv(runs, tmp_path / "summary.csv")
+    with open(tmp_path / "summary.csv") as fh:
+        assert fh.readline().strip().split(",")[-len(NODE_COLUMNS):] == list(NODE_COLUMNS)
+    rows = {r["run"]: r for r in read_csv(tmp_path / "summary.csv")}
+    assert rows["diloco_int8"]["total_node_bytes_sent"] == str(20 * 1000 * (1 + 2 + 1 + 2))
+    assert rows["diloco_fp32"]["total_node_bytes_sent"] == ""
+    node = [v for (_, r, s, _, m, v) in curve_rows(runs[0]) if m == "node_bytes_sent" and r == 1]
+    assert len(node) == 20 and int(node[-1]) == 40000
+    assert not [m for (*_, m, _) in curve_rows(runs[1]) if m == "node_bytes_sent"]
+    text = summary.format_summary(runs[0]).splitlines()
+    header = next(ln for ln in text if ln.split()[:2] == ["rank", "node"])
+    assert header.split()[-1] == "node_bytes"
+    assert "node_bytes" not in summary.format_summary(runs[1])
