@@ -85,6 +85,7 @@ BENCHES = [
     # communication behind compute at 100 Mbit/s: bucketed allreduce, Streaming DiLoCo,
     # LSGD's pull delay, each against itself without the overlap
     Bench("overlap", "overlap", timeout=600, driver=True),
+    Bench("overlap_compressed", "overlap_compressed", timeout=600, driver=True),
     # one rank lost at 30 % of the budget: shrink vs abort + resume vs no failure (ULFM)
     Bench("goodput_under_failure", "goodput_under_failure", timeout=300, driver=True),
     # 20 seeded failure scenarios at 16 ranks and 20 at 8 (about 30 min here; --quick: 3)

@@ -295,6 +295,24 @@ class Communicator(abc.ABC):
         ``send``. Returns ``out``."""
         raise NotImplementedError(f"{type(self).__name__} has no allgather")
 
+    def ialltoall(self, send: torch.Tensor, out: torch.Tensor, *,
+                  agreed: bool = False) -> Request:
+        """Post :meth:`alltoall` without waiting (``send`` and ``out`` untouched until it
+        completes); ``result`` is ``out``. Counted as the blocking one (bytes and the call
+        when posted, the seconds as it is waited for). ``agreed=True``: the caller has made
+        sure every member passes the same numel and dtype (no per-call agreement check).
+        Default (a backend without one): the blocking alltoall, a completed request."""
+        self.alltoall(send, out)
+        return Pending(self, out, "sum", _no_wait, lambda: True, name="ialltoall",
+                       finish=lambda: out)
+
+    def iallgather(self, send: torch.Tensor, out: torch.Tensor, *,
+                   agreed: bool = False) -> Request:
+        """Post :meth:`allgather` without waiting; as :meth:`ialltoall` otherwise."""
+        self.allgather(send, out)
+        return Pending(self, out, "sum", _no_wait, lambda: True, name="iallgather",
+                       finish=lambda: out)
+
     def _exchange_args(self, what: str, send: torch.Tensor, out: torch.Tensor) -> int:
         """Check the buffers of an alltoall or allgather; the elements per member's chunk."""
         check_tensor(send, "send")

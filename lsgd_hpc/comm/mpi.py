@@ -414,6 +414,36 @@ class MPICommunicator(Communicator):
             self.comm.Allgather(_buffer(send), _buffer(out, per))
         return out
 
+    def ialltoall(self, send: torch.Tensor, out: torch.Tensor, *,
+                  agreed: bool = False) -> Request:
+        per = self._exchange_args("alltoall", send, out)
+        if self._size == 1:
+            out.copy_(send)
+        elif not agreed:
+            self._agree("ialltoall", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        sbuf, rbuf = _buffer(send, per), _buffer(out, per)
+
+        def finish(_alive=(send, sbuf, rbuf)) -> torch.Tensor:   # live until completion
+            return out
+        return self._post("ialltoall", out, nbytes, nbytes,
+                          lambda: self.comm.Ialltoall(sbuf, rbuf), finish=finish)
+
+    def iallgather(self, send: torch.Tensor, out: torch.Tensor, *,
+                   agreed: bool = False) -> Request:
+        per = self._exchange_args("allgather", send, out)
+        if self._size == 1:
+            out.copy_(send)
+        elif not agreed:
+            self._agree("iallgather", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        sbuf, rbuf = _buffer(send), _buffer(out, per)
+
+        def finish(_alive=(send, sbuf, rbuf)) -> torch.Tensor:   # live until completion
+            return out
+        return self._post("iallgather", out, nbytes, nbytes,
+                          lambda: self.comm.Iallgather(sbuf, rbuf), finish=finish)
+
     def allgather_object(self, obj) -> list:
         with self._watch("allgather_object"):
             return self.comm.allgather(obj)

@@ -84,13 +84,29 @@ allgather and summed in rank order by every rank (the maths, the records and the
 :mod:`lsgd_hpc.comm.sparse`); with error feedback e <- (v + e) - sent(v + e), keyed and saved
 as above. Broadcasts stay dense (quantized by ``kind``, or fp32 as they are).
 
-The blocking collectives are quantized; a non-blocking allreduce or broadcast of a model
-tensor runs the blocking one at once and returns a completed request (no overlap). A
-neighbour exchange of a model tensor is refused.
+Non-blocking allreduce (``iallreduce_``; Streaming DiLoCo's overlapped fragments): the same
+operation in stages, each exchange posted non-blocking (the backend's ``ialltoall`` and
+``iallgather`` of the byte buffers; top-k: ``iallgather`` of the records) and the
+computation between two exchanges run when ``test()`` finds the exchange before it
+completed, the rest in ``wait()``: quantize (residual updated) and post the alltoall at the
+call; dequantize, sum, requantize and post the allgather; dequantize into the tensor.
+Hierarchical: the node's float32 sum (non-blocking at two ranks a node or fewer; blocking on
+a larger node, so that its sum has the blocking path's bits whatever order the library's
+non-blocking allreduce adds in), the staged exchange over the roots, the float32 broadcast
+from the node root (non-blocking), on duplicates of the node and roots communicators made at
+the first call. Each request has buffers of its own; the result, the residuals and the
+counted bytes are the blocking allreduce's bit for bit; the bytes and the call are counted
+at the call, the seconds spent in the call, in ``wait()`` and in the stages ``test()`` runs
+(quantization included) as communication (a ``test()`` that finds the exchange in flight
+counts none, as a plain request's). On Horovod (no non-blocking alltoall or allgather of the
+package's) it runs the blocking allreduce at once and returns a completed request, as does a
+non-blocking broadcast of a model tensor on every backend (no overlap). A neighbour exchange
+of a model tensor is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -102,6 +118,7 @@ from lsgd_hpc.comm.codec import (BITS, BLOCK, KINDS, QMAX, SCALE_BYTES, dequanti
                                  kind_problem, pack, quantize, unpack)
 from lsgd_hpc.comm.groups import NodeGroups
 from lsgd_hpc.comm.lowprec import MIN_ELEMENTS
+from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.sparse import (Sparse, decode, encode, reduce_records, select, sent_vector,
                                   sparse_layout)
 
@@ -279,6 +296,8 @@ class Quantized:
         self.shared = _shared or _Shared(kind, bool(error_feedback), block, float(topk))
         #: the QuantizedGroups whose world this is (its allreduces go hierarchical), or None
         self._groups: Optional["QuantizedGroups"] = None
+        #: duplicates of the hierarchy's (node, roots) for the non-blocking allreduce
+        self._levels: Optional[Tuple[Communicator, Optional[Communicator]]] = None
 
     def __getattr__(self, name):          # everything not overridden: the inner communicator
         return getattr(self.inner, name)
@@ -471,11 +490,121 @@ class Quantized:
         return w
 
     def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *, agreed: bool = False):
+        """The allreduce above, staged (:class:`_Staged`): its first stage runs now, the next
+        ones as ``test()`` finds the previous one completed, the rest in ``wait()``; the same
+        bits, residuals and counted bytes as ``allreduce_``. On a backend without
+        non-blocking alltoall and allgather (Horovod): the blocking allreduce at once and a
+        completed request."""
         if not self.quantizes(tensor):
             return self.inner.iallreduce_(tensor, op, agreed=agreed)
-        self.allreduce_(tensor, op)                   # blocking: a completed request
-        return Pending(self.inner, tensor, op, lambda: None, lambda: True,
-                       finish=lambda: tensor)
+        levels = self.hierarchy()
+        comms = [self.inner] if levels is None else [c for c in levels if c is not None]
+        if not all(_nonblocking(c) for c in comms):
+            self.allreduce_(tensor, op)               # blocking: a completed request
+            return Pending(self.inner, tensor, op, lambda: None, lambda: True,
+                           finish=lambda: tensor)
+        self.inner._check_allreduce(tensor, op)
+        if not agreed:
+            self._agree("iallreduce_", tensor)
+        key = self.shared.key(self.inner.key, tensor)
+        div = self.inner.size if op == "mean" else 1
+        if levels is None:
+            sent, recv = self._exchange_bytes(self.inner, tensor.numel())
+            stages = self._staged_reduce(self.inner, tensor, div, key)
+        else:
+            node, roots = self._own_levels()
+            sent, recv = ((0, 0) if roots is None
+                          else self._exchange_bytes(roots, tensor.numel()))
+            stages = self._staged_hierarchical(tensor, div, key, node, roots)
+        return _Staged(self.inner, tensor, op, stages, sent, recv, self.shared.node_stats)
+
+    def _own_levels(self) -> Tuple[Communicator, Optional[Communicator]]:
+        """Duplicates of the hierarchy's node and roots communicators, made at this
+        communicator's first non-blocking hierarchical allreduce (collectively: every rank
+        posts it at the same point), so that its stages, posted from ``test()`` at different
+        moments on different ranks, never interleave with the blocking collectives on the
+        shared node and roots communicators."""
+        if self._levels is None:
+            node, roots = self.hierarchy()
+            self._levels = (node.dup(), None if roots is None else roots.dup())
+        return self._levels
+
+    def _exchange_bytes(self, comm: Communicator, n: int) -> Tuple[int, int]:
+        """(sent, received) the compressed allreduce of n elements over ``comm`` counts."""
+        if self.sparse:
+            lay = sparse_layout(n, self.topk, self.kind, self.block)
+            return lay.counted, (comm.size - 1) * lay.counted
+        lay = layout(n, comm.size, self.block, self.kind)
+        return lay.counted, lay.counted
+
+    def _staged_hierarchical(self, tensor: torch.Tensor, div: int, key: str,
+                             node: Communicator, roots: Optional[Communicator]):
+        """The stages of ``_hierarchical_allreduce``: the node's float32 sum (non-blocking at
+        two ranks a node or fewer, where a sum of two is the same bits in any algorithm;
+        blocking on larger nodes, so that the sum is the blocking path's bits whatever order
+        the library's non-blocking allreduce adds in), the staged compressed allreduce over
+        the roots, the non-blocking float32 broadcast from the node root."""
+        apart = self.shared.node_stats
+        if node.size <= 2:
+            with _Apart(node.stats, apart):
+                request = node.iallreduce_(tensor, "sum", agreed=True)
+            yield request, True
+        else:
+            with _Apart(node.stats, apart):
+                node.allreduce_(tensor, "sum")
+        if roots is not None:
+            yield from self._staged_reduce(roots, tensor, div, key)
+        with _Apart(node.stats, apart):
+            request = node.ibroadcast_(tensor, 0)
+        yield request, True
+
+    def _staged_reduce(self, comm: Communicator, tensor: torch.Tensor, div: int, key: str):
+        """The stages of ``_reduce`` over ``comm`` (buffers of their own: several may be in
+        flight): quantize (residual updated), a non-blocking alltoall; dequantize, sum,
+        requantize, a non-blocking allgather; dequantize into ``tensor``. Top-k: select and
+        encode (residual updated), a non-blocking allgather of the records; their sum."""
+        p, n = comm.size, tensor.numel()
+        u8 = dict(dtype=torch.uint8, device=tensor.device)
+        if self.sparse:
+            lay = sparse_layout(n, self.topk, self.kind, self.block)
+            x = tensor.reshape(-1).to(torch.float32, copy=True)
+            send = torch.zeros(lay.m * lay.record, **u8)
+            every = torch.zeros(p, lay.m * lay.record, **u8)
+            e = None
+            if self.error_feedback:
+                e = self.shared.residual(key, tensor)
+                x.add_(e)                                       # w = v + e
+            idx, values = select(x, lay)
+            encode(idx, values, lay, send)
+            if e is not None:                                   # e <- w - sent(w)
+                torch.sub(x, sent_vector(*decode(send, lay), lay), out=e)
+            yield comm.iallgather(send, every.view(-1), agreed=True), False
+            total = reduce_records(every, lay, p)
+            if div != 1:
+                total.div_(div)
+            tensor.view(-1).copy_(total)
+            return
+        lay = layout(n, p, self.block, self.kind)
+        x = torch.zeros(lay.p * lay.c, dtype=torch.float32, device=tensor.device)
+        send, recv = torch.zeros(lay.p, lay.record, **u8), torch.zeros(lay.p, lay.record, **u8)
+        own, every = torch.zeros(lay.record, **u8), torch.zeros(lay.p, lay.record, **u8)
+        x[:n].copy_(tensor.reshape(-1))
+        e = None
+        if self.error_feedback:
+            e = self.shared.residual(key, tensor)
+            x[:n].add_(e)                                       # v + e
+        qv, sv = self._pack(x, send, lay)
+        if e is not None:                                       # e <- (v + e) - Q(v + e)
+            torch.sub(x[:n], dequantize(qv, sv, self.kind).reshape(-1)[:n], out=e)
+        yield comm.ialltoall(send.view(-1), recv.view(-1), agreed=True), False   # phase 1
+        rq, rs = self._split(recv, lay)
+        reduced = dequantize(rq, rs, self.kind).sum(0)          # (b, be), float32
+        if div != 1:
+            reduced.div_(div)
+        self._pack(reduced.reshape(-1), own, lay)
+        yield comm.iallgather(own, every.view(-1), agreed=True), False          # phase 2
+        aq, as_ = self._split(every, lay)
+        tensor.view(-1).copy_(dequantize(aq, as_, self.kind).reshape(-1)[:n])
 
     # -- broadcast ---------------------------------------------------------------------------
     def _broadcast(self, tensor: torch.Tensor, is_root: bool, move) -> torch.Tensor:
@@ -549,6 +678,82 @@ class Quantized:
     def load_state_dict(self, state: dict) -> None:
         self.shared.residuals = {k: v.detach().clone().to(torch.float32)
                                  for k, v in state.get("residuals", {}).items()}
+
+
+def _nonblocking(comm: Communicator) -> bool:
+    """Whether ``comm``'s backend has non-blocking alltoall and allgather of its own (MPI,
+    torch.distributed; not Horovod, whose are the base class's blocking ones)."""
+    kind = type(comm)
+    return (kind.ialltoall is not Communicator.ialltoall
+            and kind.iallgather is not Communicator.iallgather)
+
+
+class _Staged:
+    """A non-blocking compressed allreduce in flight: ``stages``, a generator that does the
+    computation between two exchanges and yields each posted exchange as (request, inside the
+    node), is advanced as far as the posted requests have completed by every :meth:`test`
+    and to its end by :meth:`wait`. The bytes and the one call are counted when it starts, as
+    the blocking allreduce counts them (``sent``, ``recv``: the compressed exchange's); the
+    seconds spent starting, testing and waiting (quantization included) are communication
+    time; what the float32 stages inside the node count (their bytes, calls and seconds) is
+    also moved to ``apart`` (``node_stats``), as the blocking path does; a ``test()`` that
+    finds the exchange still in flight counts no seconds (as ``Pending.test``). The Pending
+    interface: ``test``, ``wait``, ``done``, ``result``."""
+
+    def __init__(self, comm: Communicator, tensor: torch.Tensor, op: str, stages,
+                 sent: int, recv: int, apart: CommStats, name: str = "iallreduce_"):
+        self.comm, self.tensor, self.op, self.name = comm, tensor, op, name
+        self.stats, self.apart = comm.stats, apart
+        self.seq = MONITOR.post(comm.key, name)
+        self.done = False
+        self._stages, self._current = stages, None
+        self._advance(block=False)
+        self.stats.bytes_sent += int(sent)
+        self.stats.bytes_recv += int(recv)
+        self.stats.calls += 1
+
+    def _advance(self, block: bool) -> bool:
+        st = self.stats
+        before, t0 = st.snapshot(), time.perf_counter()
+        idle = 0.0          # a poll that finds the exchange in flight: not counted (Pending's)
+        try:
+            while not self.done:
+                if self._current is not None:
+                    request, inside = self._current
+                    with (_Apart(request.comm.stats, self.apart) if inside
+                          else contextlib.nullcontext()):
+                        if block:
+                            request.wait()
+                        else:
+                            t = time.perf_counter()
+                            if not request.test():
+                                idle += time.perf_counter() - t
+                                return False
+                try:
+                    self._current = next(self._stages)
+                except StopIteration:
+                    self._current, self.done = None, True
+            return True
+        finally:           # what the stages counted replaced by the bytes counted at start
+            st.bytes_sent, st.bytes_recv, st.calls = (before.bytes_sent, before.bytes_recv,
+                                                      before.calls)
+            st.seconds = before.seconds + time.perf_counter() - t0 - idle
+
+    def test(self) -> bool:
+        """Progress: run every stage whose exchange has completed; True once all have."""
+        return self.done or self._advance(block=False)
+
+    def wait(self) -> torch.Tensor:
+        """Complete every stage left (blocking); returns the tensor."""
+        if not self.done:
+            self._advance(block=True)
+        return self.tensor
+
+    @property
+    def result(self) -> torch.Tensor:
+        if not self.done:
+            raise CommError(f"{self.name}: result read before the collective completed")
+        return self.tensor
 
 
 @dataclasses.dataclass

@@ -463,6 +463,42 @@ class TorchCommunicator(Communicator):
             _ALLGATHER(out, send, group=self.group)
         return out
 
+    def ialltoall(self, send: torch.Tensor, out: torch.Tensor, *,
+                  agreed: bool = False) -> Request:
+        per = self._exchange_args("alltoall", send, out)
+        if self._size == 1:
+            out.copy_(send)
+            return Pending(self, out, "sum", lambda: None, lambda: True, name="ialltoall",
+                           finish=lambda: out)
+        if not agreed:
+            self._agree("ialltoall", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes):
+            work = dist.all_to_all_single(out, send, group=self.group, async_op=True)
+
+        def finish(_send=send) -> torch.Tensor:       # the send buffer lives until completion
+            return out
+        return Pending(self, out, "sum", work.wait, work.is_completed, name="ialltoall",
+                       finish=finish)
+
+    def iallgather(self, send: torch.Tensor, out: torch.Tensor, *,
+                   agreed: bool = False) -> Request:
+        per = self._exchange_args("allgather", send, out)
+        if self._size == 1:
+            out.copy_(send)
+            return Pending(self, out, "sum", lambda: None, lambda: True, name="iallgather",
+                           finish=lambda: out)
+        if not agreed:
+            self._agree("iallgather", send)
+        nbytes = per * send.element_size() * (self._size - 1)
+        with self._counted(nbytes, nbytes):
+            work = _ALLGATHER(out, send, group=self.group, async_op=True)
+
+        def finish(_send=send) -> torch.Tensor:       # the send buffer lives until completion
+            return out
+        return Pending(self, out, "sum", work.wait, work.is_completed, name="iallgather",
+                       finish=finish)
+
     def allgather_object(self, obj) -> list:
         if self._size == 1:
             return [obj]

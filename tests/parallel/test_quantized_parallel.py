@@ -16,6 +16,7 @@ import hashlib
 import io
 import os
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -570,6 +571,81 @@ def test_methods_train_in_int4_and_int2(comm, name):
         assert low <= ratio <= high and everyone <= high, (name, dtype, ratio, everyone)
 
 
+def test_node_traffic_in_the_metrics_file(comm):
+    """DiLoCo in int8 (2 outer steps of 4 local steps) writing its metrics (open_metrics,
+    log_step: the trainer's path). At a hierarchical layout (4 ranks as 2 + 2, 5 as
+    2 + 2 + 1) /train has cumulative node_bytes_sent, node_bytes_recv, node_seconds: per
+    outer step the float32 node sum of the n-element [delta | buffers] (4 n sent and received
+    on every rank of a node of more than one) and the root's float32 spread (4 n sent by the
+    root, 4 n received by each other rank of its node), nothing on a node of one rank; the
+    comm_bytes_* columns then hold the roots' compressed exchange only
+    (allreduce_bytes(n, nodes) each way), nothing on the other ranks; node_seconds is part of
+    comm_seconds; method.state_dict() carries the counters (a resumed method goes on from
+    them). At any other layout: no node_* columns."""
+    if BACKEND == "horovod":
+        pytest.skip("Horovod refuses int8 (test_refusals checks it)")
+    import shutil
+    import tempfile
+
+    import h5py
+
+    from lsgd_hpc.runtime.run_metrics import open_metrics
+    run_dir = comm.allgather_object(tempfile.mkdtemp(prefix="lsgd-node-cols-")
+                                    if comm.rank == 0 else None)[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    method = METHODS["diloco"](model, opt, comm, max_steps=8, comm_dtype="int8",
+                               local_steps=4, outer_lr=0.7)
+    writer = open_metrics(run_dir, comm, method=method)
+    x, y = rank_data(comm.rank, 64)
+    s0 = comm.stats.snapshot()
+    while not method.done:
+        i = (method.steps % 2) * 32
+        loss = nn.functional.cross_entropy(model(x[i:i + 32]), y[i:i + 32])
+        opt.zero_grad()
+        loss.backward()
+        method.step(loss)
+        writer.log_step(method.steps, loss.item())
+    method.drain()
+    state = method.state_dict()
+    writer.close()
+    with h5py.File(os.path.join(run_dir, "metrics", f"rank{comm.initial_rank:05d}.h5"),
+                   "r") as f:
+        t = {c: f["train"][c][()] for c in f["train"]}
+    method.close()
+    comm.barrier()                                  # every rank has read its file
+    if comm.rank == 0:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    g, n, outer = comm.groups, method.flat.flat.numel(), 2
+    assert n >= 256 and len(t["step"]) == 8                   # (quantized: model-sized)
+    node_cols = {"node_bytes_sent", "node_bytes_recv", "node_seconds"}
+    if comm.size == 1 or not hierarchical(g):
+        assert method.node_stats is None and not node_cols & set(t), sorted(t)
+        assert "node_stats" not in state
+        return
+    root, many = g.is_root, g.local_size > 1
+    want_sent = outer * 4 * n * (1 + root) * many
+    want_recv = outer * 4 * n * (1 + (not root)) * many
+    assert (t["node_bytes_sent"][-1], t["node_bytes_recv"][-1]) == (want_sent, want_recv)
+    assert np.all(np.diff(t["node_bytes_sent"]) >= 0) and np.all(np.diff(t["node_seconds"]) >= 0)
+    assert len(set(t["node_bytes_sent"].tolist())) == (1 + outer if many else 1)
+    between = outer * allreduce_bytes(n, g.n_nodes) if root else 0
+    assert t["comm_bytes_sent"][-1] - s0.bytes_sent == between
+    assert t["comm_bytes_recv"][-1] - s0.bytes_recv == between
+    assert (t["node_seconds"][-1] > 0) == many
+    assert t["node_seconds"][-1] <= t["comm_seconds"][-1] - s0.seconds
+    assert state["node_stats"]["bytes_sent"] == want_sent
+    again = METHODS["diloco"](model, opt, comm, max_steps=8, comm_dtype="int8",
+                              local_steps=4, outer_lr=0.7)       # a resume goes on counting
+    assert again.node_stats.bytes_sent == 0
+    again.load_state_dict(state)
+    assert again.node_stats.state_dict() == state["node_stats"]
+    again.close()
+    if comm.size == 4:          # 2 + 2: every rank sends inside its node
+        assert t["node_bytes_sent"][-1] > 0
+
+
 #: (method, its options, the value kinds tried, the bytes' bound against fp32 for each)
 TOPK_RUNS = {
     # EASGD with int2 values and error feedback ends near 0.62 here (as dense int2 with error
@@ -714,3 +790,101 @@ def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
     assert torch.equal(finals[0], mine)
     if comm.size > 1:
         assert not torch.equal(finals[1], mine)
+
+
+# -- non-blocking: the staged allreduce, bit for bit the blocking one ------------------------
+NONBLOCKING = [("int8", 1.0), ("int4", 1.0), ("fp32", 0.1), ("int8", 0.1)]
+
+
+@pytest.mark.parametrize("kind,topk", NONBLOCKING)
+def test_nonblocking_allreduce_equals_blocking(world, groups, kind, topk):
+    """iallreduce_ on a duplicate of quantized_groups' world (as Streaming DiLoCo posts it),
+    error feedback, three rounds (mean), compute and a blocking collective of the world
+    between the start and the wait: the same bits as the blocking allreduce of a twin, the
+    same residuals, the same bytes and one call counted at the start and nothing more by
+    test() or wait(), the same float32 bytes inside the node (hierarchical layouts)."""
+    quantized_backend(world)
+    if topk < 1:
+        topk_backend()
+    n = 2 * BLOCK + 333
+    blocking = quantized_groups(groups, kind, error_feedback=True, topk=topk).world
+    staged = quantized_groups(groups, kind, error_feedback=True, topk=topk).world.dup()
+    a, b = torch.zeros(n), torch.zeros(n)
+    blocking.agree_buffers(a)
+    staged.agree_buffers(b)
+    other = torch.ones(4)
+    for rnd in range(3):
+        v = vector(world.rank + 10 * rnd, n)
+        a.copy_(v)
+        b.copy_(v)
+        before, node_before = world.stats.snapshot(), blocking.node_stats.snapshot()
+        blocking.allreduce_(a, "mean")
+        want = [world.stats.bytes_sent - before.bytes_sent,
+                world.stats.bytes_recv - before.bytes_recv, world.stats.calls - before.calls,
+                blocking.node_stats.bytes_sent - node_before.bytes_sent]
+        before, node_before = world.stats.snapshot(), staged.node_stats.snapshot()
+        request = staged.iallreduce_(b, "mean")
+        got = [world.stats.bytes_sent - before.bytes_sent,
+               world.stats.bytes_recv - before.bytes_recv, world.stats.calls - before.calls]
+        for _ in range(3):                      # compute between the start and the wait
+            torch.randn(64, 64) @ torch.randn(64, 64)
+            request.test()
+        world.allreduce_(other, "sum")          # the trainer's blocking collective
+        mid = world.stats.snapshot()
+        assert request.wait() is b and request.done and request.result is b
+        assert (world.stats.bytes_sent, world.stats.bytes_recv, world.stats.calls) == \
+            (mid.bytes_sent, mid.bytes_recv, mid.calls)
+        got.append(staged.node_stats.bytes_sent - node_before.bytes_sent)
+        assert torch.equal(a, b), (kind, topk, rnd, (a - b).abs().max())
+        assert got == want, (kind, topk, rnd, got, want)
+        ra = [blocking.shared.residuals[k] for k in sorted(blocking.shared.residuals)]
+        rb = [staged.shared.residuals[k] for k in sorted(staged.shared.residuals)]
+        assert len(ra) == len(rb) and all(torch.equal(x, y) for x, y in zip(ra, rb))
+    assert len(set(world.allgather_object(digest(b)))) == 1
+
+
+def test_streaming_diloco_int8_same_bits_as_blocking(comm, monkeypatch):
+    """Streaming DiLoCo with int8 and error feedback (two fragments, delay 1, 12 steps)
+    trains to the same bits with the staged non-blocking allreduce as with the blocking one
+    that iallreduce_ ran before (a completed request); every compressed fragment's request
+    is the staged one; the outer state has the same bits on every rank."""
+    quantized_backend(comm.world)
+    from lsgd_hpc.comm import quantized as qmod
+    finals, staged = [], []
+    real = qmod.Quantized.iallreduce_
+
+    def watched(self, tensor, op="sum", *, agreed=False):
+        request = real(self, tensor, op, agreed=agreed)
+        if self.quantizes(tensor):
+            staged.append(isinstance(request, qmod._Staged))
+        return request
+
+    def old(self, tensor, op="sum", *, agreed=False):
+        if not self.quantizes(tensor):
+            return self.inner.iallreduce_(tensor, op, agreed=agreed)
+        self.allreduce_(tensor, op)
+        return qmod.Pending(self.inner, tensor, op, lambda: None, lambda: True,
+                            finish=lambda: tensor)
+    x, y = rank_data(comm.rank, 64)
+    for how in (old, watched):
+        monkeypatch.setattr(qmod.Quantized, "iallreduce_", how)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        method = METHODS["diloco"](model, opt, comm, max_steps=12, comm_dtype="int8",
+                                   error_feedback=True, local_steps=4, outer_lr=0.7,
+                                   fragments=2, fragment_sync_delay=1)
+        while not method.done:
+            i = (method.steps % 4) * 16
+            loss = nn.functional.cross_entropy(model(x[i:i + 16]), y[i:i + 16])
+            opt.zero_grad()
+            loss.backward()
+            method.step(loss)
+        method.drain()
+        finals.append(torch.cat([method.rule.prev.data.reshape(-1),
+                                 *[p.detach().reshape(-1) for p in model.parameters()]]))
+        prev = method.rule.prev.data.clone()
+        method.close()
+    assert torch.equal(finals[0], finals[1])
+    assert staged and all(staged)
+    assert len(set(comm.allgather_object(digest(prev)))) == 1
