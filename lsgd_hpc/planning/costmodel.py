@@ -66,9 +66,11 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUCE_ALGORITHMS",
+__all__ = ["wire_bytes", "pull_bytes", "hierarchical", "hier_allreduce_time", "round_bytes_sent",
+           "Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUCE_ALGORITHMS",
            "ring_allreduce", "doubling_allreduce", "binomial_broadcast",
            "scatter_allgather_broadcast", "allreduce_time", "broadcast_time",
            "cluster_broadcast_time", "hierarchical_broadcast_time", "election_time",
@@ -154,7 +156,7 @@ class Workload:
     topk: float = 1.0        # < 1: EASGD and DiLoCo send each chunk's top-k (topk_payload_bytes)
     value_bits: int = 32     # bits of each top-k value (VALUE_BITS of the comm_dtype)
     #: int8/fp8/int4/int2, or top-k: the averaging methods' rounds are the package's
-    #: compressed allreduce (hierarchical or flat, planning.recommend.hier_allreduce_time)
+    #: compressed allreduce (hierarchical or flat, hier_allreduce_time)
     comm_dtype: str = "fp32"
 
     @property
@@ -479,16 +481,89 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
                       glob / tau_global, n / p / tau_global)
 
 
+# -- compressed rounds (the package's Quantized communicators) ----------------------------------
+@lru_cache(maxsize=None)
+def _topk_bytes(n: int, topk: float, kind: str) -> int:
+    from lsgd_hpc.comm.sparse import sparse_layout
+    return sparse_layout(n, topk, kind).counted
+
+
+@lru_cache(maxsize=None)
+def _dense_bytes(n: int, groups: int, kind: str) -> int:
+    from lsgd_hpc.comm.quantized import allreduce_bytes
+    return allreduce_bytes(n, max(1, groups), kind=kind)
+
+
+def wire_bytes(n: int, nodes: int, kind: str = "fp32", topk: float = 1.0) -> int:
+    """Bytes of an n-element round between ``nodes`` nodes: 4 n (fp32), the quantized
+    allreduce's count (dense kind), or one node's top-k payload S (topk < 1)."""
+    if topk < 1:
+        return _topk_bytes(int(n), float(topk), kind)
+    if kind == "fp32":
+        return 4 * int(n)
+    return _dense_bytes(int(n), int(nodes), kind)
+
+
+def pull_bytes(n: int, kind: str = "fp32", topk: float = 1.0) -> int:
+    """Bytes of LSGD's compressed pull C(x_leader - r): a compressed broadcast of n elements
+    (4 n; quantized.broadcast_bytes; or the top-k payload S)."""
+    if topk < 1:
+        return _topk_bytes(int(n), float(topk), kind)
+    if kind == "fp32":
+        return 4 * int(n)
+    from lsgd_hpc.comm.quantized import broadcast_bytes
+    return broadcast_bytes(int(n), kind=kind)
+
+
+def hierarchical(c: Cluster) -> bool:
+    """Whether a compressed allreduce runs hierarchically on ``c`` (several nodes, more than
+    one rank a node), as lsgd_hpc.comm.quantized.quantized_groups does; else flat."""
+    return c.nodes > 1 and c.ranks_per_node > 1
+
+
+def _groups(c: Cluster) -> int:
+    """The ranks a compressed exchange runs over: the node roots, or all ranks (flat)."""
+    return c.nodes if hierarchical(c) else c.ranks
+
+
+def hier_allreduce_time(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
+    """One compressed (``kind``, ``topk``) allreduce of n float32 elements as the package runs
+    it (the module docstring's T(kind, F)): reduced in float32 inside each node and
+    compressed between the node roots when hierarchical(c); else the flat compressed
+    allreduce over all ranks."""
+    if c.ranks <= 1:
+        return 0.0
+    g = _groups(c)
+    b = wire_bytes(n, g, kind, topk)
+    if hierarchical(c):
+        inside, link = ring_allreduce(FLOAT_BYTES * n, c.ranks_per_node, c.intra), c.inter
+    else:
+        inside, link = 0.0, c.intra if c.nodes == 1 else c.inter
+    if topk < 1:
+        between = (g - 1) * (link.alpha_s + b * link.beta_s)
+    else:
+        between = ring_allreduce(b, g, link)
+    return inside + between + _call_cost(c)
+
+
+def round_bytes_sent(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
+    """Bytes one compressed allreduce of n elements counts sent, the mean over ranks (the
+    module docstring's): B / q (the node roots' exchange), or B_p (flat)."""
+    if c.ranks <= 1:
+        return 0.0
+    b = wire_bytes(n, _groups(c), kind, topk)
+    return b / c.ranks_per_node if hierarchical(c) else float(b)
+
+
 def _averaging_round(w: Workload, c: Cluster, coll: Collectives,
                      topk: bool = False) -> Tuple[float, float]:
     """(seconds, bytes sent per rank) of one averaging round of the flat vector. With
     ``w.comm_dtype`` int8/fp8/int4/int2 or ``topk`` (top-k ``w.topk`` of ``w.comm_dtype``
     values): the package's compressed allreduce, hierarchical on several nodes of several
     ranks (float32 inside the node, compressed between the node roots), flat over all ranks
-    otherwise (planning.recommend.hier_allreduce_time and round_bytes_sent); else the
+    otherwise (hier_allreduce_time and round_bytes_sent); else the
     library's allreduce of ``w.flat_bytes`` (fp32, bf16)."""
     if topk or w.comm_dtype not in ("fp32", "bf16"):
-        from lsgd_hpc.planning.recommend import hier_allreduce_time, round_bytes_sent
         m, f = w.n_params + w.n_buffers, w.topk if topk else 1.0
         kind = "fp32" if w.comm_dtype == "bf16" else w.comm_dtype
         return hier_allreduce_time(m, c, kind, f), round_bytes_sent(m, c, kind, f)

@@ -82,12 +82,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from functools import lru_cache
 from typing import Dict, List, Optional, Tuple
 
 from lsgd_hpc.planning import costmodel as cm
+# the bytes and seconds of a compressed round live in costmodel (its methods table prices them)
+from lsgd_hpc.planning.costmodel import (_groups, hier_allreduce_time, hierarchical, pull_bytes,
+                                         round_bytes_sent, wire_bytes)
 
-__all__ = ["wire_bytes", "pull_bytes", "hier_allreduce_time", "round_bytes_sent", "hierarchical", "diloco_cost", "easgd_cost",
+__all__ = ["wire_bytes", "pull_bytes", "hier_allreduce_time", "round_bytes_sent", "hierarchical",
+           "diloco_cost", "easgd_cost",
            "streaming_diloco_cost", "lsgd_cost", "Candidate", "candidates", "recommend",
            "GRID_PERIODS", "GRID_KINDS", "GRID_TOPK", "GRID_FRAGMENTS", "MAX_PERIOD",
            "MIN_TOPK", "MIN_VALUE_BITS", "SLACK", "STREAMING_DELAY", "PULL_DELAY",
@@ -114,80 +117,6 @@ SLACK = 0.05
 #: broadcast at once, blocking ("no overlap"), so a delay hides nothing of a compressed round
 #: today; True prices it as an fp32 round is priced (``--assume-compressed-overlap``)
 COMPRESSED_OVERLAP = False
-
-
-# -- bytes -------------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
-def _topk_bytes(n: int, topk: float, kind: str) -> int:
-    from lsgd_hpc.comm.sparse import sparse_layout
-    return sparse_layout(n, topk, kind).counted
-
-
-@lru_cache(maxsize=None)
-def _dense_bytes(n: int, groups: int, kind: str) -> int:
-    from lsgd_hpc.comm.quantized import allreduce_bytes
-    return allreduce_bytes(n, max(1, groups), kind=kind)
-
-
-def wire_bytes(n: int, nodes: int, kind: str = "fp32", topk: float = 1.0) -> int:
-    """Bytes of an n-element round between ``nodes`` nodes: 4 n (fp32), the quantized
-    allreduce's count (dense kind), or one node's top-k payload S (topk < 1)."""
-    if topk < 1:
-        return _topk_bytes(int(n), float(topk), kind)
-    if kind == "fp32":
-        return 4 * int(n)
-    return _dense_bytes(int(n), int(nodes), kind)
-
-
-def pull_bytes(n: int, kind: str = "fp32", topk: float = 1.0) -> int:
-    """Bytes of LSGD's compressed pull C(x_leader - r): a compressed broadcast of n elements
-    (4 n; quantized.broadcast_bytes; or the top-k payload S)."""
-    if topk < 1:
-        return _topk_bytes(int(n), float(topk), kind)
-    if kind == "fp32":
-        return 4 * int(n)
-    from lsgd_hpc.comm.quantized import broadcast_bytes
-    return broadcast_bytes(int(n), kind=kind)
-
-
-def hierarchical(c: cm.Cluster) -> bool:
-    """Whether a compressed allreduce runs hierarchically on ``c`` (several nodes, more than
-    one rank a node), as lsgd_hpc.comm.quantized.quantized_groups does; else flat."""
-    return c.nodes > 1 and c.ranks_per_node > 1
-
-
-def _groups(c: cm.Cluster) -> int:
-    """The ranks a compressed exchange runs over: the node roots, or all ranks (flat)."""
-    return c.nodes if hierarchical(c) else c.ranks
-
-
-def hier_allreduce_time(n: int, c: cm.Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
-    """One compressed (``kind``, ``topk``) allreduce of n float32 elements as the package runs
-    it (the module docstring's T(kind, F)): reduced in float32 inside each node and
-    compressed between the node roots when hierarchical(c); else the flat compressed
-    allreduce over all ranks."""
-    if c.ranks <= 1:
-        return 0.0
-    g = _groups(c)
-    b = wire_bytes(n, g, kind, topk)
-    if hierarchical(c):
-        inside, link = cm.ring_allreduce(cm.FLOAT_BYTES * n, c.ranks_per_node, c.intra), c.inter
-    else:
-        inside, link = 0.0, c.intra if c.nodes == 1 else c.inter
-    if topk < 1:
-        between = (g - 1) * (link.alpha_s + b * link.beta_s)
-    else:
-        between = cm.ring_allreduce(b, g, link)
-    return inside + between + cm._call_cost(c)
-
-
-def round_bytes_sent(n: int, c: cm.Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
-    """Bytes one compressed allreduce of n elements counts sent, the mean over ranks (the
-    module docstring's): B / q (the node roots' exchange), or B_p (flat)."""
-    if c.ranks <= 1:
-        return 0.0
-    b = wire_bytes(n, _groups(c), kind, topk)
-    return b / c.ranks_per_node if hierarchical(c) else float(b)
 
 
 def _round_time(n: int, c: cm.Cluster, kind: str, topk: float,
