@@ -5,15 +5,25 @@ the tests import them from here by their old names. Horovod's probe is the tests
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from lsgd_hpc.testing import (kill_session, mpi_env, mpirun_cmd, mpirun_path, run_group,
                               run_mpi, session_pids)
 
 __all__ = ["REPO", "mpirun_path", "mpi_env", "mpirun_cmd", "run_group", "session_pids",
-           "kill_session", "run_mpi", "horovod_available"]
+           "kill_session", "run_mpi", "horovod_available", "fault_time"]
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def fault_time(stderr: str) -> float:
+    """The wall time tests/parallel/train_driver.py printed as ``FAULT_AT <seconds>`` when it
+    injected its fault. Read by pattern: mpirun forwards a rank's stderr in pieces, and its
+    own abort banner may land on the same line, right after the number."""
+    found = re.search(r"FAULT_AT (\d+\.\d{3})", stderr)
+    assert found, "no FAULT_AT line in the job's stderr:\n" + stderr[-3000:]
+    return float(found.group(1))
 
 
 def horovod_available() -> bool:

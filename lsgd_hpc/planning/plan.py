@@ -608,10 +608,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --recommend, the quality guard: no top-k below F (default 0.01: "
                         "SparseLoCo's 1%%)")
     p.add_argument("--assume-compressed-overlap", action="store_true",
-                   help="with --recommend: price a compressed round started early (Streaming "
-                        "DiLoCo's sync delay, LSGD's --pull-delay) as hidden behind compute "
-                        "like an fp32 one (the package runs compressed non-blocking "
-                        "collectives at once today, hiding nothing)")
+                   help="with --recommend: price LSGD's compressed pull started early "
+                        "(--pull-delay) as hidden behind compute like an fp32 one (the "
+                        "package runs a compressed non-blocking broadcast at once today, "
+                        "hiding nothing; a compressed allreduce hides for real)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--mtbf-hours", help="the failure planner instead: expected goodput of "
                    "abort, shrink and heal at this per-node MTBF (python -m lsgd_hpc.plan "

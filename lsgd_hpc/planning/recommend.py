@@ -61,9 +61,12 @@ Methods, communication seconds per step (the step is t_c plus this):
                          + (E_world + max(0, B_hier(Bg) - d t_c) + pass(3)) / tau_G
                          (one node or one rank per node: one level, a flat broadcast of Bg)
 
-A compressed round hides nothing behind compute (``COMPRESSED_OVERLAP`` False): the package
-runs a compressed non-blocking collective at once (lsgd_hpc.comm.quantized); the plan's
-``--assume-compressed-overlap`` prices it as an fp32 one. The quantization's own arithmetic is
+A compressed allreduce started early (Streaming DiLoCo's sync delay) hides behind compute as
+an fp32 one does: lsgd_hpc.comm.quantized's non-blocking allreduce is staged (quantize,
+alltoall, requantize, allgather, each stage run from the step's test()). A compressed
+broadcast (LSGD's int8/int4/int2 pull with a pull delay) still runs at once, so it hides
+nothing (``COMPRESSED_OVERLAP`` False); the plan's ``--assume-compressed-overlap`` prices it as
+an fp32 one. The quantization's own arithmetic is
 not priced (a few passes over the model on the device).
 
 Recommendation (:func:`recommend`): every candidate of an explicit grid (``GRID_*``) that
@@ -112,10 +115,11 @@ MIN_TOPK = 0.01
 MIN_VALUE_BITS = 2
 #: eligible: predicted step within this fraction of the fastest candidate's
 SLACK = 0.05
-#: whether a compressed (int8/int4/int2, top-k) collective started before its result is due
-#: runs behind compute: lsgd_hpc.comm.quantized runs a compressed non-blocking allreduce or
-#: broadcast at once, blocking ("no overlap"), so a delay hides nothing of a compressed round
-#: today; True prices it as an fp32 round is priced (``--assume-compressed-overlap``)
+#: whether a compressed broadcast started before its result is due (LSGD's int8/int4/int2
+#: pull with a pull delay) runs behind compute: lsgd_hpc.comm.quantized runs a compressed
+#: non-blocking broadcast at once ("no overlap"), so a delay hides nothing of it today; True
+#: prices it as an fp32 one (``--assume-compressed-overlap``). The compressed allreduce is
+#: non-blocking for real and always priced as hiding (Streaming DiLoCo).
 COMPRESSED_OVERLAP = False
 
 
@@ -161,12 +165,11 @@ def _hidden(delay: int, w: cm.Workload, kind: str, topk: float, overlap) -> floa
 
 def streaming_diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, fragments: int, delay: int,
                           kind: str = "fp32", topk: float = 1.0,
-                          coll: cm.Collectives = cm.Collectives(),
-                          compressed_overlap: Optional[bool] = None) -> cm.MethodCost:
+                          coll: cm.Collectives = cm.Collectives()) -> cm.MethodCost:
     """Streaming DiLoCo: P fragments of n / P elements, one synced every H / P steps, its
     allreduce running behind ``delay`` steps of compute:
-    P (max(0, T_frag - delay t_c) + pass(7) / P) / H (a compressed one hides nothing unless
-    ``compressed_overlap``, default COMPRESSED_OVERLAP)."""
+    P (max(0, T_frag - delay t_c) + pass(7) / P) / H (a compressed allreduce too: the
+    package's is non-blocking for real)."""
     P = fragments
     if H < 1 or P < 1 or H % P or not 0 <= delay < H // P:
         raise ValueError(f"streaming DiLoCo needs fragments dividing H and delay < H / "
@@ -176,8 +179,9 @@ def streaming_diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, fragments: int,
     if c.ranks == 1:
         return cm.MethodCost("streaming-diloco", setting, w.compute_s, 0.0, 0.0)
     frag = -(-n // P)
-    exposed = max(0.0, _round_time(frag, c, kind, topk, coll)
-                  - _hidden(delay, w, kind, topk, compressed_overlap))
+    # the compressed allreduce is non-blocking for real (staged from test()): it hides as an
+    # fp32 one does
+    exposed = max(0.0, _round_time(frag, c, kind, topk, coll) - _hidden(delay, w, kind, topk, True))
     t = P * exposed / H + cm._passes(cm.FLOAT_BYTES * n, c, 7) / H
     return cm.MethodCost("streaming-diloco", setting, w.compute_s, t,
                          P * wire_bytes(frag, _groups(c), kind, topk) / H)
@@ -323,8 +327,7 @@ def candidates(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collecti
                 P = GRID_FRAGMENTS
                 if period % P == 0:
                     delay = max(0, min(STREAMING_DELAY, period // P - 1))
-                    add(streaming_diloco_cost(w, c, period, P, delay, kind, topk, coll,
-                                              compressed_overlap),
+                    add(streaming_diloco_cost(w, c, period, P, delay, kind, topk, coll),
                         "streaming-diloco", period, kind, topk,
                         {"H": period, "fragments": P, "sync_delay": delay})
     return out
@@ -359,9 +362,10 @@ def recommend(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collectiv
                  f"{min_topk:g}, values >= {MIN_VALUE_BITS} bits), those within "
                  f"{slack:.0%} of the fastest predicted step; of them what the trainer runs "
                  "today, then the smallest period, then the most bytes sent (the mildest "
-                 "compression), then the fastest; a compressed round "
-                 + ("overlaps compute as fp32 does (assumed)" if overlap else
-                    "hides nothing behind compute (the package runs it blocking)")),
+                 "compression), then the fastest; a compressed allreduce overlaps compute "
+                 "as fp32 does, LSGD's compressed pull "
+                 + ("too (assumed)" if overlap else
+                    "hides nothing behind compute (the package broadcasts it at once)")),
         "slack": slack, "max_period": max_period, "min_topk": min_topk,
         "compressed_overlap": overlap,
         "candidates": len(cands), "fastest_step_s": fastest.step_s,

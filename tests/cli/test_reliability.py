@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lsgd_hpc.runtime.metrics import TIME_COLUMNS
-from mpi_util import REPO, mpi_env, run_mpi
+from mpi_util import REPO, fault_time, mpi_env, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
 SHORT = ["--ranks-per-node", "1", "--max-steps", "40", "--eval-every", "10", "--seed", "5",
@@ -59,7 +59,7 @@ def test_exception_on_one_rank_ends_job_fast(tmp_path):
     ended = time.time()
     assert proc.returncode not in (0, None)
     assert "rank 2: RuntimeError: injected fault at step 12" in proc.stderr
-    fault_at = float(proc.stderr.split("FAULT_AT ")[1].split()[0])
+    fault_at = fault_time(proc.stderr)
     # from the error to the end of the whole job (the other ranks would otherwise train on
     # or wait in the next collective)
     assert ended - fault_at < 30, ended - fault_at

@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpi_util import REPO, mpi_env, run_group, run_mpi
+from mpi_util import REPO, fault_time, mpi_env, run_group, run_mpi
 
 DRIVER = str(REPO / "tests" / "parallel" / "train_driver.py")
 ALGS = ["lsgd", "lsgd-async", "allreduce", "easgd", "local-sgd", "gossip"]
@@ -137,7 +137,7 @@ def test_a_crash_ends_the_job(tmp_path, launch):
     assert proc.returncode not in (0, None), proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "injected fault at step 3" in proc.stderr
     assert "FAULT_AT" in proc.stderr
-    fault_at = float(proc.stderr.split("FAULT_AT ")[1].split()[0])
+    fault_at = fault_time(proc.stderr)
     assert time.time() - fault_at < 60, "the job outlived the crash by a minute"
     assert time.time() - t0 < 180
 
