@@ -70,6 +70,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["wire_bytes", "pull_bytes", "hierarchical", "hier_allreduce_time", "round_bytes_sent",
+           "exchange_ranks", "call_cost", "node_cluster", "pass_time",
            "Link", "Cluster", "Workload", "Collectives", "MethodCost", "ALLREDUCE_ALGORITHMS",
            "ring_allreduce", "doubling_allreduce", "binomial_broadcast",
            "scatter_allgather_broadcast", "allreduce_time", "broadcast_time",
@@ -233,7 +234,7 @@ def allreduce_time(nbytes: float, c: Cluster, coll: Collectives = Collectives())
     """Seconds of one allreduce of ``nbytes`` over every rank of the cluster."""
     cand = _allreduce_candidates(nbytes, c)
     t = min(cand.values()) if coll.algorithm == "auto" else cand[coll.algorithm]
-    return t + _call_cost(c)
+    return t + call_cost(c)
 
 
 def topk_payload_bytes(n: int, topk: float, value_bits: int = 32,
@@ -262,7 +263,7 @@ def ring_allgather_time(nbytes: float, c: Cluster) -> float:
     links = [c.intra] if c.nodes == 1 else [c.inter] if c.ranks_per_node == 1 \
         else [c.intra, c.inter]
     alpha, beta = max(x.alpha_s for x in links), max(x.beta_s for x in links)
-    return (p - 1) * (alpha + nbytes * beta) + _call_cost(c)
+    return (p - 1) * (alpha + nbytes * beta) + call_cost(c)
 
 
 def between_nodes_allreduce_time(nbytes: float, c: Cluster) -> float:
@@ -313,7 +314,7 @@ def hierarchical_broadcast_time(nbytes: float, c: Cluster) -> float:
     """
     N, q = c.nodes, c.ranks_per_node
     b_in = broadcast_time(nbytes, q, c.intra)
-    in_node, roots = _call_cost(_node(c)), _call_cost(_roots(c))
+    in_node, roots = call_cost(node_cluster(c)), call_cost(_roots(c))
     return ((1 - 1 / q) * (b_in + in_node) + broadcast_time(nbytes, N, c.inter) + roots
             + b_in + in_node)
 
@@ -321,11 +322,11 @@ def hierarchical_broadcast_time(nbytes: float, c: Cluster) -> float:
 def election_time(c: Cluster, scope: str = "world") -> float:
     """One MINLOC election (16 bytes): recursive doubling, log2 q steps inside the node and
     log2 N between nodes; ``scope='node'``: inside one node only."""
-    on = _node(c) if scope == "node" else c
-    return min(_allreduce_candidates(ELECTION_BYTES, on).values()) + _call_cost(on)
+    on = node_cluster(c) if scope == "node" else c
+    return min(_allreduce_candidates(ELECTION_BYTES, on).values()) + call_cost(on)
 
 
-def _call_cost(c: Cluster) -> float:
+def call_cost(c: Cluster) -> float:
     """Software cost of one collective call on the (sub-)cluster ``c``: the fixed overhead,
     and the agreement check (48 bytes, latency-bound) when on. Nothing for one rank."""
     if c.ranks <= 1:
@@ -334,7 +335,7 @@ def _call_cost(c: Cluster) -> float:
     return c.call_overhead_s + check
 
 
-def _node(c: Cluster) -> Cluster:
+def node_cluster(c: Cluster) -> Cluster:
     """The sub-cluster of one node (a node communicator)."""
     return replace(c, nodes=1)
 
@@ -344,7 +345,7 @@ def _roots(c: Cluster) -> Cluster:
     return replace(c, ranks_per_node=1)
 
 
-def _passes(nbytes: float, c: Cluster, k: float) -> float:
+def pass_time(nbytes: float, c: Cluster, k: float) -> float:
     """k elementwise passes (read + write) over nbytes of model."""
     return 0.0 if math.isinf(c.mem_Bps) else k * 2 * nbytes / c.mem_Bps
 
@@ -435,10 +436,10 @@ def allreduce_sgd(w: Workload, c: Cluster, coll: Collectives = Collectives(),
     if p == 1:
         return MethodCost("allreduce", "every step", w.compute_s, 0.0, 0.0)
     k = max(1, math.ceil(w.grad_bytes / bucket_bytes)) if bucket_bytes > 0 else 1
-    t = k * allreduce_time(w.grad_bytes / k, c, coll) + _passes(w.grad_bytes, c, 1)
+    t = k * allreduce_time(w.grad_bytes / k, c, coll) + pass_time(w.grad_bytes, c, 1)
     sent = float(w.grad_bytes)
     if w.n_buffers:
-        t += cluster_broadcast_time(w.buffer_bytes, c) + _call_cost(c)
+        t += cluster_broadcast_time(w.buffer_bytes, c) + call_cost(c)
         sent += w.buffer_bytes / p
     t = max(0.0, t - overlap * w.compute_s)
     setting = "every step" + (f", {k} buckets" if k > 1 else "")
@@ -464,11 +465,11 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
     n = w.grad_bytes if bn == "keep" else w.flat_bytes
     if p == 1:
         return MethodCost("lsgd", f"tau {tau_global}", w.compute_s, 0.0, 0.0)
-    pull = _passes(n, c, 3)
+    pull = pass_time(n, c, 3)
     multi = 1 < N < p
     if multi:
         local = (election_time(c, "node") + broadcast_time(n, q, c.intra)
-                 + _call_cost(_node(c)) + pull)
+                 + call_cost(node_cluster(c)) + pull)
         glob = election_time(c) + hierarchical_broadcast_time(n, c) + pull
         # bytes: the node broadcast's root sends n; the hierarchical one sends n in the
         # leader's node, n among roots and n inside every other node: (N + 1) n in all
@@ -476,7 +477,7 @@ def lsgd(w: Workload, c: Cluster, tau_local: int, tau_global: int,
         setting = f"tau_L {tau_local}, tau_G {tau_global}"
         return MethodCost("lsgd", setting, w.compute_s, local / tau_local + glob / tau_global, sent)
     link = c.intra if N == 1 else c.inter
-    glob = election_time(c) + broadcast_time(n, p, link) + _call_cost(c) + pull
+    glob = election_time(c) + broadcast_time(n, p, link) + call_cost(c) + pull
     return MethodCost("lsgd", f"tau {tau_global} (single leader)", w.compute_s,
                       glob / tau_global, n / p / tau_global)
 
@@ -521,7 +522,7 @@ def hierarchical(c: Cluster) -> bool:
     return c.nodes > 1 and c.ranks_per_node > 1
 
 
-def _groups(c: Cluster) -> int:
+def exchange_ranks(c: Cluster) -> int:
     """The ranks a compressed exchange runs over: the node roots, or all ranks (flat)."""
     return c.nodes if hierarchical(c) else c.ranks
 
@@ -533,7 +534,7 @@ def hier_allreduce_time(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.
     allreduce over all ranks."""
     if c.ranks <= 1:
         return 0.0
-    g = _groups(c)
+    g = exchange_ranks(c)
     b = wire_bytes(n, g, kind, topk)
     if hierarchical(c):
         inside, link = ring_allreduce(FLOAT_BYTES * n, c.ranks_per_node, c.intra), c.inter
@@ -543,7 +544,7 @@ def hier_allreduce_time(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.
         between = (g - 1) * (link.alpha_s + b * link.beta_s)
     else:
         between = ring_allreduce(b, g, link)
-    return inside + between + _call_cost(c)
+    return inside + between + call_cost(c)
 
 
 def round_bytes_sent(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.0) -> float:
@@ -551,7 +552,7 @@ def round_bytes_sent(n: int, c: Cluster, kind: str = "fp32", topk: float = 1.0) 
     module docstring's): B / q (the node roots' exchange), or B_p (flat)."""
     if c.ranks <= 1:
         return 0.0
-    b = wire_bytes(n, _groups(c), kind, topk)
+    b = wire_bytes(n, exchange_ranks(c), kind, topk)
     return b / c.ranks_per_node if hierarchical(c) else float(b)
 
 
@@ -581,7 +582,7 @@ def _periodic_allreduce(name: str, setting: str, w: Workload, c: Cluster, period
     if c.ranks == 1:
         return MethodCost(name, setting, w.compute_s, 0.0, 0.0)
     t, sent = _averaging_round(w, c, coll, topk)
-    t += _passes((w.n_params + w.n_buffers) * FLOAT_BYTES, c, passes)
+    t += pass_time((w.n_params + w.n_buffers) * FLOAT_BYTES, c, passes)
     return MethodCost(name, setting, w.compute_s, t / period, sent / period)
 
 
@@ -622,7 +623,7 @@ def slowmo(w: Workload, c: Cluster, T: int, every: int,
     if c.ranks == 1:
         return MethodCost("slowmo", setting, w.compute_s, 0.0, 0.0)
     round_s, sent = _averaging_round(w, c, coll)
-    t = (round_s + _passes(n, c, 3)) / T + _passes(n, c, 5) / every
+    t = (round_s + pass_time(n, c, 3)) / T + pass_time(n, c, 5) / every
     return MethodCost("slowmo", setting, w.compute_s, t, sent / T)
 
 
@@ -637,7 +638,7 @@ def gossip(w: Workload, c: Cluster, topology: str,
     if degrees is None:
         degrees = topology_degrees(topology, c)
     t, sent, dmax = gossip_exchange(degrees, n, c)
-    return MethodCost("gossip", topology, w.compute_s, t + _passes(n, c, dmax + 1), sent)
+    return MethodCost("gossip", topology, w.compute_s, t + pass_time(n, c, dmax + 1), sent)
 
 
 def method_cost(method: str, w: Workload, c: Cluster, options: Optional[Dict] = None, *,
@@ -724,7 +725,7 @@ def with_workers(method: str, w: Workload, c: Cluster, options: Dict, worker_ran
     payload = w.grad_bytes if math.isnan(share) else share * w.flat_bytes
     if cw.ranks == 1:
         rounds = 0.0                  # one worker: nothing between workers, nothing to spread
-    spread_s = rounds * (broadcast_time(payload, q_w, c.intra) + _call_cost(one_worker))
+    spread_s = rounds * (broadcast_time(payload, q_w, c.intra) + call_cost(one_worker))
     spread_bytes = rounds * payload / q_w if q_w > 1 else 0.0     # sent by the first rank
     return WorkerCost(method, between.setting, w.compute_s, inside.comm_s + between.comm_s + spread_s,
                       between.bytes_per_step / q_w, inside_s=inside.comm_s,

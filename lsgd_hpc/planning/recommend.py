@@ -4,7 +4,7 @@ compressor for a cluster (``python -m lsgd_hpc.plan ... --recommend``).
 Pricing (n: the elements of the fused model, parameters and float buffers; 4 n its float32
 bytes; N nodes of q ranks; alpha_e, beta_e the network link, alpha_i, beta_i the link inside
 a node; t_c the compute seconds of one step; pass(k) = k elementwise passes over 4 n bytes at
-the memory bandwidth, costmodel._passes):
+the memory bandwidth, costmodel.pass_time):
 
 Compressors. ``(kind, F)``: values of ``kind`` (fp32, int8, int4, int2) and top-k fraction F
 (1: dense). Bytes of the model on the wire between nodes, from the package's own counts:
@@ -89,8 +89,8 @@ from typing import Dict, List, Optional, Tuple
 
 from lsgd_hpc.planning import costmodel as cm
 # the bytes and seconds of a compressed round live in costmodel (its methods table prices them)
-from lsgd_hpc.planning.costmodel import (_groups, hier_allreduce_time, hierarchical, pull_bytes,
-                                         round_bytes_sent, wire_bytes)
+from lsgd_hpc.planning.costmodel import (exchange_ranks, hier_allreduce_time, hierarchical,
+                                         pull_bytes, round_bytes_sent, wire_bytes)
 
 __all__ = ["wire_bytes", "pull_bytes", "hier_allreduce_time", "round_bytes_sent", "hierarchical",
            "diloco_cost", "easgd_cost",
@@ -136,9 +136,9 @@ def _periodic(name: str, setting: str, w: cm.Workload, c: cm.Cluster, period: in
     n = w.n_params + w.n_buffers
     if c.ranks == 1:
         return cm.MethodCost(name, setting, w.compute_s, 0.0, 0.0)
-    t = _round_time(n, c, kind, topk, coll) + cm._passes(cm.FLOAT_BYTES * n, c, passes)
+    t = _round_time(n, c, kind, topk, coll) + cm.pass_time(cm.FLOAT_BYTES * n, c, passes)
     return cm.MethodCost(name, setting, w.compute_s, t / period,
-                         wire_bytes(n, _groups(c), kind, topk) / period)
+                         wire_bytes(n, exchange_ranks(c), kind, topk) / period)
 
 
 def diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, kind: str = "fp32", topk: float = 1.0,
@@ -182,9 +182,9 @@ def streaming_diloco_cost(w: cm.Workload, c: cm.Cluster, H: int, fragments: int,
     # the compressed allreduce is non-blocking for real (staged from test()): it hides as an
     # fp32 one does
     exposed = max(0.0, _round_time(frag, c, kind, topk, coll) - _hidden(delay, w, kind, topk, True))
-    t = P * exposed / H + cm._passes(cm.FLOAT_BYTES * n, c, 7) / H
+    t = P * exposed / H + cm.pass_time(cm.FLOAT_BYTES * n, c, 7) / H
     return cm.MethodCost("streaming-diloco", setting, w.compute_s, t,
-                         P * wire_bytes(frag, _groups(c), kind, topk) / H)
+                         P * wire_bytes(frag, exchange_ranks(c), kind, topk) / H)
 
 
 def lsgd_cost(w: cm.Workload, c: cm.Cluster, tau_local: int, tau_global: int,
@@ -206,12 +206,12 @@ def lsgd_cost(w: cm.Workload, c: cm.Cluster, tau_local: int, tau_global: int,
         return cm.MethodCost("lsgd", setting, w.compute_s, 0.0, 0.0)
     b = pull_bytes(w.n_params, kind, topk)
     hide = _hidden(pull_delay, w, kind, topk, compressed_overlap)
-    pull = cm._passes(w.grad_bytes, c, 3)
+    pull = cm.pass_time(w.grad_bytes, c, 3)
     if 1 < N < p:
         b_loc = pull_bytes(w.n_params, kind)          # the local pull: dense, of ``kind``
         hide_loc = _hidden(pull_delay, w, kind, 1.0, compressed_overlap)
         local = (cm.election_time(c, "node")
-                 + max(0.0, cm.broadcast_time(b_loc, q, c.intra) + cm._call_cost(cm._node(c))
+                 + max(0.0, cm.broadcast_time(b_loc, q, c.intra) + cm.call_cost(cm.node_cluster(c))
                        - hide_loc)
                  + pull)
         glob = cm.election_time(c) + max(0.0, cm.hierarchical_broadcast_time(b, c) - hide) + pull
@@ -219,7 +219,7 @@ def lsgd_cost(w: cm.Workload, c: cm.Cluster, tau_local: int, tau_global: int,
         return cm.MethodCost("lsgd", setting, w.compute_s,
                              local / tau_local + glob / tau_global, sent)
     link = c.intra if N == 1 else c.inter
-    glob = (cm.election_time(c) + max(0.0, cm.broadcast_time(b, p, link) + cm._call_cost(c) - hide)
+    glob = (cm.election_time(c) + max(0.0, cm.broadcast_time(b, p, link) + cm.call_cost(c) - hide)
             + pull)
     return cm.MethodCost("lsgd", setting, w.compute_s, glob / tau_global, b / p / tau_global)
 
@@ -299,7 +299,7 @@ def candidates(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collecti
     def add(cost: cm.MethodCost, method, period, kind, topk, options):
         m = w.n_params if method == "lsgd" else n          # LSGD pulls the parameters only
         wire = (pull_bytes(m, kind, topk) if method == "lsgd"
-                else wire_bytes(m, _groups(c), kind, topk))
+                else wire_bytes(m, exchange_ranks(c), kind, topk))
         out.append(Candidate(method, period, kind, topk, cost.step_s, cost.comm_s,
                              cost.compute_s, wire / period, wire / (4.0 * m) if m else 1.0,
                              options, _args(method, options, kind, topk),
