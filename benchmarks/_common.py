@@ -6,8 +6,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
 
 #: Benchmarks time the collectives themselves: the agreement check that precedes every
 #: collective of lsgd_hpc.comm (a 48-byte allreduce) is switched off unless asked for.
@@ -114,6 +117,65 @@ def driver_main(run: Callable[[bool], dict], description: str, argv=None) -> int
     for r in result["rows"]:
         print(f"{r['label']}: {r['figures']}  ratio {r['ratio']}")
     return 0 if not result.get("errors") else 1
+
+
+def failed(base: dict, key: str, why: str) -> dict:
+    """A benchmark's result when it could not measure: its status and one row saying why."""
+    return {**base, "status": f"failed: {why}", "rows": [row(key, "", f"failed: {why}", None, "")]}
+
+
+def cluster_job(script: str, key: str, base: dict, cluster: Dict[str, str], rate: str,
+                quick: bool, timeout: float, log=print, worker_args: Tuple[str, ...] = ()
+                ) -> Tuple[dict, Optional[dict]]:
+    """Run ``script --worker`` on 2 emulated nodes x 2 ranks joined at ``rate`` (the cluster
+    ``cluster["name"]`` on ``cluster["subnet"]``, brought up and down here). Returns (the
+    worker's JSON result, None), or ({}, the benchmark's result) when the cluster is missing
+    (skipped) or the job failed, timed out or found the wrong layout (failed)."""
+    import time_to_accuracy as tta
+    from lsgd_hpc.testing import mpi_env, mpirun_path, run_group
+
+    why_not = tta.cluster_available()
+    if why_not:
+        return {}, {**base, "status": f"skipped: {why_not}",
+                    "rows": [row(key, "", f"skipped: {why_not}", None, "")]}
+    with tempfile.TemporaryDirectory(prefix=f"lsgd_bench_{key}_") as tmp:
+        out = Path(tmp) / "out.json"
+        with tta.emulated_cluster(rate, log, cluster["name"], cluster["subnet"]) as margs:
+            cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+                   "-x", "PATH", "-np", str(tta.NP), sys.executable, script, "--worker",
+                   "--out", str(out), "--nodes", str(tta.NODES), "--rate", rate,
+                   *worker_args, *(["--quick"] if quick else [])]
+            env = mpi_env({})
+            env.pop("LSGD_HPC_RANKS_PER_NODE", None)
+            p = run_group(cmd, env=env, cwd=str(Path(script).resolve().parents[1]),
+                          timeout=timeout)
+        res = json.loads(out.read_text()) if out.exists() else {}
+    if res.get("layout_error"):
+        return {}, failed(base, key, f"layout check: {res['layout_error']}")
+    if p.returncode != 0 or not res:
+        why = "timed out" if p.returncode is None else f"exit {p.returncode}"
+        return {}, failed(base, key, f"{why}: {(p.stderr or p.stdout or '').strip()[-400:]}")
+    return res, None
+
+
+def cluster_bench_main(description: str, run: Callable[[bool], dict],
+                       worker: Callable[..., int], rate: Optional[str], argv=None) -> int:
+    """``main()`` of a benchmark run by :func:`cluster_job`: ``--out FILE [--quick]`` runs it
+    and writes the result; ``--worker`` (the ranks) runs ``worker(out, quick, nodes, rate)``."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--rate", default=rate, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.out, args.quick, args.nodes, args.rate)
+    res = run(args.quick)
+    write_result(args.out, res)
+    for r in res["rows"]:
+        print(r["label"], "|", r["figures"], "|", r["ratio"])
+    return 0 if res["status"] == "ok" else 1
 
 
 def row(label: str, compared: str, figures: str, ratio: Optional[float], ratio_label: str,

@@ -22,11 +22,8 @@ interleaved, slowest rank per sample. The ratio is in_place / out_of_place secon
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -34,10 +31,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from _common import (LayoutError, check_layout, fmt_s, interleaved, row, spread,  # noqa: E402
-                     write_result)
+from _common import (LayoutError, check_layout, cluster_bench_main, cluster_job,  # noqa: E402
+                     failed, fmt_s, interleaved, row, spread, write_result)
 
-from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
 RATE = "1gbit"
 CLUSTER = dict(name="bnbar", subnet="10.79.6")
@@ -101,36 +97,13 @@ def worker(out: str, quick: bool, nodes: int = 0, rate: Optional[str] = None) ->
 
 def run(quick: bool = False, timeout: float = 300, log=print, key: str = "nonblocking_allreduce"
         ) -> Dict:
-    import time_to_accuracy as tta
     base = {"name": key, "doc": __doc__.splitlines()[0], "rate": RATE, "model": MODEL}
-    why_not = tta.cluster_available()
-    if why_not:
-        return {**base, "status": f"skipped: {why_not}",
-                "rows": [row(key, "", f"skipped: {why_not}", None, "")]}
-    with tempfile.TemporaryDirectory(prefix="lsgd_bench_nbar_") as tmp:
-        out = Path(tmp) / "out.json"
-        with tta.emulated_cluster(RATE, log, CLUSTER["name"], CLUSTER["subnet"]) as margs:
-            cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                   "-x", "PATH", "-np", str(tta.NP), sys.executable, str(Path(__file__)),
-                   "--worker", "--out", str(out), "--nodes", str(tta.NODES), "--rate", RATE,
-                   *(["--quick"] if quick else [])]
-            env = mpi_env({})
-            env.pop("LSGD_HPC_RANKS_PER_NODE", None)
-            p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
-        res = json.loads(out.read_text()) if out.exists() else {}
-        if res.get("layout_error"):
-            msg = f"layout check: {res['layout_error']}"
-            return {**base, "status": f"failed: {msg}",
-                    "rows": [row(key, "", f"failed: {msg}", None, "")]}
-        if p.returncode != 0 or not out.exists():
-            why = "timed out" if p.returncode is None else f"exit {p.returncode}"
-            msg = f"{why}: {(p.stderr or p.stdout or '').strip()[-400:]}"
-            return {**base, "status": f"failed: {msg}",
-                    "rows": [row(key, "", f"failed: {msg}", None, "")]}
+    res, done = cluster_job(str(Path(__file__)), key, base, CLUSTER, RATE, quick, timeout, log)
+    if done:
+        return done
     if not res["between_hosts"]:      # the MPI backend's own view; check_layout passed
-        msg = "layout check: the MPI backend saw one host (between_hosts False)"
-        return {**base, "status": f"failed: {msg}", "rows": [row(key, "", f"failed: {msg}",
-                                                                 None, "")]}
+        return failed(base, key, "layout check: the MPI backend saw one host (between_hosts "
+                                 "False)")
     s = {k: spread(v) for k, v in res["samples"].items()}
     ratio = s["in_place"]["median"] / s["out_of_place"]["median"]
     return {**base, "status": "ok", "seconds": s, "bytes": res["bytes"],
@@ -147,20 +120,7 @@ def run(quick: bool = False, timeout: float = 300, log=print, key: str = "nonblo
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--rate", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args.out, args.quick, args.nodes, args.rate)
-    res = run(args.quick)
-    write_result(args.out, res)
-    for r in res["rows"]:
-        print(r["label"], "|", r["figures"], "|", r["ratio"])
-    return 0 if res["status"] == "ok" else 1
+    return cluster_bench_main(__doc__.splitlines()[0], run, worker, RATE, argv)
 
 
 if __name__ == "__main__":

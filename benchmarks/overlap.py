@@ -27,11 +27,8 @@ it), and its speed-up is step time without over step time with the overlap.
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, Optional
@@ -40,9 +37,9 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
-from _common import LayoutError, check_layout, rho_fields, row, spread, write_result  # noqa: E402
+from _common import (LayoutError, check_layout, cluster_bench_main, cluster_job,  # noqa: E402
+                     failed, rho_fields, row, spread, write_result)
 
-from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
 RATE = "100mbit"
 CLUSTER = dict(name="bovl", subnet="10.79.7")
@@ -60,7 +57,8 @@ PAIRS = [
 ]
 
 
-def worker(out: str, quick: bool, nodes: int, rate: str) -> int:
+def worker(out: str, quick: bool, nodes: int, rate: str, pairs: Optional[list] = None) -> int:
+    """The ranks: train each configuration of ``pairs`` (default PAIRS) in turn."""
     import torch
     from mpi4py import MPI
 
@@ -106,7 +104,7 @@ def worker(out: str, quick: bool, nodes: int, rate: str) -> int:
         return tuple(max(v) for v in zip(*comm.allgather_object(mine)))
 
     samples: Dict[str, Dict[str, list]] = {}
-    configs = [(f"{name} {kind}", cls, opts) for name, cls, on, off in PAIRS
+    configs = [(f"{name} {kind}", cls, opts) for name, cls, on, off in (pairs or PAIRS)
                for kind, opts in (("overlap", on), ("blocking", off))]
     for r in range(ROUNDS["quick" if quick else "full"]):
         for label, cls, opts in configs[r % len(configs):] + configs[:r % len(configs)]:
@@ -123,29 +121,12 @@ def worker(out: str, quick: bool, nodes: int, rate: str) -> int:
 
 
 def run(quick: bool = False, timeout: float = 600, log=print, key: str = "overlap") -> Dict:
-    import time_to_accuracy as tta
     base = {"name": key, "doc": __doc__.splitlines()[0], "rate": RATE, "model": MODEL}
-    why_not = tta.cluster_available()
-    if why_not:
-        return {**base, "status": f"skipped: {why_not}",
-                "rows": [row(key, "", f"skipped: {why_not}", None, "")]}
-    with tempfile.TemporaryDirectory(prefix="lsgd_bench_overlap_") as tmp:
-        out = Path(tmp) / "out.json"
-        with tta.emulated_cluster(RATE, log, CLUSTER["name"], CLUSTER["subnet"]) as margs:
-            cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                   "-x", "PATH", "-np", str(tta.NP), sys.executable, str(Path(__file__)),
-                   "--worker", "--out", str(out), "--nodes", str(tta.NODES), "--rate", RATE,
-                   *(["--quick"] if quick else [])]
-            env = mpi_env({})
-            env.pop("LSGD_HPC_RANKS_PER_NODE", None)
-            p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
-        res = json.loads(out.read_text()) if out.exists() else {}
-    if res.get("layout_error") or p.returncode != 0 or "samples" not in res:
-        why = res.get("layout_error") or ("timed out" if p.returncode is None else
-                                          f"exit {p.returncode}: "
-                                          f"{(p.stderr or p.stdout or '').strip()[-400:]}")
-        return {**base, "status": f"failed: {why}", "rows": [row(key, "", f"failed: {why}",
-                                                                 None, "")]}
+    res, done = cluster_job(str(Path(__file__)), key, base, CLUSTER, RATE, quick, timeout, log)
+    if done:
+        return done
+    if "samples" not in res:
+        return failed(base, key, "the worker wrote no samples")
     med = {label: {k: spread(v)["median"] for k, v in s.items()}
            for label, s in res["samples"].items()}
     rows, shares = [], {}
@@ -176,20 +157,7 @@ def run(quick: bool = False, timeout: float = 600, log=print, key: str = "overla
 
 
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--rate", default=RATE, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args.out, args.quick, args.nodes, args.rate)
-    res = run(args.quick)
-    write_result(args.out, res)
-    for r in res["rows"]:
-        print(r["label"], "|", r["figures"], "|", r["ratio"])
-    return 0 if res["status"] == "ok" else 1
+    return cluster_bench_main(__doc__.splitlines()[0], run, worker, RATE, argv)
 
 
 if __name__ == "__main__":

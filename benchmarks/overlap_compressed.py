@@ -18,11 +18,8 @@ hides at least as much of its communication as fp32 does).
 
 from __future__ import annotations
 
-import argparse
-import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -31,9 +28,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
 import overlap  # noqa: E402
-from _common import row, spread, write_result  # noqa: E402
-
-from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
+from _common import cluster_bench_main, cluster_job, failed, row, spread  # noqa: E402
 
 CLUSTER = dict(name="bovq", subnet="10.79.8")
 STREAM = dict(local_steps=8, fragments=4, fragment_update_alpha=0.5)
@@ -45,30 +40,14 @@ PAIRS = [(f"streaming {dtype}", "DiLoCo",
 
 def run(quick: bool = False, timeout: float = 600, log=print,
         key: str = "overlap_compressed") -> Dict:
-    import time_to_accuracy as tta
     base = {"name": key, "doc": __doc__.splitlines()[0], "rate": overlap.RATE,
             "model": overlap.MODEL}
-    why_not = tta.cluster_available()
-    if why_not:
-        return {**base, "status": f"skipped: {why_not}",
-                "rows": [row(key, "", f"skipped: {why_not}", None, "")]}
-    with tempfile.TemporaryDirectory(prefix="lsgd_bench_overlapq_") as tmp:
-        out = Path(tmp) / "out.json"
-        with tta.emulated_cluster(overlap.RATE, log, CLUSTER["name"], CLUSTER["subnet"]) as margs:
-            cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                   "-x", "PATH", "-np", str(tta.NP), sys.executable, str(Path(__file__)),
-                   "--worker", "--out", str(out), "--nodes", str(tta.NODES),
-                   "--rate", overlap.RATE, *(["--quick"] if quick else [])]
-            env = mpi_env({})
-            env.pop("LSGD_HPC_RANKS_PER_NODE", None)
-            p = run_group(cmd, env=env, cwd=REPO, timeout=timeout)
-        res = json.loads(out.read_text()) if out.exists() else {}
-    if res.get("layout_error") or p.returncode != 0 or "samples" not in res:
-        why = res.get("layout_error") or ("timed out" if p.returncode is None else
-                                          f"exit {p.returncode}: "
-                                          f"{(p.stderr or p.stdout or '').strip()[-400:]}")
-        return {**base, "status": f"failed: {why}",
-                "rows": [row(key, "", f"failed: {why}", None, "")]}
+    res, done = cluster_job(str(Path(__file__)), key, base, CLUSTER, overlap.RATE, quick,
+                            timeout, log)
+    if done:
+        return done
+    if "samples" not in res:
+        return failed(base, key, "the worker wrote no samples")
     med = {label: {k: spread(v)["median"] for k, v in s.items()}
            for label, s in res["samples"].items()}
     shares = {}
@@ -92,22 +71,13 @@ def run(quick: bool = False, timeout: float = 600, log=print,
                       "comm (delay 0), slowest rank, median over rounds; ratio int8 / fp32"]}
 
 
+def worker(out: str, quick: bool, nodes: int, rate: str) -> int:
+    """The ranks: overlap's worker, with these configurations."""
+    return overlap.worker(out, quick, nodes, rate, pairs=PAIRS)
+
+
 def main(argv: Optional[list] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--nodes", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--rate", default=overlap.RATE, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        overlap.PAIRS = PAIRS                 # overlap's worker, these configurations
-        return overlap.worker(args.out, args.quick, args.nodes, args.rate)
-    res = run(args.quick)
-    write_result(args.out, res)
-    for r in res["rows"]:
-        print(r["label"], "|", r["figures"], "|", r["ratio"])
-    return 0 if res["status"] == "ok" else 1
+    return cluster_bench_main(__doc__.splitlines()[0], run, worker, overlap.RATE, argv)
 
 
 if __name__ == "__main__":
