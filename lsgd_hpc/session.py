@@ -126,12 +126,21 @@ class Comm:
         metrics and checkpointer over it and resume from the checkpoint you just saved).
         ``app``: what the replacements find in ``comm.joined["history"]["app"]`` (the
         trainer sends its run folder). Returns this object when a replacement died during the
-        join (then it is spawned again: keep training and ask :meth:`heal_ready` again)."""
+        join (then it is spawned again: keep training and ask :meth:`heal_ready` again), or
+        when a rank of this world died during it (the world is shrunk as for any failure and
+        replacements for every lost rank are spawned: the same)."""
         ft = self.fault_tolerance
         if ft is None or ft.healer is None:
             raise ValueError("comm.heal: the job does not run with on_failure='heal'")
-        history = ft.history(app)
-        healed = ft.healer.join(history)
+        try:
+            history = ft.history(app)
+            healed = ft.healer.join(history)
+        except Exception as exc:                  # noqa: BLE001
+            from lsgd_hpc.comm.failures import is_process_failure
+            if not is_process_failure(exc):
+                raise
+            ft.recover(exc)                # a survivor died: shrink; replacements for all
+            return self
         if healed is None:
             return self
         ft.retired = True                  # the old world's exit barrier is not needed

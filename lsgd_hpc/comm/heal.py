@@ -38,7 +38,7 @@ from lsgd_hpc.comm.lifetime import arm, track
 
 __all__ = ["Healer", "HealEvent", "Spares", "SPARES", "wait_as_spare", "join",
            "is_replacement", "payload", "MAX_SPAWNS",
-           "BLOCKING_ENV", "TIMEOUT_ENV"]
+           "BLOCKING_ENV", "TIMEOUT_ENV", "JOIN_TIMEOUT_ENV", "EXIT_JOIN_FAILED"]
 
 #: spawns tried for one failure when replacements die before they join
 MAX_SPAWNS = 3
@@ -62,13 +62,27 @@ BLOCKING_ENV = "LSGD_HPC_HEAL_BLOCKING"
 #: dead and spawn another (the environment variable overrides the default)
 TIMEOUT_ENV = "LSGD_HPC_HEAL_TIMEOUT"
 READY_TIMEOUT = 600.0
+#: seconds the join itself (merge, split, first messages) may take before every process in
+#: it ends itself (the environment variable overrides the default)
+JOIN_TIMEOUT_ENV = "LSGD_HPC_HEAL_JOIN_TIMEOUT"
+JOIN_TIMEOUT = 120.0
+#: exit status of a process that ended itself because the join did not end
+EXIT_JOIN_FAILED = 3
 
 
 def ready_timeout() -> float:
+    return _seconds(TIMEOUT_ENV, READY_TIMEOUT)
+
+
+def join_timeout() -> float:
+    return _seconds(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT)
+
+
+def _seconds(name: str, default: float) -> float:
     try:
-        return float(os.environ.get(TIMEOUT_ENV, "") or READY_TIMEOUT)
+        return float(os.environ.get(name, "") or default)
     except ValueError:
-        return READY_TIMEOUT
+        return default
 
 
 class HealEvent:
@@ -237,7 +251,8 @@ class Healer:
     def join(self, history: dict):
         """Collective with the replacements: the healed MPI communicator (initial
         numbering), or None when a replacement died during the join (every survivor alike:
-        a uniform agreement decides; the replacements are spawned again)."""
+        a uniform agreement decides; the replacements are spawned again). Raises
+        ProcessFailure on every survivor when one of them died during the join."""
         from mpi4py import MPI
         world = self.ft.comm.world.comm
         if self.from_spares is not None:
@@ -246,10 +261,14 @@ class Healer:
             self._forget()
             return _connected(healed)
         ok, merged = 1, None
+        joined = _join_deadline("this survivor")
         try:
             if world.Get_rank() == 0:
                 for child in range(self.inter.Get_remote_size()):
                     self.inter.send("join", dest=child, tag=_VERDICT_TAG)
+            from lsgd_hpc.comm.injection import injection_point
+            # the testing hook: a survivor that dies here (after a loss at the plan's step)
+            injection_point("merge", self.ft.events[-1].step if self.ft.events else -1)
             merged = track(self.inter.Merge(False))
             merged.Set_errhandler(MPI.ERRORS_RETURN)
             merged.bcast({"replacing": self.replacing, "history": history}, root=0)
@@ -259,8 +278,17 @@ class Healer:
             ok, healed = 0, None
         try:
             agreed = world.Agree(ok)
-        except MPI.Exception:
-            agreed = 0
+            joined.set()
+        except MPI.Exception as exc:
+            joined.set()
+            # A survivor died during the join (the agreement reports it on every survivor):
+            # a failure like any other. The caller recovers (shrink); the replacements for
+            # every lost rank, these included, are then spawned anew.
+            self.abandon()
+            self.spawns = 0
+            from lsgd_hpc.comm.failures import ProcessFailure
+            raise ProcessFailure(f"a rank died during the join ({exc.Get_error_string()})") \
+                from exc
         if not agreed:
             self._respawn_or_give_up()
             return None
@@ -436,6 +464,7 @@ def join(started: float, parent=None) -> tuple:
                   file=sys.stderr, flush=True)
             sys.exit(0)
 
+        merging = _join_deadline("this replacement")
         merged = track(parent.Merge(True))
         merged.Set_errhandler(MPI.ERRORS_RETURN)
         sent = merged.bcast(None, root=0)
@@ -443,6 +472,7 @@ def join(started: float, parent=None) -> tuple:
         mine = sent["replacing"][merged.Get_rank() - n_survivors]
         healed = _connected(track(merged.Split(0, mine)))
         joined.set()
+        merging.set()
     except MPI.Exception as exc:
         # the survivors gave this replacement up (the job ended first, or they spawned
         # another after a failure during the join): nothing to do here
@@ -457,14 +487,32 @@ def _leave_unless_joined(seconds: float):
     """A replacement whose survivors all died waits in MPI for good (its "ready" looks up
     the address of a dead parent): a watchdog thread ends it after ``seconds`` unless the
     returned event is set (joined). MPI releases the interpreter while it waits."""
+    return _deadline(seconds, f"this replacement was not taken in within {seconds:.0f} s "
+                     "(its survivors are gone?); leaving", 1)
+
+
+def _join_deadline(who: str):
+    """The join's own deadline (:func:`join_timeout`), on the survivors and the replacements
+    alike: a process that dies during MPI_Intercomm_merge leaves the others in it for good
+    (Open MPI 5's ULFM does not return from it), so each ends itself instead of hanging, and
+    the job ends; it resumes from the checkpoint the survivors saved for the join."""
+    seconds = join_timeout()
+    return _deadline(seconds, f"the join did not end within {seconds:.0f} s (a process died "
+                     f"during it, which MPI_Intercomm_merge does not return from); ending "
+                     f"{who} so that the job ends (resume it from the checkpoint saved for "
+                     "the join)", EXIT_JOIN_FAILED)
+
+
+def _deadline(seconds: float, message: str, status: int):
+    """A watchdog thread: unless the returned event is set within ``seconds``, print
+    ``message`` and end this process with ``status``."""
     import threading
     done = threading.Event()
 
     def watch():
         if not done.wait(seconds):
-            print(f"[lsgd_hpc] heal: this replacement was not taken in within {seconds:.0f} s "
-                  "(its survivors are gone?); leaving", file=sys.stderr, flush=True)
-            os._exit(1)
+            print(f"[lsgd_hpc] heal: {message}", file=sys.stderr, flush=True)
+            os._exit(status)
     threading.Thread(target=watch, name="lsgd-heal-join-watchdog", daemon=True).start()
     return done
 

@@ -32,7 +32,10 @@ class FailureInjector:
     written under its temporary name and before it is renamed: the set is never committed).
     ``"join"`` (under heal) is not a point of this rank's: the first replacement spawned for
     that rank after a loss at that step or later kills itself as it joins, before it says
-    it is ready (:func:`replacement_env`, asked by the survivors as they spawn it)."""
+    it is ready (:func:`replacement_env`, asked by the survivors as they spawn it).
+    ``"merge"`` (under heal): this survivor dies in the first join with replacements after a
+    loss at that step or later, once the survivors told the replacements to join and before
+    the merge."""
 
     def __init__(self, plan: Sequence[Tuple[object, int, str]]):
         self.plan = list(plan)
@@ -48,7 +51,8 @@ class FailureInjector:
                 pass
         me = self.initial_rank if self.initial_rank is not None else rank
         for who, s, p in self.plan:
-            if s != step or p != point:
+            # "merge": the step is the loss's; the join comes some steps after it
+            if p != point or (s > step if point == "merge" else s != step):
                 continue
             if who == "leader" and leader or who == me:
                 print(f"[lsgd_hpc] inject_failures: rank {me} kills itself at step {step} "
@@ -59,6 +63,8 @@ class FailureInjector:
 
 
 _INJECTOR: Optional[FailureInjector] = None
+#: the points of a plan (FailureInjector)
+POINTS = ("step", "elected", "save", "join", "merge")
 
 
 def inject_failures(spec: str, comm=None) -> FailureInjector:
@@ -67,8 +73,10 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
     methods, 1 = the first). ``"leader:8"``: the rank elected global leader at step 8 dies
     between its election and its broadcast (LeaderSGD). ``"1:5:elected"`` names the point
     explicitly; ``"2:8:save"`` kills rank 2 in the middle of saving the checkpoint of step 8;
-    ``"1:8:join"`` kills the first replacement of rank 1 while it joins (heal). Installs the plan for this process (the methods call :func:`injection_point`
-    each step) and returns it; ``comm`` (the session's) pins this rank's initial number."""
+    ``"1:8:join"`` kills the first replacement of rank 1 while it joins (heal);
+    ``"2:8:merge"`` kills rank 2 in the first join after a loss at step 8 or later (heal).
+    Installs the plan for this process (the methods call :func:`injection_point` each step)
+    and returns it; ``comm`` (the session's) pins this rank's initial number."""
     global _INJECTOR
     _INJECTOR = FailureInjector(failure_plan(spec))
     if comm is not None:
@@ -86,9 +94,9 @@ def failure_plan(spec: str) -> list:
             raise ValueError(f"inject_failures: {item!r} is not RANK:STEP[:POINT]")
         who, step = parts[0], parts[1]
         point = parts[2] if len(parts) == 3 else ("elected" if who == "leader" else "step")
-        if point not in ("step", "elected", "save", "join"):
+        if point not in POINTS:
             raise ValueError(f"inject_failures: point {point!r} is not 'step', 'elected', "
-                             "'save' or 'join'")
+                             "'save', 'join' or 'merge'")
         try:
             step_n = int(step)
             rank = who if who == "leader" else int(who)

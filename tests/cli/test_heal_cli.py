@@ -138,6 +138,31 @@ def test_a_replacement_that_dies_while_joining_is_spawned_again(tmp_path):
 
 
 @pytest.mark.mpi
+def test_a_survivor_lost_during_the_join_ends_the_job_with_a_checkpoint(tmp_path):
+    """Rank 1 dies at step 8; as the survivors merge with its replacement, rank 2 dies too
+    (the testing hook's point "merge"). Open MPI's MPI_Intercomm_merge never returns from
+    that: instead of hanging, every process of the join ends itself once
+    LSGD_HPC_HEAL_JOIN_TIMEOUT has passed, with one line each; the job ends non-zero and
+    leaves the checkpoint the survivors saved for the join (step 8, ranks 0, 2, 3), from
+    which --resume goes on (the survivors' full-size resume, tested elsewhere)."""
+    t0 = time.monotonic()
+    proc, run_dir = train(tmp_path, "--inject-failure", "1:8,2:8:merge", check=False,
+                          env={"LSGD_HPC_HEAL_JOIN_TIMEOUT": "10"})
+    out = proc.stderr[-3000:]
+    assert proc.returncode not in (0, None), out
+    assert "rank 2 kills itself at step 8 (merge)" in proc.stderr, out
+    ended = [line for line in proc.stderr.splitlines()
+             if "the join did not end within 10 s" in line]
+    assert sorted(line.rpartition("ending this ")[2].split()[0] for line in ended) == \
+        ["replacement", "survivor", "survivor"], out
+    assert time.monotonic() - t0 < TIMEOUT / 2, out
+    latest = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
+    assert latest["step"] == 8 and latest["ranks"] == [0, 2, 3], latest
+    assert not (run_dir / "complete.json").exists()
+    assert rows(run_dir, 0, "train")["step"][-1] == 8
+
+
+@pytest.mark.mpi
 def test_a_hot_spare_takes_the_place_of_a_lost_rank(tmp_path):
     """--spares 1 (5 ranks started, 4 train), gossip (the method the spawn tests above leave
     to this one): rank 1 dies, the spare takes its number and node group; nothing is
