@@ -169,7 +169,8 @@ class Method(Recoverable):
       one byte per element plus per-block scales, or ``"int4"``/``"int2"``: half or a
       quarter of a byte (``lsgd_hpc.comm.quantized``; LSGD, EASGD, local SGD, DiLoCo,
       SlowMo).
-    - ``topk``: F in (0, 1]; below 1, each periodic allreduce of EASGD and DiLoCo sends the
+    - ``topk``: F in (0, 1]; below 1, each periodic allreduce of EASGD, DiLoCo, local SGD
+      and SlowMo (these two: of the change since the last average) sends the
       largest ceil(F c) entries of every chunk of c = 4096 as (index, value), values as
       ``comm_dtype`` (fp32, int8, fp8, int4, int2) (``lsgd_hpc.comm.sparse``).
     - ``error_feedback``: with int8/fp8/int4/int2 or ``topk`` < 1, each rank's allreduce

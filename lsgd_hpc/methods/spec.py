@@ -41,9 +41,12 @@ _NOT_QUANTIZED = {
                   f"{_PERIODIC}",
 }
 
-#: the methods whose periodic allreduce may send each chunk's top-k entries (``topk`` < 1)
+#: the methods whose periodic allreduce the planner prices as top-k's (``topk`` < 1;
+#: lsgd_hpc.planning). local-sgd and slowmo take topk too (their average goes through a
+#: reference, rules/local_sgd.FlatAverage), but the cost model still prices their round dense
 TOPK_METHODS = ("easgd", "diloco")
-#: methods that refuse ``topk`` < 1, and why
+#: methods that refuse ``topk`` < 1, and why (lsgd takes it for its global pull, easgd,
+#: local-sgd, diloco and slowmo for their periodic allreduce)
 _NOT_TOPK = {
     "allreduce": "allreduce SGD averages every step's gradient in non-blocking buckets; it "
                  "has no periodic average to sparsify",
@@ -51,11 +54,6 @@ _NOT_TOPK = {
               "sparsify",
     "lsgd-async": "lsgd-async broadcasts a leader's parameters; it has no periodic average "
                   "to sparsify (synchronous lsgd's global pull takes topk)",
-    "local-sgd": "local-sgd averages the weights themselves, which top-k would set to zero "
-                 "but for the largest; use diloco --outer-lr 1 --outer-momentum 0 (local SGD "
-                 "sending its pseudo-gradient) with --topk",
-    "slowmo": "slowmo averages the weights themselves, which top-k would set to zero but for "
-              "the largest; topk is for easgd, diloco and lsgd",
 }
 
 #: Option kinds and how a value of each is described in an error
@@ -296,8 +294,9 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "(residuals kept in the checkpoint)",
            section="cluster and backend"),
     Option("topk", 1.0, "float",
-           "F in (0, 1]: with F < 1 the periodic allreduce of easgd and diloco (Streaming "
-           "DiLoCo too) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
+           "F in (0, 1]: with F < 1 the periodic allreduce of easgd, diloco (Streaming "
+           "DiLoCo too), local-sgd and slowmo (these two send the change since the last "
+           "average) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
            "largest magnitude as (index, value), values as --comm-dtype (fp32, int8, fp8, "
            "int4, int2); with --error-feedback what was left out is sent later; lsgd's "
            "global pull sends the top-k of the leader's change since the last pull (its own "

@@ -1,6 +1,6 @@
 """--comm-dtype int8/fp8, --topk and --error-feedback through the trainer, under mpirun -np 2:
 every periodic method trains on digits in a quarter of fp32's bytes, a run with error
-feedback (int8, or top-k with int2 values) resumes exactly from a checkpoint, and the
+feedback (int8, or top-k: EASGD, SlowMo) resumes exactly from a checkpoint, and the
 combinations that cannot work are refused with one line (exit 2)."""
 
 import sys
@@ -62,15 +62,33 @@ def test_error_feedback_resumes_exactly(tmp_path):
     assert np.isfinite(reference[0]["train"]["outer_grad_norm"][-1])
 
 
+#: top-k with error feedback through the trainer, each resumed from the checkpoint of step 20
+#: (local SGD shares SlowMo's averaging round: its resume is a parallel body's,
+#: tests/parallel/test_quantized_parallel.py)
+TOPK_RUNS = {
+    "easgd": ["--algorithm", "easgd", "--easgd-tau", "4", "--topk", "0.05", "--comm-dtype",
+              "int2"],
+    # averages every 3 steps, slow steps at 12 and 24: at 20 the reference (the average of
+    # 18) is neither the model nor x_old (the slow step of 12)
+    "slowmo": ["--algorithm", "slowmo", "--local-steps", "3", "--slowmo-every", "12",
+               "--topk", "0.1", "--comm-dtype", "int2"],
+}
+
+
 @pytest.mark.mpi
-def test_topk_error_feedback_resumes_exactly(tmp_path):
-    """EASGD with --topk 0.05, int2 values and error feedback (its residuals in the
-    checkpoint), resumed from step 20, ends with exactly the rows of the uninterrupted run."""
+@pytest.mark.parametrize("name", sorted(TOPK_RUNS))
+def test_topk_error_feedback_resumes_exactly(tmp_path, name):
+    """EASGD with --topk 0.05 and int2 values, SlowMo with --topk 0.1 and int2 values, both
+    with error feedback (the residuals, and SlowMo's reference, in the checkpoint): the loss
+    falls on digits, and a run resumed from step 20 ends with exactly the rows of the
+    uninterrupted run."""
     run = tmp_path / "run"
-    args = ["--algorithm", "easgd", "--easgd-tau", "4", "--topk", "0.05", "--comm-dtype",
-            "int2", "--error-feedback", "--max-steps", "24", "--checkpoint-every", "10",
-            "--eval-every", "8", "--seed", "7", "--consensus-every", "4"]
-    resumes_like_the_uninterrupted_run(run, args)
+    args = [*TOPK_RUNS[name], "--error-feedback", "--max-steps", "24", "--checkpoint-every",
+            "10", "--eval-every", "8", "--seed", "7", "--consensus-every", "4"]
+    reference = resumes_like_the_uninterrupted_run(run, args)
+    for r, rows in enumerate(reference):
+        loss = rows["train"]["loss"]
+        assert loss[-6:].mean() < 0.7 * loss[:6].mean(), (name, r, loss)
 
 
 BAD = [

@@ -489,12 +489,12 @@ def rank_data(rank: int, n: int = 64):
     return x, y
 
 
-def train_measured(comm, name, dtype, error_feedback, topk=1.0, **options):
+def train_measured(comm, name, dtype, error_feedback, topk=1.0, model=None, **options):
     """``name`` trained 40 steps on the rank-valued task with what it sends in ``dtype``
     (``topk``, ``error_feedback``): (the method, the bytes this rank sent, the reported
-    model's accuracy on held-out data)."""
+    model's accuracy on held-out data). ``model``: a 10-in, 4-out model (default an MLP)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = model or nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     method = METHODS[name](model, opt, comm, max_steps=40, comm_dtype=dtype, topk=topk,
                            error_feedback=error_feedback, **{**OPTIONS[name], **options})
@@ -652,6 +652,9 @@ TOPK_RUNS = {
     # feedback does): its fp32 and int8 values are tried
     "easgd": ("easgd", {}, {"fp32": 0.2, "int8": 0.12}),
     "diloco": ("diloco", {}, {"fp32": 0.2, "int2": 0.1}),
+    # the change since the last average, through the shared reference (FlatAverage)
+    "local-sgd": ("local-sgd", {}, {"fp32": 0.2, "int8": 0.12}),
+    "slowmo": ("slowmo", {}, {"fp32": 0.2, "int2": 0.1}),
     # two fragments of 352 and 132 elements: the second is under MIN_ELEMENTS (256) and
     # moves dense in fp32 (control-sized), so the ratio is about 0.4
     "streaming-diloco": ("diloco", dict(fragments=2, fragment_sync_delay=1),
@@ -661,9 +664,10 @@ TOPK_RUNS = {
 
 @pytest.mark.parametrize("case", sorted(TOPK_RUNS))
 def test_methods_train_with_topk(comm, case):
-    """EASGD, DiLoCo and Streaming DiLoCo with F = 0.1 and error feedback: the reported model
-    learns the task in a fraction of fp32's bytes; every rank's DiLoCo outer state has the
-    same bits (each rank sums the same records in the same order)."""
+    """EASGD, DiLoCo, Streaming DiLoCo, local SGD and SlowMo with F = 0.1 and error feedback:
+    the reported model learns the task in a fraction of fp32's bytes; every rank's DiLoCo
+    outer state, and local SGD's and SlowMo's reference and model (the 40th step averages),
+    have the same bits (each rank sums the same records in the same order)."""
     quantized_backend(comm.world)
     if comm.size not in (2, 4):
         pytest.skip("training bodies run at 2 and 4 ranks (suite time)")
@@ -675,12 +679,36 @@ def test_methods_train_with_topk(comm, case):
         assert acc > 0.8, (case, dtype, topk, acc)
         if name == "diloco":
             assert len(set(comm.allgather_object(digest(method.rule.prev.data)))) == 1
+        if name in ("local-sgd", "slowmo") and topk < 1:
+            r = method.rule.averaging.reference
+            assert torch.equal(r, method.flat.flat)
+            assert len(set(comm.allgather_object(digest(r)))) == 1
         method.close()
     total = comm.allgather_object(sent)
     fp32 = sum(t[("fp32", 1.0)] for t in total)
     for dtype, high in bounds.items():
         ratio = sum(t[(dtype, 0.1)] for t in total) / fp32
         assert ratio <= high, (case, dtype, ratio)
+
+
+@pytest.mark.parametrize("name", ["local-sgd", "slowmo"])
+def test_topk_average_with_batchnorm_same_bits(comm, name):
+    """Local SGD and SlowMo with F = 0.1 and error feedback on a model with BatchNorm: the
+    first forward pass moves every rank's statistics its own way before the reference is
+    taken (rank 0's x, broadcast), so the reference and the averaged model (the 40th step
+    averages) still have the same bits on every rank, and the model learns the task."""
+    topk_backend()
+    if comm.size not in (1, 2, 4):
+        pytest.skip("training bodies run at 1, 2 and 4 ranks (suite time)")
+    torch.manual_seed(0)
+    bn = nn.Sequential(nn.Linear(10, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 4))
+    method, _, acc = train_measured(comm, name, "fp32", True, topk=0.1, model=bn)
+    r = method.rule.averaging.reference
+    n = method.flat.n_params              # (the evaluation's forward moved the statistics)
+    assert n < r.numel() and torch.equal(r[:n], method.flat.params)
+    assert len(set(comm.allgather_object(digest(r)))) == 1
+    assert acc > 0.75, (name, acc)
+    method.close()
 
 
 def test_refusals(comm):
@@ -703,9 +731,9 @@ def test_refusals(comm):
 
 def test_topk_refusals(comm):
     """topk outside (0, 1], topk < 1 with a method that has no periodic average to sparsify
-    (allreduce SGD, gossip, asynchronous LSGD), with the methods that
-    average the weights themselves, with bf16 values, and DiLoCo's with a model that has
-    BatchNorm statistics: a ValueError naming topk, one line, on every rank."""
+    (allreduce SGD, gossip, asynchronous LSGD), with bf16 values, and DiLoCo's with a model
+    that has BatchNorm statistics: a ValueError naming topk, one line, on every rank. Local
+    SGD and SlowMo take it (their average goes through a reference), BatchNorm included."""
     topk_backend()
     def build(name, model=None, **kw):
         model = model or nn.Linear(4, 2)
@@ -714,9 +742,7 @@ def test_topk_refusals(comm):
         with pytest.raises(ValueError, match=r"^topk must be in \(0, 1\], got "):
             build("diloco", topk=bad)
     why = {"allreduce": "no periodic average", "gossip": "no periodic average",
-           "lsgd-async": "no periodic average",
-           "local-sgd": "averages the weights themselves",
-           "slowmo": "averages the weights themselves"}
+           "lsgd-async": "no periodic average"}
     for name, words in why.items():
         with pytest.raises(ValueError, match=f"^topk 0.1 is not for {name}: .*{words}") as info:
             build(name, topk=0.1)
@@ -730,17 +756,21 @@ def test_topk_refusals(comm):
     with pytest.raises(ValueError, match="^error_feedback needs"):
         build("easgd", error_feedback=True, topk=1.0)
     if comm.backend != "horovod":
-        build("easgd", model=bn, topk=0.1, error_feedback=True).close()   # accepted
+        for name in ("easgd", "local-sgd", "slowmo"):                   # accepted
+            build(name, model=bn, topk=0.1, error_feedback=True).close()
 
 
 @pytest.mark.parametrize("name,dtype,topk", [
     ("local-sgd", "int8", 1.0), ("diloco", "int8", 1.0), ("diloco", "int4", 1.0),
-    ("diloco", "int2", 1.0), ("diloco", "int2", 0.1), ("easgd", "fp32", 0.05)])
+    ("diloco", "int2", 1.0), ("diloco", "int2", 0.1), ("easgd", "fp32", 0.05),
+    ("local-sgd", "fp32", 0.1), ("slowmo", "int2", 0.1)])
 def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
     """int8, int4 or int2, or top-k (fp32 or int2 values), with error feedback: 7 steps,
     state saved (through torch.save), 9 more equals a fresh model/optimizer/method loaded
     from that state and trained the same 9 steps, bit for bit; loaded without the residuals
-    it differs (they matter)."""
+    it differs (they matter). Local SGD and SlowMo with top-k: the state at step 7 holds
+    their reference (the average of step 4, resp. 6), which is neither x nor SlowMo's x_old
+    (the slow steps are at 8 and 16)."""
     if BACKEND == "horovod":
         pytest.skip("Horovod refuses int8, int4 and int2")
 
@@ -763,6 +793,11 @@ def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
 
     model, opt, method = fresh()
     train(model, opt, method, 7)
+    if name in ("local-sgd", "slowmo") and topk < 1:
+        ref = method.state_dict()["rule"]["reference"]
+        assert not torch.equal(ref, method.flat.flat)
+        if name == "slowmo":
+            assert not torch.equal(ref[:method.flat.n_params], method.rule.old)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                 "method": method.state_dict()}, buf)
@@ -790,6 +825,54 @@ def test_error_feedback_resumes_exactly(comm, name, dtype, topk):
     assert torch.equal(finals[0], mine)
     if comm.size > 1:
         assert not torch.equal(finals[1], mine)
+
+
+@pytest.mark.parametrize("name", ["local-sgd", "slowmo"])
+def test_dense_average_is_the_plain_allreduce(comm, name):
+    """topk 1 with fp32 (the default): local SGD and SlowMo keep no reference (no state, no
+    memory) and train to the bits of the loop they ran before top-k: every T steps the flat
+    vector's copy allreduced (mean) and copied back, SlowMo's slow step (beta 0.5, alpha 1)
+    on top in fairscale's order. 16 steps: local SGD averages 4 times, SlowMo 8 times with
+    2 slow steps."""
+    from lsgd_hpc.comm import FlatParams
+    options, lr = OPTIONS[name], 0.05
+    T, every = options["local_steps"], options.get("slowmo_every", 0)
+    x, y = rank_data(comm.rank, 128)
+    finals = []
+    for plain in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        if plain:
+            flat = FlatParams(model)
+            comm.world.broadcast_(flat.flat, 0)                  # the common x_0
+            old, u = flat.params.detach().clone(), torch.zeros(flat.n_params)
+        else:
+            method = METHODS[name](model, opt, comm, **options)
+            rule = method.rule
+            assert rule.averaging.reference is None and rule.shared_state == \
+                type(rule).shared_state and "reference" not in rule.state_dict()
+        for step in range(1, 17):
+            s = (step % 8) * 16
+            loss = nn.functional.cross_entropy(model(x[s:s + 16]), y[s:s + 16])
+            opt.zero_grad()
+            loss.backward()
+            if not plain:
+                method.step(loss)
+                continue
+            opt.step()
+            if step % T == 0:
+                v = flat.flat.detach().clone()
+                comm.world.allreduce_(v, "mean")
+                flat.flat.copy_(v)
+            if every and step % every == 0:
+                u.mul_(0.5).sub_(flat.params, alpha=1 / lr).add_(old, alpha=1 / lr)
+                old.sub_(u, alpha=lr)
+                flat.params.copy_(old)
+        finals.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        if not plain:
+            method.close()
+    assert torch.equal(finals[0], finals[1])
 
 
 # -- non-blocking: the staged allreduce, bit for bit the blocking one ------------------------

@@ -11,12 +11,90 @@ import numpy as np
 import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
+from lsgd_hpc.comm.accounting import uncounted
 from lsgd_hpc.methods.rules.base import Rule
 from lsgd_hpc.methods.rules.local_steps import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE,
                                                 DecayStatistics, Decision, choose_local_steps,
                                                 decay_statistics, decide)
 
-__all__ = ["LocalSGDRule", "choose_local_steps"]
+__all__ = ["LocalSGDRule", "FlatAverage", "choose_local_steps"]
+
+
+class FlatAverage:
+    """x <- (1/p) sum_j x_j over ``world``, x the flat vector (parameters and buffers): the
+    averaging round of local SGD and SlowMo.
+
+    Dense (the world's ``topk`` 1): the weights themselves, copied into a scratch buffer,
+    allreduced (``mean``) and copied back; nothing else is kept. Top-k (``topk`` < 1: the
+    allreduce sends each chunk's top-k, lsgd_hpc.comm.sparse): through a reference r, the
+    common x after the last round (x_0 before the first: taken just before the first
+    optimizer step, after the initial broadcast; rank 0's, see :meth:`anchor`), the same bits
+    on every rank:
+
+        d_i = r - x_i;   dbar = (1/p) sum_j C(d_j (+ e_j));   x <- r - dbar;   r <- x
+
+    (C and the residuals e_j: the wire layer's, with ``error_feedback``). Every rank adds the
+    same records in the same order, so x and r end with the same bits everywhere. r is the
+    rule's shared state ``reference`` (:meth:`shared`, :meth:`save`, :meth:`load`).
+    """
+
+    def __init__(self, world, flat: FlatParams):
+        self.world, self.flat = world, flat
+        self.scratch = torch.empty_like(flat.flat)
+        world.agree_buffers(self.scratch)
+        sparse = float(getattr(world, "topk", 1.0)) < 1
+        #: r (None: dense, no reference)
+        self.reference = flat.flat.detach().clone() if sparse else None
+        self.anchor_pending = sparse
+
+    def shared(self, keys: Tuple[str, ...]) -> Tuple[str, ...]:
+        """A rule's ``shared_state`` keys, with the reference when there is one."""
+        return keys if self.reference is None else keys + ("reference",)
+
+    def anchor(self) -> None:
+        """Before a step: at the first one, r <- rank 0's x, broadcast exactly and uncounted
+        (set-up, as the initial broadcast): the parameters are the common x_0 there, but the
+        first forward pass has already moved each rank's BatchNorm statistics its own way."""
+        if self.anchor_pending:
+            world = getattr(self.world, "inner", self.world)     # exact, whatever comm_dtype
+            self.reference.copy_(self.flat.flat)
+            with uncounted(world):
+                world.broadcast_(self.reference, 0)
+            self.anchor_pending = False
+
+    def average(self) -> None:
+        x, buf, r = self.flat.flat, self.scratch, self.reference
+        if r is None:
+            buf.copy_(x)
+            self.world.allreduce_(buf, "mean")
+            x.copy_(buf)
+            return
+        self.anchor_pending = False
+        torch.sub(r, x, out=buf)                          # d_i = r - x_i
+        self.world.allreduce_(buf, "mean")                # dbar (top-k records)
+        torch.sub(r, buf, out=x)                          # x <- r - dbar
+        r.copy_(x)
+
+    def settle(self) -> None:
+        """r <- x, after a change that every rank makes alike (SlowMo's slow step)."""
+        if self.reference is not None:
+            self.reference.copy_(self.flat.flat)
+
+    def save(self, state: dict) -> dict:
+        """``state`` with the reference added (before the first step: the x it will take)."""
+        if self.reference is not None:
+            r = self.flat.flat if self.anchor_pending else self.reference
+            state["reference"] = r.detach().clone()
+        return state
+
+    def load(self, state: dict, who: str) -> None:
+        if self.reference is None:
+            return
+        if "reference" not in state:
+            raise ValueError(f"{who}: this state was saved without the reference of top-k "
+                             "averaging (topk 1); resume with the topk it was saved with")
+        self.reference.copy_(state["reference"])
+        self.anchor_pending = False
 
 
 class LocalSGDRule(Rule):
@@ -31,7 +109,8 @@ class LocalSGDRule(Rule):
     use is logged in /train/local_steps and the law behind it in /train/local_law (codes in
     local_steps.LAW_NAMES; -1 for a fixed T); /train/local_rate (rho or beta) and
     /train/local_cost_ratio (c) are those of the last estimate (NaN before one). Timing-based, so an ``auto`` run is not
-    bit-reproducible; a fixed T is.
+    bit-reproducible; a fixed T is. With ``topk`` < 1 on the world the average goes through
+    the shared reference ``reference`` (:class:`FlatAverage`).
     """
 
     name = "local-sgd"
@@ -62,8 +141,11 @@ class LocalSGDRule(Rule):
         self.round_seconds: Deque[float] = deque(maxlen=16)
         self.last_decision: Decision = Decision(self.law)
         self._t_last = None
-        self.scratch = torch.empty_like(flat.flat)
-        self.world.agree_buffers(self.scratch)
+        self.averaging = FlatAverage(self.world, flat)
+        self.shared_state = self.averaging.shared(type(self).shared_state)
+
+    def before_step(self, step: int) -> None:
+        self.averaging.anchor()
 
     def after_step(self, step: int, loss: float) -> None:
         now = time.perf_counter()
@@ -84,10 +166,7 @@ class LocalSGDRule(Rule):
         self._t_last = time.perf_counter()
 
     def average(self, step: int) -> None:
-        x, mean = self.flat.flat, self.scratch
-        mean.copy_(x)
-        self.world.allreduce_(mean, "mean")
-        x.copy_(mean)
+        self.averaging.average()
 
     def _close_segment(self) -> None:
         self.segments.append(self.current)
@@ -128,13 +207,14 @@ class LocalSGDRule(Rule):
                 "local_cost_ratio": d.cost_ratio}
 
     def state_dict(self) -> dict:
-        return {"T": self.T, "law": self.law, "since_avg": self.since_avg,
-                "last_estimate": self.last_estimate,
-                "segments": [list(map(list, seg)) for seg in self.segments],
-                "current": [list(p) for p in self.current],
-                "decision": [self.last_decision.law, self.last_decision.rate,
-                             self.last_decision.r2, self.last_decision.cost_ratio,
-                             self.last_decision.T, self.last_decision.reason]}
+        state = {"T": self.T, "law": self.law, "since_avg": self.since_avg,
+                 "last_estimate": self.last_estimate,
+                 "segments": [list(map(list, seg)) for seg in self.segments],
+                 "current": [list(p) for p in self.current],
+                 "decision": [self.last_decision.law, self.last_decision.rate,
+                              self.last_decision.r2, self.last_decision.cost_ratio,
+                              self.last_decision.T, self.last_decision.reason]}
+        return self.averaging.save(state)
 
     def load_state_dict(self, state: dict) -> None:
         self.T = int(state["T"])
@@ -149,6 +229,7 @@ class LocalSGDRule(Rule):
             law, rate, r2, ratio, *rest = state["decision"]   # (older checkpoints: 4)
             self.last_decision = Decision(int(law), float(rate), float(r2), float(ratio),
                                           *rest)
+        self.averaging.load(state, "local-sgd")
 
     def suspend(self, complete: bool, recovery) -> None:
         if not complete and self.since_avg >= self.T:

@@ -9,6 +9,7 @@ import torch
 
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.methods.rules.base import Rule, MetricsSink
+from lsgd_hpc.methods.rules.local_sgd import FlatAverage
 
 __all__ = ["SlowMoRule"]
 
@@ -31,6 +32,11 @@ class SlowMoRule(Rule):
     fairscale's order, u.mul_(beta).sub_(x, alpha=1/gamma).add_(x_old, alpha=1/gamma).
     With beta = 0 and alpha = 1 this is the base, up to rounding. The slow step needs no
     communication of its own. u and x_old are in ``state_dict``.
+
+    With ``topk`` < 1 on the world the base's average goes through a reference r
+    (:class:`~lsgd_hpc.methods.rules.local_sgd.FlatAverage`): r is the common x after the
+    last round, after the slow step when one was taken (its parameters are then x_old), so
+    x_old alone cannot stand for it between slow steps; r is shared state (``reference``).
     """
 
     name = "slowmo"
@@ -45,8 +51,8 @@ class SlowMoRule(Rule):
         self.T, self.every = local_steps, slowmo_every
         self.beta, self.alpha = float(slowmo_beta), float(slowmo_alpha)
         self.optimizer = optimizer
-        self.scratch = torch.empty_like(flat.flat)
-        self.world.agree_buffers(self.scratch)
+        self.averaging = FlatAverage(self.world, flat)
+        self.shared_state = self.averaging.shared(type(self).shared_state)
         self.old = flat.params.detach().clone()          # x_old
         self.u = torch.zeros_like(self.old)               # slow momentum buffer
         #: x_old is taken again before the first step (the trainer broadcasts x_0 after
@@ -59,6 +65,7 @@ class SlowMoRule(Rule):
         return float(self.optimizer.param_groups[0]["lr"])
 
     def before_step(self, step: int) -> None:
+        self.averaging.anchor()
         if self._anchor_pending:
             self.old.copy_(self.flat.params)
             self._anchor_pending = False
@@ -67,10 +74,7 @@ class SlowMoRule(Rule):
         if step % self.T:
             return
         self._anchor_pending = False
-        x, mean = self.flat.flat, self.scratch
-        mean.copy_(x)
-        self.world.allreduce_(mean, "mean")               # the base: local SGD
-        x.copy_(mean)
+        self.averaging.average()                          # the base: local SGD
         if step % self.every:
             return
         gamma = self.gamma()
@@ -80,19 +84,22 @@ class SlowMoRule(Rule):
         self.u.mul_(self.beta).sub_(xp, alpha=1 / gamma).add_(self.old, alpha=1 / gamma)
         self.old.sub_(self.u, alpha=self.alpha * gamma)
         xp.copy_(self.old)
+        self.averaging.settle()
         self.last_u_norm = float(self.u.double().norm())
 
     def train_columns(self):
         return {"slowmo_u_norm": self.last_u_norm}
 
     def state_dict(self) -> dict:
-        return {"old": self.old.clone(), "u": self.u.clone(), "u_norm": self.last_u_norm}
+        return self.averaging.save({"old": self.old.clone(), "u": self.u.clone(),
+                                    "u_norm": self.last_u_norm})
 
     def load_state_dict(self, state: dict) -> None:
         self.old.copy_(state["old"])
         self.u.copy_(state["u"])
         self.last_u_norm = float(state.get("u_norm", math.nan))
         self._anchor_pending = False
+        self.averaging.load(state, "slowmo")
 
     def rejoin(self, world, joined: bool, source: int) -> str:
         if joined:
