@@ -308,7 +308,11 @@ write_slurm_conf() {
         echo "SelectType=select/cons_tres"
         echo "SelectTypeParameters=CR_Core"
         echo "SchedulerType=sched/backfill"
-        echo "SchedulerParameters=bf_interval=5"
+        # sched_interval=2: a requeued job may start cred_expire+1 s after its requeue, but
+        # only the main scheduler's periodic pass starts it then (the backfill pass skips its
+        # cycles while no job or node changes, and saw the job before it was eligible): with
+        # the default 60 s it waited up to a minute more on free nodes.
+        echo "SchedulerParameters=bf_interval=5,sched_interval=2"
         echo "JobRequeue=1"
         echo "ReturnToService=2"
         echo "MpiDefault=none"
