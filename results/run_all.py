@@ -34,6 +34,8 @@ EXPERIMENTS = [
     ("network", 3),
     ("stragglers", 1),
     ("lm", 20),
+    # the language model at rho ~1, 30, 300 (100 Mbit/s, 4 Mbit/s, 400 kbit/s): 9 methods, one
+    # seed; what would hold a slow link too long runs 2 rounds and is predicted
     ("lm_links", 40),
 ]
 

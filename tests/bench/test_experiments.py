@@ -69,7 +69,7 @@ def test_methods_experiment_writes_its_tables_and_figure(tmp_path):
 @pytest.mark.timeout(240)
 def test_lm_experiment_on_the_emulated_cluster(tmp_path):
     """results/experiments/lm.py end to end on 2 emulated nodes at 1 Gbit/s (as root): two
-    methods at 4 ranks, 16 steps each; its tables, one row per run and per method, and its
+    methods at 4 ranks, 8 steps each; its tables, one row per run and per method, and its
     figure. Its own cluster name and subnet, so that it does not meet make results' cluster."""
     # what benchmarks/time_to_accuracy.py's cluster_available() checks (not imported: it puts
     # benchmarks/ on the path, whose module names would shadow others of this process)
@@ -79,7 +79,7 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
         pytest.skip("emulated cluster not available: needs the ip and tc commands (iproute2)")
     out, raw = tmp_path / "out", tmp_path / "raw"
     cmd = [sys.executable, str(REPO / "results" / "experiments" / "lm.py"), "--out", str(out),
-           "--raw", str(raw), "--ranks", "4", "--steps", "16", "--eval-every", "8",
+           "--raw", str(raw), "--ranks", "4", "--steps", "8", "--eval-every", "8",
            "--lrs", "0.003", "0.01", "--seeds", "1", "2",
            "--methods", "LSGD multi-leader", "allreduce SGD", "--cluster", "lsgdlmt", "10.79.10"]
     p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
@@ -101,7 +101,7 @@ def test_lm_experiment_on_the_emulated_cluster(tmp_path):
         picks[m] = best["lr"]
     report = [r for r in runs if r["role"] == "report"]
     assert sorted((r["method"], r["lr"], r["seed"], r["steps"]) for r in report) == sorted(
-        (m, picks[m], seed, "16") for m in picks for seed in ("1", "2"))
+        (m, picks[m], seed, "8") for m in picks for seed in ("1", "2"))
     for r in runs:
         assert r["nodes"] == "2"
         assert abs(math.exp(float(r["final_loss"])) - float(r["final_perplexity"])) < 1e-3 * \
@@ -220,41 +220,57 @@ def test_headline_ratios_against_the_best_tuned_baseline(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_lm_links_experiment_measures_the_bytes_on_the_links(tmp_path):
-    """results/experiments/lm_links.py end to end at 100 Mbit/s (as root): allreduce SGD and
-    DiLoCo with int8 and error feedback, 16 steps, one learning rate: its tables and figure,
-    and the bytes between the nodes read from the links, far fewer for DiLoCo."""
+    """results/experiments/lm_links.py end to end at 1 Gbit/s and 100 Mbit/s (as root):
+    allreduce SGD, DiLoCo fp32 and top-k 1 % int2, 8 steps; with no link budget allreduce
+    SGD at the slower rate is truncated, its time to its own final perplexity predicted and
+    marked so, its training bit-identical to the faster rate's; the bytes between the nodes
+    read from the links, far fewer for the top-k DiLoCo than for fp32."""
     if os.geteuid() != 0:
         pytest.skip("emulated cluster not available: needs root (network namespaces and tc)")
     if shutil.which("ip") is None or shutil.which("tc") is None:
         pytest.skip("emulated cluster not available: needs the ip and tc commands (iproute2)")
     out, raw = tmp_path / "out", tmp_path / "raw"
+    topk = "DiLoCo top-k 1% int2+EF"
     cmd = [sys.executable, str(REPO / "results" / "experiments" / "lm_links.py"), "--out",
-           str(out), "--raw", str(raw), "--rates", "100mbit", "--steps", "16", "--eval-every",
-           "8", "--lrs", "0.003", "--seeds", "1", "--methods", "allreduce SGD",
-           "DiLoCo int8+EF", "--cluster", "lsgdlkt", "10.79.12"]
+           str(out), "--raw", str(raw), "--rates", "100mbit", "1gbit", "--steps", "8",
+           "--factor", "1", "--eval-every", "8", "--link-budget", "0", "--seeds", "1",
+           "--methods", "allreduce SGD", "DiLoCo H=8", topk, "--cluster", "lsgdlkt",
+           "10.79.12"]
     p = subprocess.run(cmd, cwd=REPO, env=mpi_env(), capture_output=True, text=True,
                        timeout=280)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    runs = {r["method"]: r for r in _csv(out / "links_runs.csv")}
-    assert set(runs) == {"allreduce SGD", "DiLoCo int8+EF"}
-    for r in runs.values():
-        assert r["rate"] == "100mbit" and r["steps"] == "16"
-        assert 1 < float(r["final_perplexity"]) < 256
-        # what crossed the links: at least the logical payload that had to (headers on top)
-        assert int(r["link_bytes"]) > 0
-    ar, dl = (int(runs[m]["link_bytes"]) for m in ("allreduce SGD", "DiLoCo int8+EF"))
-    assert dl < ar / 10, (dl, ar)            # 2 int8 outer steps against 16 fp32 allreduces
-    summary = _csv(out / "links_summary.csv")
-    assert {s["method"] for s in summary} == set(runs)
-    for s in summary:        # rho from the probed link and the run's compute
+    runs = {(r["rate"], r["method"]): r for r in _csv(out / "links_runs.csv")}
+    assert set(runs) == {(rate, m) for rate in ("1gbit", "100mbit")
+                         for m in ("allreduce SGD", "DiLoCo H=8", topk)}
+    for (rate, m), r in runs.items():
+        assert 1 < float(r["final_perplexity"]) < 256 and int(r["link_bytes"]) > 0
+        cut = rate == "100mbit" and m == "allreduce SGD"   # 2 rounds of 2 steps; DiLoCo's: 16
+        assert (r["run"], r["steps"]) == (("truncated", "4") if cut else ("full", "8"))
+        assert r["time_source"] == ("predicted" if cut else "measured")
+        if rate == "100mbit":      # the same bits as at 1 Gbit/s over their common steps
+            assert r["identical_to_fastest"] == r["steps"], r
+    for rate in ("1gbit", "100mbit"):
+        fp32, tk = (int(runs[(rate, m)]["link_bytes"]) for m in ("DiLoCo H=8", topk))
+        assert tk < fp32 / 10, (rate, tk, fp32)
+    summary = {(s["rate"], s["method"]): s for s in _csv(out / "links_summary.csv")}
+    ar = summary[("100mbit", "allreduce SGD")]     # its own final perplexity: the 8th step
+    assert ar["time_source"] == ar["link_bytes_source"] == "predicted"
+    assert float(ar["time_to_target_s"]) == pytest.approx(8 * float(ar["time_per_step_s"]),
+                                                          rel=1e-4)
+    for s in summary.values():         # rho from the probed link and the run's compute
         assert float(s["rho"]) > 0 and s["rho_source"] == "predicted"
-    png = (out / "links_100mbit.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert f"| 100mbit | allreduce SGD | {float(ar['time_to_target_s']):.1f}* |" in \
+        (out / "links_table.md").read_text()
+    for rate in ("1gbit", "100mbit"):
+        png = (out / f"links_{rate}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-def test_lm_links_equal_time_findings_and_refresh(tmp_path):
-    """lm_links' perplexity at equal training time and time to a perplexity (linear between
-    evaluations), and --refresh: tables, figure and findings again from links.json alone."""
+def test_lm_links_time_to_target_predictions_and_refresh(tmp_path):
+    """lm_links' time to a perplexity (linear between evaluations), a truncated run's
+    prediction (the fastest rate's step at the target times its own seconds a step, marked
+    predicted), the speed-up, the a + b / rate fit, what a rho stands for, and --refresh:
+    tables, figures and findings again from links.json alone."""
     import importlib.util
     import json
     path, modules = list(sys.path), set(sys.modules)
@@ -264,53 +280,60 @@ def test_lm_links_equal_time_findings_and_refresh(tmp_path):
         lk = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(lk)
 
-        def curve(points):
-            return [{"step": 8 * i, "training_time": t, "bytes_sent": 100.0 * i,
-                     "loss": math.log(p)} for i, (t, p) in enumerate(points)]
-        assert abs(math.exp(lk.loss_at(curve([(0, 20), (10, 10)]), 5.0))
-                   - math.exp((math.log(20) + math.log(10)) / 2)) < 1e-9
-        assert lk.loss_at(curve([(0, 20), (10, 10)]), 99.0) == math.log(10)
-        assert abs(lk.time_to(curve([(0, 20), (10, 10)]), math.log(10)) - 10.0) < 1e-9
-        assert lk.time_to(curve([(0, 20), (10, 10)]), math.log(5)) is None
+        def curve(points):       # (step, training time, perplexity)
+            return [{"step": s, "training_time": t, "bytes_sent": 100.0 * s,
+                     "loss": math.log(p)} for s, t, p in points]
+        c = curve([(0, 0, 20), (8, 10, 10)])
+        assert abs(lk.reach(c, math.log(10)) - 10.0) < 1e-9 and lk.reach(c, math.log(5)) is None
+        assert abs(lk.reach(c, math.log(10), "step") - 8.0) < 1e-9
+        ar_pts, ls_pts = [(0, 0, 300), (8, 30, 12), (16, 60, 9)], [(0, 0, 300), (16, 8, 9.5),
+                                                                      (32, 16, 8.5)]
         rows = []
-        for seed in (1, 2):
-            for method, pts, end in (("allreduce SGD", [(0, 300), (10, 12), (40, 9)], 40.0),
-                                     ("LSGD", [(0, 300), (10, 10), (20, 9.5)], 20.0)):
-                rows.append({"rate": "100mbit", "method": method, "role": "report", "lr": 0.01,
-                             "seed": seed, "tuned_pick": "", "final_val_loss": 1.0,
-                             "final_loss": 1.0, "final_perplexity": pts[-1][1],
-                             "training_time_s": end, "comm_s": 1.0, "bytes_sent": 1000.0,
-                             "link_bytes": 900, "steps": 16, "curve": curve(pts)})
+        for rate, method, pts, steps, budget, t in (
+                ("100mbit", "allreduce SGD", ar_pts, 16, 16, 60.0),
+                ("100mbit", "LSGD worker=node", ls_pts, 32, 32, 16.0),
+                ("4mbit", "allreduce SGD", ar_pts[:1] + [(4, 8.0, 40)], 4, 16, 8.0),
+                ("4mbit", "LSGD worker=node", [(0, 0, 300), (16, 20, 9.5), (32, 40, 8.5)], 32,
+                 32, 40.0)):
+            rows.append({"rate": rate, "method": method, "parent": "", "lr": 0.01, "seed": 1,
+                         "run": "full" if steps == budget else "truncated", "steps": steps,
+                         "steps_budget": budget, "final_val_loss": 1.0,
+                         "final_loss": math.log(pts[-1][2]), "final_perplexity": pts[-1][2],
+                         "training_time_s": t, "comm_s": 1.0, "bytes_sent": 1000.0,
+                         "link_bytes": 1000 * steps, "link_bytes_eval": 0,
+                         "link_tx_max_node": 600 * steps, "curve": curve(pts),
+                         "identical_to_fastest": "" if rate == "100mbit" else steps})
         out = tmp_path / "lm_links"
         out.mkdir()
-        # the 100 Mbit/s report job's probe: 1e-8 s a byte between the nodes, no latency
-        probes = {"100mbit report": {"probe": {"inter": {"alpha_s": 0.0,
-                                                         "beta_s_per_byte": 1e-8}}}}
+        probes = {"100mbit": {"probe": {"inter": {"alpha_s": 0.0, "beta_s_per_byte": 1e-8}}}}
         (out / "links.json").write_text(json.dumps({"runs": rows, "errors": {},
                                                     "probes": probes}))
         res = lk.refresh(out)
-        found = "\n".join(res["findings"])
-        # at 20 s (LSGD's end) LSGD is at 9.5, allreduce SGD between 12 and 9
-        assert "at equal training time (20.0 s" in found and "LSGD leads with perplexity 9.50" \
-            in found, found
-        assert "allreduce SGD reaches LSGD's 9.50 (reached at 20.0 s) in" in found, found
-        assert res["figures"] == ["links_100mbit.png"]
-        assert (out / "links_100mbit.png").read_bytes()[:4] == b"\x89PNG"
-        summary = {s["method"]: s for s in _csv(out / "links_summary.csv")}
-        assert len(summary) == 2
-        # rho: the fp32 allreduce of the 470,784 parameters between the 2 nodes predicted from
-        # the probe, 2 (1/2) 4 n 1e-8 s, over the compute a step, (40 - 1) / 16 s for
-        # allreduce SGD (training time less communication, over its 16 steps)
+        summary = {(s["rate"], s["method"]): s for s in _csv(out / "links_summary.csv")}
+        # at 4 Mbit/s allreduce SGD ran 4 steps in 8 s: its 16 steps to 9.0 take 32 s
+        ar = summary[("4mbit", "allreduce SGD")]
+        assert float(ar["time_to_target_s"]) == pytest.approx(32.0)
+        assert ar["time_source"] == ar["link_bytes_source"] == "predicted"
+        assert float(ar["link_bytes"]) == pytest.approx(16_000) and float(
+            ar["final_perplexity"]) == pytest.approx(9.0)
+        # LSGD reaches 9.0 halfway between its evaluations at 16 and 32 steps (log-linear)
+        ls = summary[("4mbit", "LSGD worker=node")]
+        t_ls = 20 + 20 * (math.log(9.5) - math.log(9.0)) / (math.log(9.5) - math.log(8.5))
+        assert ls["time_source"] == "measured"
+        assert float(ls["time_to_target_s"]) == pytest.approx(t_ls, rel=1e-5)
+        assert float(ls["speedup_over_allreduce"]) == pytest.approx(32.0 / t_ls, rel=1e-5)
+        assert "| 4mbit | allreduce SGD | 32.0* |" in (out / "links_table.md").read_text()
+        assert res["figures"] == ["links_100mbit.png", "links_4mbit.png"]
+        # rho at 100 Mbit/s: 2 (1/2) 4 n 1e-8 s over allreduce SGD's compute (60 - 1) / 16 s
         t = 4 * 470_784 * 1e-8
-        ar = summary["allreduce SGD"]
-        assert float(ar["rho_allreduce_s"]) == pytest.approx(t, rel=1e-5)
-        assert float(ar["rho_compute_s"]) == pytest.approx(39 / 16, rel=1e-5)
-        assert float(ar["rho"]) == pytest.approx(t / (39 / 16), rel=1e-5)
-        assert ar["rho_source"] == "predicted"
-        assert float(summary["LSGD"]["rho"]) == pytest.approx(t / (19 / 16), rel=1e-5)
-        assert all(r["rho"] for r in _csv(out / "links_runs.csv"))
-        assert "rho at 100mbit: 0.00773 (predicted" in found, found
-        assert "rho" in json.loads((out / "links.json").read_text())["summary"][0]
+        assert float(summary[("100mbit", "allreduce SGD")]["rho"]) == pytest.approx(
+            t / (59 / 16), rel=1e-5)
+        found = "\n".join(res["findings"])
+        assert "Bit-identical training across rates: 2 of 2 runs" in found, found
+        a, b = lk.fit_rate([(1e8, 1.0 + 2e6 / 1e8), (4e6, 1.0 + 2e6 / 4e6)])
+        assert (a, b) == (pytest.approx(1.0), pytest.approx(2e6))
+        # the planner's own example: 1 B parameters, 16 x 8, 640 ms, 100 Gbit/s is rho 0.938
+        assert "--inter-gbps 100 " in lk.stands_for(0.9375), lk.stands_for(0.9375)
     finally:
         sys.path[:] = path
         for name in set(sys.modules) - modules:     # the experiments' own modules only
