@@ -1,7 +1,7 @@
 """A preempted library loop resumes and ends equal to an uninterrupted one.
 
-examples/own_loop.py (LSGD, 4 ranks as 2 nodes) runs 90 steps uninterrupted (A). Run B
-stops at step 30 and waits; SIGUSR1 sent to mpirun (Open MPI forwards it to the ranks)
+examples/own_loop.py (LSGD, 4 ranks as 2 nodes) runs 48 steps uninterrupted (A). Run B
+stops at step 20 and waits; SIGUSR1 sent to mpirun (Open MPI forwards it to the ranks)
 reaches ``StopSignals``, the ranks agree on it through ``stop=`` (``method.stopping``),
 save a checkpoint and exit 143; B started again on the same run dir restores it and runs to
 the end. B's final parameters and its per-step training losses (HDF5 /train) equal A's
@@ -21,13 +21,13 @@ import torch
 from mpi_util import REPO, kill_session, mpi_env, mpirun_cmd, run_mpi
 
 EXAMPLE = str(REPO / "examples" / "own_loop.py")
-STEPS = 90
+STEPS = 48
 
 
 def args(run_dir, params, *extra):
     return [sys.executable, EXAMPLE, "--method", "lsgd", "--ranks-per-node", "2",
             "-o", "tau_local=2", "-o", "tau_global=8", "--max-steps", str(STEPS),
-            "--eval-every", "40", "--run-dir", str(run_dir), "--save-params", str(params),
+            "--eval-every", "24", "--run-dir", str(run_dir), "--save-params", str(params),
             *extra]
 
 
@@ -71,11 +71,11 @@ def test_preempted_library_loop_resumes_exactly(tmp_path):
     run_mpi(4, args(a_dir, tmp_path / "a.pt"), timeout=240)
 
     rc, out = run_until_signalled(mpirun_cmd(4, args(b_dir, tmp_path / "b.pt",
-                                                      "--ready-at", "30")))
+                                                      "--ready-at", "20")))
     assert rc != 0, out                     # exit 143 on every rank outside SLURM
     assert "stopped at step" in out and "checkpoint saved" in out, out
     stopped = int(out.split("stopped at step ")[1].split()[0].rstrip(","))
-    assert 30 <= stopped < STEPS, out
+    assert 20 <= stopped < STEPS, out
     assert not (tmp_path / "b.pt").exists()
 
     res = run_mpi(4, args(b_dir, tmp_path / "b.pt"), timeout=240)
