@@ -9,8 +9,9 @@ residual of its own: docs/algorithms.md, "Compressed leader pull".
 
 This module holds the maths (no communication) and the byte booking of one broadcast of the
 records: they travel as bytes (``NodeGroups.broadcast_from_``, crossing node boundaries once
-per node), counted as their logical payload ``Sparse.counted`` per hop, as a broadcast of a
-quantized copy counts ``quantized.broadcast_bytes``.
+per node; with a pull delay the non-blocking ``hierarchy.HierarchicalBroadcast``, booked by
+``BookedRequest``), counted as their logical payload ``Sparse.counted`` per hop, as a broadcast
+of a quantized copy counts ``quantized.broadcast_bytes``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import torch
 
 from lsgd_hpc.comm.sparse import Sparse, decode, encode, select, sent_vector, sparse_layout
 
-__all__ = ["delta_layout", "message_buffer", "encode_delta", "apply_delta", "BookedBroadcast"]
+__all__ = ["delta_layout", "message_buffer", "encode_delta", "apply_delta", "BookedBroadcast",
+           "BookedRequest"]
 
 
 def delta_layout(n: int, topk: float, kind: str) -> Sparse:
@@ -55,10 +57,13 @@ def apply_delta(r: torch.Tensor, buf: torch.Tensor, lay: Sparse,
 class BookedBroadcast:
     """Count one broadcast of records as its logical payload: each hop's wire bytes (whole
     records, padded to 4 bytes) become ``lay.counted``; the seconds are the whole
-    operation's. ``stats``: the communicators' shared CommStats."""
+    operation's. ``stats``: the communicators' shared CommStats. ``calls``: what the
+    operation counts as calls (``timed`` False: the calls and seconds as the communicators
+    counted them, less their calls, plus ``calls``; for the parts of a non-blocking one)."""
 
-    def __init__(self, stats, lay: Sparse):
+    def __init__(self, stats, lay: Sparse, calls: int = 1, timed: bool = True):
         self.stats, self.wire, self.logical = stats, lay.m * lay.record, lay.counted
+        self.calls, self.timed = calls, timed
 
     def __enter__(self):
         self.before = self.stats.snapshot()
@@ -69,6 +74,27 @@ class BookedBroadcast:
         st, b = self.stats, self.before
         st.bytes_sent = b.bytes_sent + (st.bytes_sent - b.bytes_sent) // self.wire * self.logical
         st.bytes_recv = b.bytes_recv + (st.bytes_recv - b.bytes_recv) // self.wire * self.logical
-        st.calls = b.calls + 1
-        st.seconds = b.seconds + time.perf_counter() - self.t0
+        st.calls = b.calls + self.calls
+        if self.timed:
+            st.seconds = b.seconds + time.perf_counter() - self.t0
         return False
+
+
+class BookedRequest:
+    """A non-blocking broadcast of records (``post()`` starts it: a HierarchicalBroadcast of
+    the message, whose hops are posted now and in its test/wait), booked as BookedBroadcast
+    books the blocking one: each hop counts ``lay.counted``, the whole broadcast one call; the
+    seconds are what its communicators count (the posts and the waits)."""
+
+    def __init__(self, stats, lay: Sparse, post):
+        self.stats, self.lay = stats, lay
+        with BookedBroadcast(stats, lay, calls=1, timed=False):
+            self.inner = post()
+
+    def test(self) -> bool:
+        with BookedBroadcast(self.stats, self.lay, calls=0, timed=False):
+            return self.inner.test()
+
+    def wait(self) -> torch.Tensor:
+        with BookedBroadcast(self.stats, self.lay, calls=0, timed=False):
+            return self.inner.wait()

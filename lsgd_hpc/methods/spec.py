@@ -300,7 +300,8 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "largest magnitude as (index, value), values as --comm-dtype (fp32, int8, fp8, "
            "int4, int2); with --error-feedback what was left out is sent later; lsgd's "
            "global pull sends the top-k of the leader's change since the last pull (its own "
-           "error feedback; not with --pull-delay) (see docs/algorithms.md); 1: dense",
+           "error feedback; with --pull-delay, not under --on-failure shrink or heal) (see "
+           "docs/algorithms.md); 1: dense",
            section="cluster and backend",
            low=0, low_open=True, high=1),
     Option("stop_check_every", 10, "int",

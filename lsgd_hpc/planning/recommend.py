@@ -55,8 +55,7 @@ Methods, communication seconds per step (the step is t_c plus this):
     d, kind, F)          broadcast of the parameters, Bg = 4 n (fp32), quantized.
                          broadcast_bytes(n, kind) (dense) or S (top-k); the local pull
                          inside a node the dense broadcast of ``kind``, Bl (F = 1); each
-                         broadcast runs behind d (< tau_L) steps of compute (the pull delay;
-                         0 with top-k, which the trainer runs blocking):
+                         broadcast runs behind d (< tau_L) steps of compute (the pull delay):
                          (E_node + max(0, B_intra(Bl) - d t_c) + pass(3)) / tau_L
                          + (E_world + max(0, B_hier(Bg) - d t_c) + pass(3)) / tau_G
                          (one node or one rank per node: one level, a flat broadcast of Bg)
@@ -64,10 +63,11 @@ Methods, communication seconds per step (the step is t_c plus this):
 A compressed allreduce started early (Streaming DiLoCo's sync delay) hides behind compute as
 an fp32 one does: lsgd_hpc.comm.quantized's non-blocking allreduce is staged (quantize,
 alltoall, requantize, allgather, each stage run from the step's test()). A compressed
-broadcast (LSGD's int8/int4/int2 pull with a pull delay) still runs at once, so it hides
+broadcast (LSGD's dense int8/int4/int2 pull with a pull delay) still runs at once, so it hides
 nothing (``COMPRESSED_OVERLAP`` False); the plan's ``--assume-compressed-overlap`` prices it as
-an fp32 one. The quantization's own arithmetic is
-not priced (a few passes over the model on the device).
+an fp32 one. LSGD's top-k pull (topk < 1) sends its records as bytes through the non-blocking
+hierarchical broadcast: with a pull delay it hides as an fp32 one does. The quantization's
+own arithmetic is not priced (a few passes over the model on the device).
 
 Recommendation (:func:`recommend`): every candidate of an explicit grid (``GRID_*``) that
 passes the quality guard is priced; those within ``slack`` (default 5%) of the fastest
@@ -118,7 +118,8 @@ SLACK = 0.05
 #: whether a compressed broadcast started before its result is due (LSGD's int8/int4/int2
 #: pull with a pull delay) runs behind compute: lsgd_hpc.comm.quantized runs a compressed
 #: non-blocking broadcast at once ("no overlap"), so a delay hides nothing of it today; True
-#: prices it as an fp32 one (``--assume-compressed-overlap``). The compressed allreduce is
+#: prices it as an fp32 one (``--assume-compressed-overlap``). LSGD's top-k pull (records as
+#: bytes, non-blocking for real) always hides as an fp32 one. The compressed allreduce is
 #: non-blocking for real and always priced as hiding (Streaming DiLoCo).
 COMPRESSED_OVERLAP = False
 
@@ -193,19 +194,18 @@ def lsgd_cost(w: cm.Workload, c: cm.Cluster, tau_local: int, tau_global: int,
     """LSGD whose global pull sends C(x_leader - r) (pull_bytes of the parameters: top-k
     records with ``topk`` < 1), its local pull the dense broadcast of ``kind``, each
     broadcast running behind ``pull_delay`` steps of compute (costmodel.lsgd with the
-    broadcasts' seconds less pull_delay t_c, at least 0; a compressed one hides nothing
-    unless ``compressed_overlap``, default COMPRESSED_OVERLAP). Top-k with a pull delay is
-    refused, as the trainer refuses it (its compressed pull is blocking)."""
+    broadcasts' seconds less pull_delay t_c, at least 0; a dense compressed one hides nothing
+    unless ``compressed_overlap``, default COMPRESSED_OVERLAP; the top-k pull's records, bytes
+    in a non-blocking broadcast, hide as fp32)."""
     if tau_local < 1 or tau_global % tau_local or not 0 <= pull_delay < tau_local:
         raise ValueError("tau_global must be a multiple of tau_local and pull_delay < tau_local")
-    if topk < 1 and pull_delay:
-        raise ValueError("LSGD's compressed (top-k) pull is blocking: pull_delay must be 0")
     N, q, p = c.nodes, c.ranks_per_node, c.ranks
     setting = f"tau_L {tau_local}, tau_G {tau_global}, delay {pull_delay}"
     if p == 1:
         return cm.MethodCost("lsgd", setting, w.compute_s, 0.0, 0.0)
     b = pull_bytes(w.n_params, kind, topk)
-    hide = _hidden(pull_delay, w, kind, topk, compressed_overlap)
+    # (top-k: the records go as bytes, non-blocking for real, hiding as fp32 does)
+    hide = _hidden(pull_delay, w, "fp32" if topk < 1 else kind, 1.0, compressed_overlap)
     pull = cm.pass_time(w.grad_bytes, c, 3)
     if 1 < N < p:
         b_loc = pull_bytes(w.n_params, kind)          # the local pull: dense, of ``kind``
@@ -314,7 +314,7 @@ def candidates(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collecti
                 if not _guard(period, kind, topk, max_period, min_topk):
                     continue
                 tau_l = max(1, period // 2)
-                for d in sorted({0, min(PULL_DELAY, tau_l - 1) if topk >= 1 else 0}):
+                for d in sorted({0, min(PULL_DELAY, tau_l - 1)}):
                     add(lsgd_cost(w, c, tau_l, period, d, kind, topk, compressed_overlap),
                         "lsgd", period, kind, topk,
                         {"tau_local": tau_l, "tau_global": period, "pull_delay": d})
@@ -363,7 +363,7 @@ def recommend(w: cm.Workload, c: cm.Cluster, coll: cm.Collectives = cm.Collectiv
                  f"{slack:.0%} of the fastest predicted step; of them what the trainer runs "
                  "today, then the smallest period, then the most bytes sent (the mildest "
                  "compression), then the fastest; a compressed allreduce overlaps compute "
-                 "as fp32 does, LSGD's compressed pull "
+                 "as fp32 does, so does LSGD's top-k pull; its dense compressed pull "
                  + ("too (assumed)" if overlap else
                     "hides nothing behind compute (the package broadcasts it at once)")),
         "slack": slack, "max_period": max_period, "min_topk": min_topk,

@@ -98,11 +98,14 @@ BAD = [
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--topk", "0"], "--topk"),
     (["--algorithm", "gossip", "--topk", "0.01"], "--topk"),
+    (["--algorithm", "lsgd", "--topk", "0.1", "--pull-delay", "2", "--on-failure", "shrink"],
+     "--on-failure"),
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip", "hvd", "ef-alone",
-                                                  "topk-zero", "topk-gossip"])
+                                                  "topk-zero", "topk-gossip",
+                                                  "topk-delay-shrink"])
 def test_refused_with_one_line_exit_2(tmp_path, args, option):
     _check_one_line(_run_cli(["--run-dir", str(tmp_path / "never"), *args]), option)

@@ -12,8 +12,8 @@ from lsgd_hpc.comm import Election, FlatParams, NodeGroups
 from lsgd_hpc.comm.failures import is_process_failure
 from lsgd_hpc.comm.injection import injection_point
 from lsgd_hpc.comm.hierarchy import HierarchicalBroadcast
-from lsgd_hpc.comm.delta import (BookedBroadcast, apply_delta, delta_layout, encode_delta,
-                                 message_buffer)
+from lsgd_hpc.comm.delta import (BookedBroadcast, BookedRequest, apply_delta, delta_layout,
+                                 encode_delta, message_buffer)
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 from lsgd_hpc.methods.rules.state import broadcast_copy, take_parameters
@@ -88,7 +88,12 @@ class LeaderRule(Rule):
     too) sets r <- r + d, and the others pull toward r:  x_i <- x_i - c_G (x_i - r). The
     leader is not pulled (its pull is zero in LSGD; what r lacks of x_L is sent at later
     pulls). r is shared state (checkpoints, recoveries, rejoins). The local pull inside a
-    node stays the dense broadcast of comm_dtype. Not with ``pull_delay`` (refused).
+    node stays the dense broadcast of comm_dtype. With ``pull_delay`` d the leader encodes
+    d(s) = C(x_L(s) - r) at the boundary s and the message goes as a non-blocking broadcast
+    of its bytes (progressed at every step, booked as the blocking one); at s + d every rank
+    sets r <- r + d(s) and pulls toward r, the leader too (as the delayed dense pull);
+    ``state_dict`` keeps the message and the step it lands at. The recovery of lost ranks
+    (``suspend``) is refused with it (OptionError): a message in flight is not recovered.
     """
 
     name = "lsgd"
@@ -120,10 +125,15 @@ class LeaderRule(Rule):
         self.pull_in_flight = None
         self.pulls_done = {LOCAL: 0, GLOBAL: 0}
         self.pull_delay = int(pull_delay)
+        # the compressed global pull (topk < 1 on the communicators): the reference r is the
+        # global copy; ``msg`` the last message (records) sent or received
+        self.topk = float(getattr(self.world, "topk", 1.0))
+        self.compressed = self.topk < 1
         if self.pull_delay:
-            # what a broadcast in flight writes into (the copies stay readable meanwhile)
-            self.incoming = {LOCAL: torch.empty_like(self.sent),
-                             GLOBAL: torch.empty_like(self.sent)}
+            # what a broadcast in flight writes into (the copies stay readable meanwhile; the
+            # compressed global pull's: its message)
+            self.incoming = {level: torch.empty_like(self.sent)
+                             for level in ((LOCAL,) if self.compressed else (LOCAL, GLOBAL))}
             #: level -> [step to pull at, request or None (completed), is the leader]
             self.delayed: Dict[int, list] = {}
             #: a rank failure that progress() met in a gradient hook (raised in the next step)
@@ -134,15 +144,7 @@ class LeaderRule(Rule):
             if self.multi_level:
                 self.delay_node[LOCAL] = groups.node.dup()
             self.delay_roots = groups.roots.dup() if groups.roots is not None else None
-        # the compressed global pull (topk < 1 on the communicators): the reference r is the
-        # global copy; ``msg`` the last message (records) sent or received
-        self.topk = float(getattr(self.world, "topk", 1.0))
-        self.compressed = self.topk < 1
         if self.compressed:
-            if self.pull_delay:
-                raise OptionError("topk", f"{self.topk:g} is not for lsgd with pull_delay "
-                                  f"{self.pull_delay}: the compressed pull is blocking "
-                                  "(use pull_delay 0)")
             self.delta_lay = delta_layout(self.sent.numel(), self.topk, self.world.kind)
             self.msg = message_buffer(self.delta_lay, self.sent.device)
             self.world.agree_buffers(self.msg)
@@ -278,42 +280,60 @@ class LeaderRule(Rule):
             self.last_global = el
             self._log(step, GLOBAL, el, score)
             injection_point("elected", step, leader=el.world_rank == self.world.world_rank)
-            self._start(GLOBAL, step, el, lambda t: HierarchicalBroadcast(
-                self.delay_node[GLOBAL], self.delay_roots, self.groups.node_of, t,
-                el.world_rank, self.groups.world.world_ranks))
+            self._start(GLOBAL, step, el, lambda t: self._post_global(t, el.world_rank))
         if self.pull_every_step:
             if self.multi_level and LOCAL not in landed:
                 self._proximal(LOCAL, self.pull_local / self.tau_local)
             if GLOBAL not in landed:
                 self._proximal(GLOBAL, self.pull_global / self.tau_global)
 
+    def _post_global(self, t: torch.Tensor, leader: int):
+        """The global broadcast of ``t`` from ``leader``, non-blocking, through the node
+        hierarchy; the compressed pull's message booked as the blocking one's."""
+        def post():
+            return HierarchicalBroadcast(self.delay_node[GLOBAL], self.delay_roots,
+                                         self.groups.node_of, t, leader,
+                                         self.groups.world.world_ranks)
+        return BookedRequest(self.world.stats, self.delta_lay, post) if self.compressed \
+            else post()
+
+    def _incoming(self, level: int) -> torch.Tensor:
+        """What a delayed broadcast of ``level`` writes into: the leader's copy, or the
+        compressed pull's message (the global level with topk < 1)."""
+        return self.msg if self.compressed and level == GLOBAL else self.incoming[level]
+
+    def _saved_as(self, level: int) -> str:
+        return "message" if self.compressed and level == GLOBAL else "copy"
+
     def _start(self, level: int, step: int, el: Election, post) -> None:
-        """The leader's x of this step into the level's incoming buffer, its broadcast posted.
+        """The leader's x of this step (compressed: its message d = C(x - r)) into the level's
+        incoming buffer, its broadcast posted.
         ``delayed[level]``: [step to pull at, request (None: completed), is the leader]."""
         is_leader = self.world.world_rank == el.world_rank
-        if is_leader:
-            self.incoming[level].copy_(self.sent)
+        buf = self._incoming(level)
+        if is_leader and self.compressed and level == GLOBAL:
+            encode_delta(self.sent, self.reference, self.delta_lay, buf)
+        elif is_leader:
+            buf.copy_(self.sent)
         self.delayed[level] = [step + self.pull_delay, None, is_leader]
-        self.delayed[level][1] = post(self.incoming[level])
+        self.delayed[level][1] = post(buf)
 
     def _land(self, level: int) -> None:
-        """The pull of a delayed broadcast: x <- x - c (x - x_L(s)), on every worker."""
+        """The pull of a delayed broadcast: x <- x - c (x - x_L(s)), on every worker; the
+        compressed one's r <- r + d(s) first, then x <- x - c (x - r), the leader's too."""
         pending = self.delayed[level]
         if pending[1] is not None:
             pending[1].wait()
             pending[1] = None
         del self.delayed[level]                  # (kept until complete: a failure may cut it)
         self.pulls_done[level] += 1
-        xl = self.incoming[level]
-        # the copy that landed is the level's copy now (proximal pulls, checkpoints)
-        self.copies[level], self.incoming[level] = xl, self.copies[level]
+        if self.compressed and level == GLOBAL:
+            apply_delta(self.reference, self.msg, self.delta_lay)
+        else:
+            # the copy that landed is the level's copy now (proximal pulls, checkpoints)
+            self.copies[level], self.incoming[level] = self.incoming[level], self.copies[level]
         self.have_copy[level] = True
-        c = self.pull_local if level == LOCAL else self.pull_global
-        n = self.pulled.numel()
-        if c > 0:
-            self.pulled.sub_(self.pulled - xl[:n], alpha=c)      # x <- x - c (x - x_L(s))
-        if self.bn == "copy":
-            self.flat.flat[self.n_params:].copy_(xl[self.n_params:])
+        self.apply_pull(level, self.pull_local if level == LOCAL else self.pull_global)
 
     def drain(self) -> None:
         """Complete the broadcasts in flight (their pulls still land at their steps)."""
@@ -345,9 +365,10 @@ class LeaderRule(Rule):
         if self.pull_delay:           # a leader copy received, to pull toward at its step
             self.drain()
             for level, name in ((LOCAL, "local"), (GLOBAL, "global")):
-                if level in self.delayed:
+                if level in self.delayed:     # (compressed: the message; r + d lands)
                     state[f"{name}_delayed"] = {"pull_step": self.delayed[level][0],
-                                                "copy": self.incoming[level].clone()}
+                                                self._saved_as(level):
+                                                    self._incoming(level).clone()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -368,7 +389,7 @@ class LeaderRule(Rule):
                 self.delayed.pop(level, None)
                 got = state.get(f"{name}_delayed")
                 if got is not None:
-                    self.incoming[level].copy_(got["copy"])
+                    self._incoming(level).copy_(got[self._saved_as(level)])
                     self.delayed[level] = [int(got["pull_step"]), None, False]
 
     # -- ranks lost (on_failure="shrink") ------------------------------------------------------
@@ -379,6 +400,10 @@ class LeaderRule(Rule):
     # copy), nobody pulled. With pull_delay the broadcasts in flight are treated alike. A
     # dead rank is never elected again: the new world does not hold it.
     def suspend(self, complete: bool, recovery) -> dict:
+        if self.compressed and self.pull_delay:
+            raise OptionError("topk", f"{self.topk:g} with pull_delay {self.pull_delay} is not "
+                              "for on_failure shrink or heal: the recovery of a compressed "
+                              "pull in flight is not implemented (use pull_delay 0)")
         node = recovery.node_key
         pending = None
         if self.pull_in_flight is not None:
