@@ -42,9 +42,9 @@ _NOT_QUANTIZED = {
 }
 
 #: the methods whose periodic allreduce the planner prices as top-k's (``topk`` < 1;
-#: lsgd_hpc.planning). local-sgd and slowmo take topk too (their average goes through a
-#: reference, rules/local_sgd.FlatAverage), but the cost model still prices their round dense
-TOPK_METHODS = ("easgd", "diloco")
+#: lsgd_hpc.planning; local-sgd and slowmo average through a reference,
+#: rules/local_sgd.FlatAverage)
+TOPK_METHODS = ("easgd", "diloco", "local-sgd", "slowmo")
 #: methods that refuse ``topk`` < 1, and why (lsgd takes it for its global pull, easgd,
 #: local-sgd, diloco and slowmo for their periodic allreduce)
 _NOT_TOPK = {

@@ -154,7 +154,7 @@ class Workload:
     n_buffers: int
     compute_s: float
     element_bytes: float = FLOAT_BYTES
-    topk: float = 1.0        # < 1: EASGD and DiLoCo send each chunk's top-k (topk_payload_bytes)
+    topk: float = 1.0        # < 1: the periodic methods send a top-k (topk_payload_bytes)
     value_bits: int = 32     # bits of each top-k value (VALUE_BITS of the comm_dtype)
     #: int8/fp8/int4/int2, or top-k: the averaging methods' rounds are the package's
     #: compressed allreduce (hierarchical or flat, hier_allreduce_time)
@@ -575,7 +575,8 @@ def _periodic_allreduce(name: str, setting: str, w: Workload, c: Cluster, period
                         passes: int, coll: Collectives, sparse: bool = False) -> MethodCost:
     """Every ``period`` steps one averaging round of the flat vector (_averaging_round) and
     ``passes`` elementwise passes over its float32 copy (EASGD, local SGD, DiLoCo); nothing
-    on one rank. ``sparse`` (EASGD and DiLoCo) with ``w.topk`` < 1: the round is top-k's."""
+    on one rank. ``sparse`` (all but SlowMo's, which prices its own) with ``w.topk`` < 1: the
+    round is top-k's."""
     topk = sparse and w.topk < 1
     if topk:
         setting += f", top-k {w.topk:g}"
@@ -595,10 +596,11 @@ def easgd(w: Workload, c: Cluster, tau: int, coll: Collectives = Collectives()) 
 
 
 def local_sgd(w: Workload, c: Cluster, T: int, coll: Collectives = Collectives()) -> MethodCost:
-    """Every T steps one allreduce of the flat vector (copy in, mean, copy back: 3 passes)."""
+    """Every T steps one allreduce of the flat vector (copy in, mean, copy back: 3 passes;
+    with top-k the difference from the reference, the update and the new reference: 3 too)."""
     if T < 1:
         raise ValueError("T must be >= 1")
-    return _periodic_allreduce("local-sgd", f"T {T}", w, c, T, 3, coll)
+    return _periodic_allreduce("local-sgd", f"T {T}", w, c, T, 3, coll, sparse=True)
 
 
 def diloco(w: Workload, c: Cluster, H: int, coll: Collectives = Collectives()) -> MethodCost:
@@ -619,10 +621,11 @@ def slowmo(w: Workload, c: Cluster, T: int, every: int,
     if T < 1 or every < 1 or every % T:
         raise ValueError("T must be >= 1 and every a positive multiple of T")
     n = (w.n_params + w.n_buffers) * FLOAT_BYTES
-    setting = f"T {T}, slow every {every}"
+    topk = w.topk < 1
+    setting = f"T {T}, slow every {every}" + (f", top-k {w.topk:g}" if topk else "")
     if c.ranks == 1:
         return MethodCost("slowmo", setting, w.compute_s, 0.0, 0.0)
-    round_s, sent = _averaging_round(w, c, coll)
+    round_s, sent = _averaging_round(w, c, coll, topk)
     t = (round_s + pass_time(n, c, 3)) / T + pass_time(n, c, 5) / every
     return MethodCost("slowmo", setting, w.compute_s, t, sent / T)
 

@@ -155,7 +155,7 @@ class PlanInputs:
     allreduce: str = "auto"
     comm_dtype: str = "fp32"   # what the methods send: fp32, bf16 (2 bytes), int8/fp8 (1 + scales)
     worker_ranks: object = 1   # ranks per worker (the trainer's --worker-ranks): K or "node"
-    topk: float = 1.0          # < 1: EASGD and DiLoCo send each chunk's top-k (--topk)
+    topk: float = 1.0          # < 1: the periodic methods send each chunk's top-k (--topk)
     recommend: bool = False    # --recommend: search the candidate grid (planning.recommend)
     recommend_slack: float = 0.05
     max_period: int = 500
@@ -584,9 +584,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(plus a scale per 4096 elements); allreduce SGD and gossip stay fp32 "
                         "with int8/fp8/int4/int2, as the trainer refuses them")
     p.add_argument("--topk", type=float, default=1.0, metavar="F",
-                   help="the trainer's --topk: EASGD and DiLoCo (without buffers) send the "
-                        "largest F of each chunk of 4096, with --comm-dtype's values, by an "
-                        "allgather; LSGD's global pull the top-k records of the leader's "
+                   help="the trainer's --topk: EASGD, local SGD, SlowMo and DiLoCo (without "
+                        "buffers) send the largest F of each chunk of 4096, with "
+                        "--comm-dtype's values, by an allgather; LSGD's global pull the top-k records of the leader's "
                         "change, broadcast (default 1: dense)")
     p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "

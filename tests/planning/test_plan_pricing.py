@@ -1,6 +1,7 @@
 """The planner's rho, --params, and its pricing of int4/int2 and top-k, against hand
 computations (in-process and cheap subprocesses of ``python -m lsgd_hpc.plan``)."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -145,7 +146,7 @@ def test_topk_payload_matches_the_package():
                     sparse.payload_bytes(n, 3, f, kind)[0], (n, f, kind)
 
 
-def test_topk_diloco_easgd_cost_by_hand():
+def test_topk_periodic_methods_cost_by_hand():
     # 2 nodes x 2 ranks: hierarchical, as the package runs it: a float32 ring allreduce inside
     # the node (2 (1) 1e-6 + 2 (1/2) 40000 1e-10), then the 2 node roots' allgather of the
     # records, 1 step on the inter link; a root sends S, its neighbour nothing: S / 2 a rank
@@ -154,20 +155,21 @@ def test_topk_diloco_easgd_cost_by_hand():
     w = cm.Workload(10000, 0, 1.0, element_bytes=WIRE_BYTES["int2"], topk=0.01, value_bits=2,
                     comm_dtype="int2")
     inside = 2e-6 + 40000 * 1e-10
-    for cost in (cm.diloco(w, c, 4), cm.easgd(w, c, 4)):
+    for cost in (cm.diloco(w, c, 4), cm.easgd(w, c, 4), cm.local_sgd(w, c, 4),
+                 cm.slowmo(w, c, 4, 8)):
         assert cost.bytes_per_step == pytest.approx(s / 2 / 4)
         assert cost.comm_s == pytest.approx((inside + 1e-5 + s * 1e-9) / 4)
         assert "top-k 0.01" in cost.setting
-    # local SGD takes no top-k: it stays dense, int2 between the roots: 2500 bytes and
-    # 2 chunks x ceil(5000 / 4096) = 2 scales of 4 bytes (allreduce_bytes(10000, 2))
-    dense = cm.local_sgd(w, c, 4)
+    # dense (topk 1), int2 between the roots: 2500 bytes and 2 chunks x ceil(5000 / 4096) = 2
+    # scales of 4 bytes (allreduce_bytes(10000, 2))
+    dense = cm.local_sgd(dataclasses.replace(w, topk=1.0), c, 4)
     assert dense.bytes_per_step == pytest.approx((2500 + 4 * 2 * 2) / 2 / 4)
     assert dense.comm_s == pytest.approx((inside + 2 * 1e-5 + 2516 * 1e-9) / 4)
     # the flat allgather (one node, or one rank a node) is still there for the plan's users
     assert cm.ring_allgather_time(s, c) == pytest.approx(3 * (1e-5 + s * 1e-9))
 
 
-def test_cli_topk_prices_easgd_and_diloco_only():
+def test_cli_topk_prices_the_periodic_methods_only():
     result = plan_json(["--params", "10000", *CLUSTER, "--step-ms", "10",
                         "--comm-dtype", "int2", "--topk", "0.01"])
     s = 3 * (4 + 82 + 11)
@@ -177,7 +179,10 @@ def test_cli_topk_prices_easgd_and_diloco_only():
     assert method(result, "diloco")["bytes_per_step"] == pytest.approx(s / 4 / rec["diloco"]["H"])
     assert method(result, "easgd")["bytes_per_step"] == pytest.approx(s / 4 / rec["easgd"]["tau"])
     assert method(result, "local-sgd")["bytes_per_step"] == pytest.approx(
-        2516 / 4 / rec["local-sgd"]["T"])
+        s / 4 / rec["local-sgd"]["T"])
+    assert "top-k 0.01" in method(result, "slowmo")["setting"]
+    # allreduce SGD sends its gradients dense: allreduce_bytes(10000, 2, int2) / 4 a rank
+    assert "top-k" not in method(result, "allreduce")["setting"]
     # a zoo model with BatchNorm buffers: DiLoCo stays dense (the trainer refuses top-k)
     z = plan_json(["--model", "resnet20", *CLUSTER, "--step-ms", "10", "--topk", "0.01"])
     assert "top-k" not in method(z, "diloco")["setting"]
