@@ -586,8 +586,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=float, default=1.0, metavar="F",
                    help="the trainer's --topk: EASGD, local SGD, SlowMo and DiLoCo (without "
                         "buffers) send the largest F of each chunk of 4096, with "
-                        "--comm-dtype's values, by an allgather; LSGD's global pull the top-k records of the leader's "
-                        "change, broadcast (default 1: dense)")
+                        "--comm-dtype's values, by an allgather; LSGD's global pull the top-k "
+                        "records of the leader's change, broadcast (default 1: dense)")
     p.add_argument("--worker-ranks", default="1", metavar="{K,node}",
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
                         "node, train one replica with an allreduce of the gradient inside; the "
