@@ -250,10 +250,10 @@ def test_topk_select_encode_decode_by_hand():
 
 def test_topk_options_and_refusals():
     assert topk_problem(1.0, "bf16", "horovod", "allreduce") is None     # dense: as before
-    for ok in ("easgd", "diloco", "lsgd"):
+    for ok in ("easgd", "diloco", "lsgd", "local-sgd", "slowmo"):
         for kind in ("fp32", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.01, kind, "mpi", ok) is None
-    for bad in ("allreduce", "gossip", "lsgd-async", "local-sgd", "slowmo"):
+    for bad in ("allreduce", "gossip", "lsgd-async"):
         why = topk_problem(0.1, "fp32", "mpi", bad)
         assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
     assert "no periodic average" in topk_problem(0.1, "fp32", "mpi", "gossip")
@@ -267,10 +267,9 @@ def test_topk_options_and_refusals():
     ["--algorithm", "diloco", "--topk", "0"], ["--algorithm", "diloco", "--topk", "1.5"],
     ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
     ["--algorithm", "allreduce", "--topk", "0.1"], ["--algorithm", "gossip", "--topk", "0.1"],
-    ["--algorithm", "lsgd-async", "--topk", "0.1"], ["--algorithm", "local-sgd", "--topk", "0.1"],
+    ["--algorithm", "lsgd-async", "--topk", "0.1"],
     ["--algorithm", "diloco", "--topk", "0.1", "--comm-dtype", "bf16"],
-], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async",
-        "local-sgd", "bf16"])
+], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async", "bf16"])
 def test_config_refuses_topk(argv):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -285,6 +284,9 @@ def test_config_accepts_topk():
     assert (cfg.topk, cfg.comm_dtype, cfg.error_feedback) == (0.01, "int2", True)
     cfg = parse_config(["--algorithm", "easgd", "--topk", "0.05", "--error-feedback"], env={})
     assert (cfg.topk, cfg.comm_dtype) == (0.05, "fp32")
+    for method in ("local-sgd", "slowmo"):
+        cfg = parse_config(["--algorithm", method, "--topk", "0.1", "--error-feedback"], env={})
+        assert cfg.topk == 0.1
     assert parse_config(["--algorithm", "allreduce"], env={}).topk == 1.0
 
 
