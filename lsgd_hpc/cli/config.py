@@ -21,7 +21,7 @@ import yaml
 from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_spec
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
-    comm_dtype_problem, error_feedback_problem, topk_problem
+    comm_dtype_problem, error_feedback_decay_problem, error_feedback_problem, topk_problem
 from lsgd_hpc.runtime.trackers import TRACKERS, check_trackers
 
 __all__ = ["Config", "ConfigError", "parse_config", "check_world", "launcher_world_size",
@@ -466,6 +466,10 @@ def _check_combinations(cfg: Config) -> None:
     problem = error_feedback_problem(cfg.error_feedback, cfg.comm_dtype, cfg.topk)
     if problem:
         raise ConfigError("--error-feedback", problem)
+    problem = error_feedback_decay_problem(cfg.error_feedback_decay, cfg.error_feedback,
+                                           cfg.algorithm)
+    if problem:
+        raise ConfigError("--error-feedback-decay", problem)
     problem = check_trackers(cfg.tracker)
     if problem:
         raise ConfigError("--tracker", problem)

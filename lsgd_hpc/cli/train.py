@@ -330,6 +330,7 @@ class Trainer:
             checkpoint_every=cfg.checkpoint_every, stop=stop,
             consensus_every=cfg.consensus_every, stop_check_every=cfg.stop_check_every,
             comm_dtype=cfg.comm_dtype, error_feedback=cfg.error_feedback, topk=cfg.topk,
+            error_feedback_decay=cfg.error_feedback_decay,
             worker_ranks=cfg.worker_ranks, broadcast_initial=False,
             **cfg.method_options, **score)
         self.flat, self.rule = self.method.flat, self.method.rule

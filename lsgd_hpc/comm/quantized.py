@@ -72,6 +72,9 @@ e <- (v + e) - Q(v + e): what rounding dropped is sent in later rounds instead o
 the running mean of what arrives converges to the true mean. Phase 2's requantization
 (identical on every rank, at most half a step of the reduced chunk's scale) is not fed back,
 nor is a broadcast's (a leader's copy is a new vector each time, not a sum over rounds).
+With ``decay`` beta < 1 (``error_feedback_decay``) the input is v + beta e instead of
+v + e and e <- (v + beta e) - Q(v + beta e): SparseLoCo's decayed accumulator, old residual
+shrinking by beta a round (beta = 1, the default, is the plain recursion, bit for bit).
 A residual is keyed by the buffer it belongs to: the index of the buffer registered with
 ``agree_buffers`` that holds it (rules register their scratch buffers at construction, in the
 same order on every rank and in every run) and its offset and length there, so a resumed
@@ -192,8 +195,11 @@ def roundtrip(x: torch.Tensor, p: int, kind: str, block: int = BLOCK) -> torch.T
 class _Shared:
     """What the wrappers of one method's communicators share."""
 
-    def __init__(self, kind: str, error_feedback: bool, block: int, topk: float = 1.0):
+    def __init__(self, kind: str, error_feedback: bool, block: int, topk: float = 1.0,
+                 decay: float = 1.0):
         self.kind, self.error_feedback, self.block = kind, error_feedback, block
+        #: beta: an allreduce compresses v + beta e (1: plain error feedback)
+        self.decay = decay
         #: the fraction of each chunk an allreduce sends (1: dense; lsgd_hpc.comm.sparse)
         self.topk = topk
         #: buffers registered with agree_buffers, in registration order (the residuals' keys)
@@ -215,6 +221,13 @@ class _Shared:
                     and end <= lo + a.numel() * a.element_size()):
                 return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
         return f"{comm_key}/numel{t.numel()}"
+
+    def feed(self, x: torch.Tensor, e: torch.Tensor) -> None:
+        """x <- x + beta e: the residual fed back into an allreduce's input."""
+        if self.decay == 1:
+            x.add_(e)
+        else:
+            x.add_(e, alpha=self.decay)
 
     def residual(self, key: str, t: torch.Tensor) -> torch.Tensor:
         e = self.residuals.get(key)
@@ -282,7 +295,8 @@ class Quantized:
     residual."""
 
     def __init__(self, inner: Communicator, kind: str = "int8", error_feedback: bool = False,
-                 block: int = BLOCK, _shared: Optional[_Shared] = None, topk: float = 1.0):
+                 block: int = BLOCK, _shared: Optional[_Shared] = None, topk: float = 1.0,
+                 decay: float = 1.0):
         if _shared is not None:
             topk = _shared.topk
         if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0 < topk <= 1:
@@ -290,10 +304,13 @@ class Quantized:
         problem = None if (kind == "fp32" and topk < 1) else kind_problem(kind)
         if problem:
             raise CommError(problem)
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise CommError(f"decay must be in (0, 1], got {decay!r}")
         if not isinstance(block, int) or block < 4 or block % 4:
             raise CommError(f"block must be a positive multiple of 4, got {block!r}")
         self.inner, self.kind = inner, kind
-        self.shared = _shared or _Shared(kind, bool(error_feedback), block, float(topk))
+        self.shared = _shared or _Shared(kind, bool(error_feedback), block, float(topk),
+                                         float(decay))
         #: the QuantizedGroups whose world this is (its allreduces go hierarchical), or None
         self._groups: Optional["QuantizedGroups"] = None
         #: duplicates of the hierarchy's (node, roots) for the non-blocking allreduce
@@ -432,7 +449,7 @@ class Quantized:
             e = None
             if self.error_feedback:
                 e = self.shared.residual(key, tensor)
-                x[:n].add_(e)                                   # v + e
+                self.shared.feed(x[:n], e)                      # v + beta e
             qv, sv = self._pack(x, w["send"], lay)
             if e is not None:                                   # e <- (v + e) - Q(v + e)
                 torch.sub(x[:n], dequantize(qv, sv, self.kind).reshape(-1)[:n], out=e)
@@ -463,7 +480,7 @@ class Quantized:
             e = None
             if self.error_feedback:
                 e = self.shared.residual(key, tensor)
-                x.add_(e)                                       # w = v + e
+                self.shared.feed(x, e)                          # w = v + beta e
             idx, values = select(x, lay)
             encode(idx, values, lay, w["send"])
             if e is not None:                                   # e <- w - sent(w)
@@ -573,7 +590,7 @@ class Quantized:
             e = None
             if self.error_feedback:
                 e = self.shared.residual(key, tensor)
-                x.add_(e)                                       # w = v + e
+                self.shared.feed(x, e)                          # w = v + beta e
             idx, values = select(x, lay)
             encode(idx, values, lay, send)
             if e is not None:                                   # e <- w - sent(w)
@@ -592,7 +609,7 @@ class Quantized:
         e = None
         if self.error_feedback:
             e = self.shared.residual(key, tensor)
-            x[:n].add_(e)                                       # v + e
+            self.shared.feed(x[:n], e)                          # v + beta e
         qv, sv = self._pack(x, send, lay)
         if e is not None:                                       # e <- (v + e) - Q(v + e)
             torch.sub(x[:n], dequantize(qv, sv, self.kind).reshape(-1)[:n], out=e)
@@ -783,11 +800,13 @@ class QuantizedGroups(NodeGroups):
 
 
 def quantized_groups(groups: NodeGroups, kind: str = "int8", error_feedback: bool = False,
-                     block: int = BLOCK, topk: float = 1.0) -> QuantizedGroups:
+                     block: int = BLOCK, topk: float = 1.0,
+                     decay: float = 1.0) -> QuantizedGroups:
     """The same node hierarchy with every communicator sending model tensors as ``kind``
     (with ``topk`` < 1: each allreduce sends the top-k of every chunk, values as ``kind``,
-    fp32 allowed); the three share their registered buffers and residuals."""
-    world = Quantized(groups.world, kind, error_feedback, block, topk=topk)
+    fp32 allowed; residuals decayed by ``decay`` before each use); the three share their
+    registered buffers and residuals."""
+    world = Quantized(groups.world, kind, error_feedback, block, topk=topk, decay=decay)
     wrap = lambda c: None if c is None else Quantized(c, kind, _shared=world.shared)  # noqa: E731
     fields = {f.name: getattr(groups, f.name) for f in dataclasses.fields(NodeGroups)}
     fields.update(world=world, node=wrap(groups.node), roots=wrap(groups.roots))

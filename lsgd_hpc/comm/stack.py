@@ -90,10 +90,12 @@ def _workers_of(comm, worker_ranks):
 
 
 def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "fp32",
-            error_feedback: bool = False, topk: float = 1.0) -> Stack:
+            error_feedback: bool = False, topk: float = 1.0,
+            error_feedback_decay: float = 1.0) -> Stack:
     """The stack of a method on the session ``comm``: between workers of ``worker_ranks``
     ranks when ``workers``, sending ``comm_dtype`` (with ``topk`` < 1: each allreduce's
-    top-k entries, values as ``comm_dtype``). Collective over ``comm.world`` the first time a
+    top-k entries, values as ``comm_dtype``; residuals decayed by ``error_feedback_decay``
+    before each use). Collective over ``comm.world`` the first time a
     grouping is used (every rank composes alike); options arrive checked."""
     stack = Stack(comm.world, comm.groups, comm.groups)
     if workers:
@@ -102,7 +104,7 @@ def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "f
     if comm_dtype in QUANTIZED or topk < 1:
         from lsgd_hpc.comm.quantized import quantized_groups
         stack.groups = stack.wire = quantized_groups(stack.groups, comm_dtype, error_feedback,
-                                                     topk=topk)
+                                                     topk=topk, decay=error_feedback_decay)
     elif comm_dtype in LOW_PRECISION:
         from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
         stack.groups = low_precision_groups(stack.groups, WIRE_DTYPES[comm_dtype])

@@ -41,7 +41,8 @@ from lsgd_hpc.methods.rules import (AllreduceRule, AsyncLeaderRule, DiLoCoRule, 
 from lsgd_hpc.methods.rules.diloco import fragment_tensors
 from lsgd_hpc.methods.rules.workers import WorkerRule
 from lsgd_hpc.methods.spec import (COMMON_OPTIONS, QUANTIZED_COMM_DTYPES, MethodSpec, OptionError,
-                                   comm_dtype_problem, error_feedback_problem, topk_problem)
+                                   comm_dtype_problem, error_feedback_decay_problem,
+                                   error_feedback_problem, topk_problem)
 from lsgd_hpc.comm.monitor import MONITOR
 
 __all__ = ["Method", "LeaderSGD", "AsyncLeaderSGD", "AllreduceSGD", "EASGD", "LocalSGD",
@@ -59,7 +60,8 @@ def _check_count(name: str, value, low: int) -> int:
 
 
 def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consensus_every,
-                  stop_check_every, comm_dtype, error_feedback, topk=1.0) -> None:
+                  stop_check_every, comm_dtype, error_feedback, topk=1.0,
+                  error_feedback_decay=1.0) -> None:
     """The options every method takes (the same checks on every rank, before any
     collective)."""
     if max_steps is not None:
@@ -80,6 +82,10 @@ def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consen
     problem = error_feedback_problem(error_feedback, comm_dtype, topk)
     if problem:
         raise OptionError("error_feedback", problem)
+    decay = _COMMON["error_feedback_decay"].check(error_feedback_decay)
+    problem = error_feedback_decay_problem(decay, error_feedback, name)
+    if problem:
+        raise OptionError("error_feedback_decay", problem)
     if comm_dtype in QUANTIZED_COMM_DTYPES:    # fp8: where this torch converts on the device
         from lsgd_hpc.comm.quantized import kind_problem
         first = next(iter(model.parameters()), None) if isinstance(model, nn.Module) else None
@@ -176,6 +182,10 @@ class Method(Recoverable):
     - ``error_feedback``: with int8/fp8/int4/int2 or ``topk`` < 1, each rank's allreduce
       input carries what rounding (or top-k) dropped from its previous ones; the residuals
       are in ``state_dict``.
+    - ``error_feedback_decay``: beta in (0, 1]; below 1 (with ``error_feedback``) each
+      allreduce compresses v + beta e instead of v + e: SparseLoCo's decayed accumulator,
+      which replaces the outer momentum (DiLoCo with ``outer_momentum=0``). Not for LSGD,
+      whose compressed pull keeps no residual.
     - ``worker_ranks``: 1 (every rank is a worker), K, or ``"node"``: K consecutive ranks of
       a node, or all of a node's ranks, form one worker that trains one replica as data
       parallel SGD (gradients averaged inside it every step, ``WorkerRule``), and the method
@@ -204,7 +214,7 @@ class Method(Recoverable):
                  max_steps: Optional[int] = None, checkpoint_every: int = 0, stop=None,
                  consensus_every: int = 0, stop_check_every: int = 10, metrics=None,
                  comm_dtype: str = "fp32", error_feedback: bool = False, topk: float = 1.0,
-                 worker_ranks: WorkerRanks = 1,
+                 error_feedback_decay: float = 1.0, worker_ranks: WorkerRanks = 1,
                  broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
         layout = self._worker_layout(comm, worker_ranks)
@@ -213,17 +223,19 @@ class Method(Recoverable):
         _check_common(comm, model, self.spec.name, max_steps=max_steps,
                       checkpoint_every=checkpoint_every, consensus_every=consensus_every,
                       stop_check_every=stop_check_every, comm_dtype=comm_dtype,
-                      error_feedback=error_feedback, topk=topk)
+                      error_feedback=error_feedback, topk=topk,
+                      error_feedback_decay=error_feedback_decay)
         self.check_usage(opts, model, optimizer)
         self._fault_tolerance = getattr(comm, "fault_tolerance", None)
         _agree_on_model(comm.world, model, optimizer, type(self).__name__)
         self.model, self.optimizer, self.comm, self.options = model, optimizer, comm, opts
         self.worker_ranks, self.comm_dtype = worker_ranks, comm_dtype
         self.error_feedback, self.topk = error_feedback, float(topk)
+        self.error_feedback_decay = float(error_feedback_decay)
         #: the communicators: workers, wire format, failure policy (lsgd_hpc.comm.stack)
         self.stack = compose(comm, workers=layout is not None, worker_ranks=worker_ranks,
                              comm_dtype=comm_dtype, error_feedback=error_feedback,
-                             topk=float(topk))
+                             topk=float(topk), error_feedback_decay=float(error_feedback_decay))
         self.world, self.groups = self.stack.world, self.stack.groups
         self.workers, self.wire = self.stack.workers, self.stack.wire
         self.flat = FlatParams(model)

@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 __all__ = ["Option", "OptionError", "Check", "MethodSpec", "COMMON_OPTIONS", "COMM_DTYPES",
            "QUANTIZED_COMM_DTYPES", "SECTIONS", "comm_dtype_problem", "error_feedback_problem",
+           "error_feedback_decay_problem",
            "topk_problem", "TOPK_METHODS"]
 
 #: Command-line help sections, in the order ``--help`` prints them.
@@ -271,6 +272,29 @@ def topk_problem(topk: float, comm_dtype: str, backend: Optional[str],
     return None
 
 
+#: methods whose communication keeps no error-feedback residual that a decay could act on
+_NO_RESIDUAL = {
+    "lsgd": "lsgd's pulls keep no residual (its compressed pull feeds back through the "
+            "reference every rank keeps; see docs/algorithms.md)",
+    "lsgd-async": "lsgd-async broadcasts parameters and keeps no residual",
+    "allreduce": "allreduce SGD keeps no residual (it takes no quantized allreduce)",
+    "gossip": "gossip keeps no residual (it takes no quantized allreduce)",
+}
+
+
+def error_feedback_decay_problem(decay: float, error_feedback: bool,
+                                 method: Optional[str] = None) -> Optional[str]:
+    """Why ``error_feedback_decay`` (below 1) cannot go with ``error_feedback`` and
+    ``method``, or None (its range is the option's own check)."""
+    if decay >= 1:
+        return None
+    if not error_feedback:
+        return (f"{decay:g} decays the error-feedback residual: it needs --error-feedback")
+    if method in _NO_RESIDUAL:
+        return f"{decay:g} is not for {method}: {_NO_RESIDUAL[method]}"
+    return None
+
+
 def error_feedback_problem(error_feedback: bool, comm_dtype: str,
                            topk: float = 1.0) -> Optional[str]:
     """Why ``error_feedback`` cannot go with ``comm_dtype`` and ``topk``, or None."""
@@ -293,6 +317,12 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "rounding dropped (or top-k left out) from its allreduce input to the next one "
            "(residuals kept in the checkpoint)",
            section="cluster and backend"),
+    Option("error_feedback_decay", 1.0, "float",
+           "beta in (0, 1]: with --error-feedback, each allreduce sends the compression of "
+           "v + beta e instead of v + e (SparseLoCo's decayed accumulator, which stands in for "
+           "the outer momentum: use it with --outer-momentum 0); 1: plain error feedback "
+           "(see docs/algorithms.md)",
+           section="cluster and backend", low=0, low_open=True, high=1),
     Option("topk", 1.0, "float",
            "F in (0, 1]: with F < 1 the periodic allreduce of easgd, diloco (Streaming "
            "DiLoCo too), local-sgd and slowmo (these two send the change since the last "

@@ -337,3 +337,45 @@ def test_hierarchy_only_across_nodes_with_a_node_of_several():
     q._groups = SimpleNamespace(node_of=[0, 0, 1, 1], node=node, roots=None)   # not a root
     assert q.hierarchy() == ("node", None)
     assert q.counters == (inner.stats, q.node_stats)
+
+
+@pytest.mark.parametrize("argv,why", [
+    (["--algorithm", "diloco", "--topk", "0.01", "--error-feedback-decay", "0"], "(0, 1]"),
+    (["--algorithm", "diloco", "--topk", "0.01", "--error-feedback-decay", "1.5"], "(0, 1]"),
+    (["--algorithm", "diloco", "--topk", "0.01", "--error-feedback-decay", "0.9"],
+     "needs --error-feedback"),
+    (["--algorithm", "lsgd", "--topk", "0.01", "--error-feedback", "--error-feedback-decay",
+      "0.9"], "not for lsgd"),
+    (["--algorithm", "allreduce", "--error-feedback-decay", "0.9"], "needs --error-feedback"),
+], ids=["zero", "above-one", "without-error-feedback", "lsgd", "allreduce"])
+def test_config_refuses_error_feedback_decay(argv, why):
+    from lsgd_hpc.cli.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as info:
+        parse_config(argv, env={})
+    assert info.value.option == "--error-feedback-decay" and "\n" not in str(info.value)
+    assert why in str(info.value), str(info.value)
+
+
+def test_error_feedback_decay_accepted_and_passed_to_the_wire():
+    """SparseLoCo's form: DiLoCo, outer momentum 0, top-k 1 % int2, beta 0.95; the
+    library's method hands beta to the residuals' owner (a 1-rank world)."""
+    from lsgd_hpc.cli.config import parse_config
+    from lsgd_hpc.methods.spec import OptionError
+    cfg = parse_config(["--algorithm", "diloco", "--outer-momentum", "0", "--topk", "0.01",
+                        "--comm-dtype", "int2", "--error-feedback",
+                        "--error-feedback-decay", "0.95"], env={})
+    assert cfg.error_feedback_decay == 0.95
+    assert parse_config(["--algorithm", "easgd"], env={}).error_feedback_decay == 1.0
+    import lsgd_hpc
+    from torch import nn
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    comm = lsgd_hpc.init(backend="mpi")
+    m = lsgd_hpc.DiLoCo(model, opt, comm, topk=0.05, error_feedback=True,
+                        error_feedback_decay=0.5, outer_momentum=0.0)
+    assert m.wire.world.shared.decay == 0.5
+    m.close()
+    with pytest.raises(OptionError) as info:
+        lsgd_hpc.LeaderSGD(model, opt, comm, topk=0.05, error_feedback=True,
+                           error_feedback_decay=0.5)
+    assert info.value.option == "error_feedback_decay"

@@ -199,6 +199,36 @@ def test_error_feedback_rule_exact(world, kind):
     assert "world/numel300" in q.shared.residuals
 
 
+@pytest.mark.parametrize("kind,topk", [("int8", 1.0), ("int2", 0.05), ("fp32", 0.05)])
+def test_error_feedback_decay_feeds_back_beta_e(world, kind, topk):
+    """error_feedback_decay beta: round 2 compresses v2 + beta e1 and keeps
+    e2 = (v2 + beta e1) - C(v2 + beta e1). Checked bit for bit against beta 1 given
+    beta e1 as its residual by hand (beta 0.5: exact in float32), with the same
+    compressor at this world size; every rank ends with the same bits."""
+    quantized_backend(world)
+    n, beta = 3 * BLOCK + 77, 0.5
+    out = {}
+    for decay in (beta, 1.0):
+        q = Quantized(world, kind, error_feedback=True, topk=topk, decay=decay)
+        buf = torch.zeros(n)
+        q.agree_buffers(buf)
+        key = f"world/buffer0@0+{n}"
+        buf.copy_(vector(world.rank, n))
+        q.allreduce_(buf, "mean")
+        e1 = q.shared.residuals[key].clone()
+        assert e1.abs().max() > 0                       # something was left out
+        if decay == 1.0:
+            q.shared.residuals[key].mul_(beta)          # by hand: beta e1
+        buf.copy_(vector(world.rank + 100, n))
+        q.allreduce_(buf, "mean")
+        out[decay] = (e1, buf.clone(), q.shared.residuals[key].clone())
+    assert torch.equal(out[beta][0], out[1.0][0])       # round 1: no residual yet
+    assert torch.equal(out[beta][1], out[1.0][1])       # round 2: the same mean
+    assert torch.equal(out[beta][2], out[1.0][2])       # and the same residual
+    assert not torch.equal(out[beta][2], out[beta][0])
+    assert len(set(world.allgather_object(digest(out[beta][1])))) == 1
+
+
 # -- hierarchical: node sums in float32, the compressed exchange between node roots ------------
 def hierarchical(groups) -> bool:
     """Whether quantized_groups' world runs its allreduces hierarchically at this layout:
