@@ -5,7 +5,7 @@ method's time to allreduce SGD's final perplexity, and the bytes between the nod
 
     python results/experiments/lm_links.py --out results/lm_links [--quick]
         [--rates 100mbit 4mbit 400kbit] [--steps S] [--factor F] [--seeds 1 2 3]
-        [--methods LABEL ...] [--link-budget SECONDS]
+        [--methods LABEL ... [--add]] [--link-budget SECONDS]
 
 As root. The workload is results/experiments/lm.py's (examples/char_lm.py: a byte-level
 transformer, 0.47 M parameters, 1.9 MB in fp32, AdamW with a cosine schedule over the run's
@@ -26,7 +26,10 @@ compressed variant its fp32 parent's, LRS):
   top-k 1 % with int2 values and error feedback;
 * DiLoCo H=8 (outer Nesterov SGD, lr 0.7) and Streaming DiLoCo (the same H in 4 fragments,
   each fragment's allreduce started 1 step before its sync, mixed back with alpha = 0.5),
-  each in fp32, int8 with error feedback, and top-k 1 % with int2 values and error feedback.
+  each in fp32, int8 with error feedback, and top-k 1 % with int2 values and error feedback;
+* SparseLoCo H=8: DiLoCo's top-k 1 % int2 round with the error-feedback residual decayed by
+  0.95 a round (--error-feedback-decay) in place of the outer momentum (outer SGD, lr 1,
+  momentum 0), as SparseLoCo (Sarfi et al., 2025) runs it; its fp32 parent is DiLoCo H=8.
 
 Steps: allreduce SGD --steps (144), the others --factor (3) times as many (432), so that they
 can reach allreduce SGD's final perplexity (the target, per seed) at all; one that does not
@@ -99,6 +102,11 @@ _LSGD_NODE = ["--method", "lsgd", "--tau-local", "4", "--tau-global", "16",
 _INT8 = ["--comm-dtype", "int8", "--error-feedback"]
 _TOPK = ["--topk", "0.01", "--comm-dtype", "int2", "--error-feedback"]
 TOPK = "top-k 1% int2+EF"
+#: SparseLoCo (docs/algorithms.md): DiLoCo's top-k 1 % int2 round with the error-feedback
+#: accumulator decayed by 0.95 in place of the outer momentum (outer SGD, lr 1, momentum 0)
+_SPARSELOCO = ["--method", "diloco", "--local-steps", "8", "--outer-lr", "1", "--outer-momentum",
+               "0", *_TOPK, "--error-feedback-decay", "0.95"]
+SPARSELOCO = f"SparseLoCo H=8 ({TOPK}, EF decay 0.95)"
 #: (label, char_lm options, steps of one round between the nodes, the fp32 parent)
 METHODS = [
     (ALLREDUCE, ["--method", "allreduce"], 2, None),
@@ -107,6 +115,7 @@ METHODS = [
     ("DiLoCo H=8", _DILOCO, 8, None),
     ("DiLoCo int8+EF", [*_DILOCO, *_INT8], 8, "DiLoCo H=8"),
     (f"DiLoCo {TOPK}", [*_DILOCO, *_TOPK], 8, "DiLoCo H=8"),
+    (SPARSELOCO, _SPARSELOCO, 8, "DiLoCo H=8"),
     ("Streaming DiLoCo P=4", _STREAMING, 8, None),
     ("Streaming DiLoCo int8+EF", [*_STREAMING, *_INT8], 8, "Streaming DiLoCo P=4"),
     (f"Streaming DiLoCo {TOPK}", [*_STREAMING, *_TOPK], 8, "Streaming DiLoCo P=4"),
@@ -568,13 +577,18 @@ def target_findings(summary: List[Dict]) -> List[str]:
                        + ("met." if best["speedup_over_allreduce"] >= 3 else "not met.")
                        if best else "no method reached it: not met."))
     fastest = _rates(summary)[0] if summary else None
-    tk = next((s for s in summary if (s["rate"], s["method"]) == (fastest, f"DiLoCo {TOPK}")
-               and s.get("link_bytes_over_parent") is not None), None)
-    if tk:
+    for label, form in ((f"DiLoCo {TOPK}", "with DiLoCo's outer Nesterov momentum"),
+                        (SPARSELOCO, "SparseLoCo's form: the residual decayed by 0.95 in "
+                                     "place of the outer momentum")):
+        tk = next((s for s in summary if (s["rate"], s["method"]) == (fastest, label)
+                   and s.get("link_bytes_over_parent") is not None), None)
+        if not tk:
+            continue
         ok = tk["link_bytes_over_parent"] <= 0.01 and abs(tk["perplexity_over_parent"] - 1) <= 0.02
-        out.append(f"Target 2 (DiLoCo {TOPK} at most 0.01x fp32 DiLoCo's bytes between the nodes, "
-                   f"perplexity within 2 % at equal steps): {tk['link_bytes_over_parent']:.3g}x the"
-                   f" bytes, perplexity {100 * (tk['perplexity_over_parent'] - 1):+.1f} %: "
+        out.append(f"Target 2 (DiLoCo {TOPK} at most 0.01x fp32 DiLoCo's bytes between the "
+                   f"nodes, perplexity within 2 % at equal steps), {form} ({label}): "
+                   f"{tk['link_bytes_over_parent']:.3g}x the bytes, perplexity "
+                   f"{100 * (tk['perplexity_over_parent'] - 1):+.1f} %: "
                    f"{'met' if ok else 'not met'}.")
     return out
 
@@ -701,7 +715,11 @@ def _outputs(out: Path, rows: List[Dict], probes: Dict, doc: Dict) -> Dict:
 def run(out, quick: bool = False, log=print, rates=None, steps=None, factor=None, seeds=None,
         methods=None, raw=None, timeout_per_run: float = 300.0,
         cluster=(CLUSTER_NAME, CLUSTER_SUBNET), eval_every: Optional[int] = None,
-        link_budget_s: Optional[float] = None) -> Dict:
+        link_budget_s: Optional[float] = None, add: bool = False) -> Dict:
+    """Every method at every rate (``methods``: those only). ``add``: the runs of ``methods``
+    replace theirs in OUT/links.json, whose other runs and probes are kept (a method added
+    to a recorded experiment without running the others again); the outputs are written
+    from them all."""
     t0 = time.perf_counter()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -721,6 +739,7 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, factor=None
                 "seconds": time.perf_counter() - t0}
     raw = Path(raw or raw_dir(NAME))
     rows, errors, probes, ref = [], {}, {}, {}
+    kept, kept_probes = recorded_except(out, chosen) if add else ([], {})
     for rate in rates:
         dirs = {}
         for label, seed, b, stop in plan_runs(rate, rates[0], chosen, seeds, n, k, lb, ref):
@@ -744,10 +763,25 @@ def run(out, quick: bool = False, log=print, rates=None, steps=None, factor=None
         return {**base, "status": "failed", "findings": [f"error: {k}: {v}"
                                                          for k, v in errors.items()],
                 "seconds": time.perf_counter() - t0}
-    res = _outputs(out, rows, probes, {"errors": errors, "link_budget_s": lb,
-                                       "seconds": time.perf_counter() - t0})
+    order = {m: i for i, (m, _, _, _) in enumerate(METHODS)}
+    every = sorted(kept + rows, key=lambda r: (-rate_bps(r["rate"]), order.get(r["method"], 99),
+                                                r["seed"]))
+    extra = {"errors": errors, "link_budget_s": lb, "seconds": time.perf_counter() - t0}
+    if add:            # the recorded run's own figures stay; this one is listed as added
+        prior = json.loads((out / "links.json").read_text())
+        extra = {**{k: v for k, v in prior.items() if k not in ("summary", "runs", "probes")},
+                 "added": [*prior.get("added", []), {"methods": chosen, **extra}]}
+    # a rate's rho is allreduce SGD's, from the probe of the job it ran in: kept probes win
+    res = _outputs(out, every, {**probes, **kept_probes}, extra)
     return {**base, "status": "ok" if not errors else "ok (with errors)", **res,
             "seconds": time.perf_counter() - t0}
+
+
+def recorded_except(out: Path, methods: List[str]):
+    """(runs, probes) of OUT/links.json without the runs of ``methods``: what ``--add``
+    keeps of a recorded experiment (its probes: the links its other runs were measured on)."""
+    prior = json.loads((Path(out) / "links.json").read_text())
+    return [r for r in prior["runs"] if r["method"] not in methods], prior.get("probes", {})
 
 
 def _read_all(dirs: Dict, rate: str, rows: List[Dict], errors: Dict, ref: Dict,
@@ -833,6 +867,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", metavar="LABEL",
                    help="subset of: " + ", ".join(f"'{m}'" for m, _, _, _ in METHODS)
                    .replace("%", "%%"))
+    p.add_argument("--add", action="store_true",
+                   help="run only --methods and put their runs in place of theirs in OUT's "
+                        "links.json, keeping the other methods' runs and the probes")
     p.add_argument("--link-budget", type=float, metavar="SECONDS",
                    help="truncate a run at a slower rate whose traffic would hold the link "
                         f"longer than this (default {FULL['link_budget_s']:g})")
@@ -847,12 +884,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.job:
         return job(args.job)
+    if args.add and not args.methods:
+        p.error("--add needs --methods")
     if args.methods and set(args.methods) - set(PARENT):
         p.error(f"unknown methods {sorted(set(args.methods) - set(PARENT))}")
     res = run(args.out, args.quick, rates=args.rates, steps=args.steps, factor=args.factor,
               seeds=args.seeds, methods=args.methods, raw=args.raw,
               cluster=tuple(args.cluster), eval_every=args.eval_every,
-              link_budget_s=args.link_budget)
+              link_budget_s=args.link_budget, add=args.add)
     for f in res["findings"]:
         print("-", f)
     print(f"{res['seconds']:.0f} s; tables {res['tables']}; figures {res['figures']}")

@@ -330,6 +330,11 @@ def test_lm_links_time_to_target_predictions_and_refresh(tmp_path):
             t / (59 / 16), rel=1e-5)
         found = "\n".join(res["findings"])
         assert "Bit-identical training across rates: 2 of 2 runs" in found, found
+        # --add keeps the other methods' runs and the probes, drops the re-run method's
+        kept, kept_probes = lk.recorded_except(out, ["LSGD worker=node"])
+        assert {(r["rate"], r["method"]) for r in kept} == {("100mbit", "allreduce SGD"),
+                                                           ("4mbit", "allreduce SGD")}
+        assert kept_probes == probes
         a, b = lk.fit_rate([(1e8, 1.0 + 2e6 / 1e8), (4e6, 1.0 + 2e6 / 4e6)])
         assert (a, b) == (pytest.approx(1.0), pytest.approx(2e6))
         # the planner's own example: 1 B parameters, 16 x 8, 640 ms, 100 Gbit/s is rho 0.938
