@@ -62,6 +62,10 @@ BENCHES = [
     Bench("hierarchical_broadcast_8", "hierarchical_broadcast", np=8, timeout=120,
           args=["--ranks-per-node", "2"], full_only=True, optional_s=60),
     Bench("election", "election", timeout=90),
+    # how the ranks' top-k records are combined (allgather vs gather + broadcast vs a dense
+    # allreduce), at 2 ranks and at 16 (oversubscribed here)
+    Bench("sparse_exchange", "sparse_exchange", np=2, timeout=120),
+    Bench("sparse_exchange_16", "sparse_exchange", np=16, timeout=240, full_only=True),
     Bench("workers_bytes", "workers_bytes", timeout=120, args=["--ranks-per-node", "2"]),
     Bench("topology_speed", "topology_speed", np=1, timeout=150),
     Bench("backends", "backends", timeout=150),
