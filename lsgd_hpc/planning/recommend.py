@@ -269,6 +269,10 @@ def _args(method: str, options: Dict, kind: str, topk: float) -> str:
         parts += ["--topk", f"{topk:g}"]
     if (kind != "fp32" or topk < 1) and method != "lsgd":
         parts.append("--error-feedback")      # LSGD's pull: its reference is its feedback
+    if method == "diloco" and topk < 1:
+        # SparseLoCo's form: with top-k, DiLoCo's outer Nesterov momentum on top of error
+        # feedback diverged in results/lm_links; the decayed residual takes its place
+        parts += ["--outer-momentum", "0", "--outer-lr", "1", "--error-feedback-decay", "0.95"]
     return " ".join(parts)
 
 

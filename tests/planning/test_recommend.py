@@ -197,3 +197,24 @@ def test_methods_table_prices_lsgd_topk_pull(capsys):
     assert "top-k 0.01" in lsgd["setting"]
     b_loc, s = 2500 + 4 * 3, 3 * (4 + 82 + 11)
     assert lsgd["bytes_per_step"] == pytest.approx(b_loc / 4 / tau_l + 3 * s / 8 / tau_g)
+
+
+def test_command_line_of_each_compressor_is_one_the_trainer_accepts():
+    """The recommendation's command line: error feedback with every compressor but LSGD's
+    pull; top-k DiLoCo in SparseLoCo's form (outer momentum 0, outer lr 1, residual decay
+    0.95); and the trainer parses each line without a refusal."""
+    from lsgd_hpc.cli.config import parse_config
+    from lsgd_hpc.planning.recommend import _args
+    sparse = _args("diloco", {"H": 64}, "int2", 0.01)
+    assert sparse.split() == ["--algorithm", "diloco", "--local-steps", "64", "--comm-dtype",
+                              "int2", "--topk", "0.01", "--error-feedback", "--outer-momentum",
+                              "0", "--outer-lr", "1", "--error-feedback-decay", "0.95"]
+    assert "--error-feedback-decay" not in _args("diloco", {"H": 64}, "int8", 1.0)
+    assert "--error-feedback" not in _args("lsgd", {"tau_local": 4, "tau_global": 16},
+                                           "int8", 0.01)
+    for line in (sparse, _args("streaming-diloco", {"H": 64, "fragments": 4, "sync_delay": 1},
+                               "int4", 0.01),
+                 _args("lsgd", {"tau_local": 4, "tau_global": 16, "pull_delay": 2}, "int8",
+                       0.01)):
+        cfg = parse_config(line.split(), env={})
+        assert cfg.topk == 0.01
