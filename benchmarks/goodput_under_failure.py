@@ -287,6 +287,9 @@ def _poisson_rows(pois: dict) -> list:
         costs = (f"restart wait {r['down_s']:.1f} s" if policy == "abort" else
                  f"pause {r['pause_s']:.2f} s per kill" + (
                      f", {r['short_s']:.1f} s short of a rank per kill" if policy == "heal"
+                     else "") + (
+                     f"; {r['failed_joins']} join(s) cut short by a kill: relaunched with "
+                     f"--resume after {sum(r['down_s']):.1f} s" if r.get("failed_joins")
                      else ""))
         own = r["own_rank_mtbf_s"] / NP
         rows.append(row(
@@ -333,7 +336,10 @@ def _poisson_notes(pois: dict) -> list:
         "steps between checkpoints x the mean step at full size), abort's wait from the kill "
         "to the relaunched job's start line (teardown, launch, checkpoint load), the pause per "
         "kill (what the steps within 2 rows of each /faults event or join took beyond the "
-        "median step), heal's seconds a rank short per kill (replacement start-up), capacity "
+        "median step), heal's seconds a rank short per kill (replacement start-up) and, "
+        "when a kill cut a join short (the job then ends after the join's checkpoint, within "
+        f"the join deadline, here {JOIN_TIMEOUT_S} s, and is relaunched with --resume), the "
+        "seconds from that kill to the relaunched job's start line added to its wall, capacity "
         "(live ranks)/NP; shrink's over the run's own wall time. The ratio and "
         "goodput_model_error (targets table, target <= 25 %) use the run's own failure rate "
         "(exposed rank-seconds / kills): with one run of about three kills the count alone "
@@ -367,6 +373,13 @@ def heal_available() -> bool:
     return bool(re.search(r"\bheal\b", block))
 
 
+#: seconds a heal's join may take before its processes end themselves (the library's default
+#: is 120 s; a join takes about a second here): a kill during the merge then costs the run a
+#: relaunch, not two minutes of a hung job
+JOIN_TIMEOUT_S = 30
+JOIN_FAILED = re.compile(r"^\[lsgd_hpc\] heal: the join did not end within")
+
+
 class _Job:
     """One mpirun job whose output lines are read in a thread and timestamped: the trainer's
     start line (printed once the model and any checkpoint are loaded, before the first step)
@@ -374,13 +387,16 @@ class _Job:
 
     def __init__(self, cmd):
         self.launched = time.perf_counter()
-        self.p = subprocess.Popen(cmd, env=mpi_env(), cwd=REPO, stdout=subprocess.PIPE,
+        self.p = subprocess.Popen(cmd, env=mpi_env({"LSGD_HPC_HEAL_JOIN_TIMEOUT":
+                                                    str(JOIN_TIMEOUT_S)}),
+                                  cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines: List[str] = []
         self.started: Optional[float] = None
         self.done: Optional[float] = None
         self.done_at_s: Optional[float] = None     # the run's own clock at its done line
         self.joins = 0                             # heal: replacements that joined
+        self.join_failed = False                   # heal: a join ended the job (deadline)
         self.th = threading.Thread(target=self._read, daemon=True)
         self.th.start()
 
@@ -394,6 +410,8 @@ class _Job:
                 self.done, self.done_at_s = now, float(DONE_LINE.match(line).group(1))
             elif JOIN_LINE.match(line):
                 self.joins += 1
+            elif JOIN_FAILED.match(line):
+                self.join_failed = True
 
     def over(self) -> bool:
         return self.done is not None or self.p.poll() is not None
@@ -434,8 +452,10 @@ class _Job:
 def _policy_launch(policy: str, steps: int, every: int, run_dir: Path, resume: bool) -> list:
     args = _argv(steps, run_dir, POISSON_OPTS)
     args[args.index("--checkpoint-every") + 1] = str(every)
+    if resume:
+        args.append("--resume")
     if policy == "abort":
-        return mpirun_cmd(NP, args + (["--resume"] if resume else []))
+        return mpirun_cmd(NP, args)
     return mpirun_cmd(NP, args + ["--on-failure", policy], ULFM)
 
 
@@ -527,11 +547,15 @@ def _expose(job: _Job, killer: _Killer, clock: Dict, deadline: float, log, label
 def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Path,
                  timeout: float, log) -> dict:
     """One policy's run under the seeded kills: abort relaunches with --resume after each
-    (from scratch while no checkpoint is complete), shrink and heal go on. Returns the
-    driver's timings: first start line to the last done line, exposure, kills, the waits."""
+    (from scratch while no checkpoint is complete), shrink and heal go on. A heal whose join
+    a kill cut short ends the job (the join deadline: Open MPI's merge does not report the
+    failure) after a checkpoint: it is relaunched with --resume like abort, and counted
+    (``failed_joins``, the wait in ``down_s``). Returns the driver's timings: first start
+    line to the last done line, exposure, kills, the waits."""
     killer = _Killer(policy, theta, POISSON_SEED)
     clock = {"exposure": 0.0, "mortal_s": 0.0}
-    kills, downs, jobs, first, resume = [], [], 0, None, False
+    kills, downs, jobs, first, resume, failed_joins = [], [], 0, None, False, 0
+    relaunched_at = None
     deadline = time.perf_counter() + 3 * timeout
     while True:
         if not resume:
@@ -546,12 +570,22 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
         first = first if first is not None else job.started
         if kills and policy == "abort":
             downs.append(job.started - kills[-1]["wall"])
+        elif relaunched_at is not None:
+            downs.append(job.started - relaunched_at)
+        relaunched_at = None
         new = _expose(job, killer, clock, deadline, log, policy)
         kills += new
         grace = EXIT_GRACE_S if job.done is not None or not job.ranks() else timeout
         rc = job.end(min(deadline, time.perf_counter() + grace))
         if policy == "abort" and new and job.done is None:
             resume = (run_dir / "checkpoints" / "latest.json").exists()
+            continue
+        if policy == "heal" and job.done is None and job.join_failed and jobs < 10:
+            failed_joins += 1
+            relaunched_at = kills[-1]["wall"] if kills else time.perf_counter()
+            resume = (run_dir / "checkpoints" / "latest.json").exists()
+            log(f"  goodput_under_failure: heal: a join was cut short (job {jobs} ended by "
+                "the join deadline); relaunched with --resume")
             continue
         if job.done is None:
             raise RuntimeError(f"{policy}: the job did not finish (exit {rc}): "
@@ -562,7 +596,8 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
                 "exposure_s": clock["exposure"],
                 "mortal_rank_s": clock["mortal_s"], "kills": len(kills),
                 "kills_exposed_s": [round(k["exposed"], 2) for k in kills],
-                "down_s": downs, "jobs": jobs, "startup_s": job.started - job.launched}
+                "down_s": downs, "jobs": jobs, "startup_s": job.started - job.launched,
+                "failed_joins": failed_joins}
 
 
 # -- what the run's metrics say ----------------------------------------------------------------
@@ -713,7 +748,11 @@ def _predict(policy: str, res: dict, meas: dict, every: int, theta: float) -> fl
                         floor=1 if policy == "shrink" else 0)
     if policy == "shrink":
         return gp.shrink_goodput(m, window_s=res["wall_s"])
-    return gp.heal_goodput(m)
+    g = gp.heal_goodput(m)
+    # joins a kill cut short: the job ended after the join's checkpoint and was relaunched;
+    # the model's heal has no such event, so the run's own waits are added to its wall
+    waits = sum(res.get("down_s") or [])
+    return g if not waits or g <= 0 else meas["useful_s"] / (meas["useful_s"] / g + waits)
 
 
 def _reference(steps: int, tmp: Path, timeout: float, log) -> dict:
