@@ -562,12 +562,19 @@ class Trainer:
 
 
 def run_as_main() -> None:
-    """``python -m lsgd_hpc.train``: run, close the world, exit with the status."""
+    """``python -m lsgd_hpc.train``: run, close the world, exit with the status.
+
+    The exit is the interpreter's own less its teardown: the exit handlers (trackers, the
+    checkpoint writer, the session's final barrier, a healed job's communicators freed),
+    MPI_Finalize and flushed output, then ``os._exit`` (lsgd_hpc.session.exit_as_interpreter).
+    Tearing down an interpreter that imported torch costs each rank about a CPU-second and
+    the job about 2 s of wall time at 4 ranks on 2 cores, with nothing left to save."""
+    from lsgd_hpc.session import exit_as_interpreter
     status = main()
     close_torch_world(status)
     if status == EXIT_USAGE and "mpi4py.MPI" in sys.modules:
         exit_together(status)
-    sys.exit(status)
+    exit_as_interpreter(status)
 
 
 if __name__ == "__main__":

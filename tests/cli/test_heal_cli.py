@@ -22,7 +22,7 @@ from lsgd_hpc.testing import kill_session, mpi_env, mpirun_cmd, session_pids
 from mpi_util import run_mpi
 
 ULFM = ["--with-ft", "ulfm"]
-STEPS = 30
+STEPS = 20
 TIMEOUT = 240
 BLOCKING = {"LSGD_HPC_HEAL_BLOCKING": "1"}
 
@@ -129,7 +129,7 @@ def test_a_replacement_that_dies_while_joining_is_spawned_again(tmp_path):
     joins: the job ends at full size. Every process exits (no hang in MPI_Finalize on the
     dead replacement's connection); mpirun's status is the dead replacement's (SIGKILL)."""
     proc, run_dir = train(tmp_path, "--inject-failure", "1:8,1:8:join", check=False,
-                          env={"LSGD_HPC_HEAL_TIMEOUT": "30"})
+                          env={"LSGD_HPC_HEAL_TIMEOUT": "20"})
     assert "a replacement kills itself while joining" in proc.stderr, proc.stderr[-3000:]
     assert "heal: the replacement(s) for rank(s) 1 died before joining; spawning again " \
            "(try 2 of 3)" in proc.stderr, proc.stderr[-3000:]
@@ -142,17 +142,17 @@ def test_a_survivor_lost_during_the_join_ends_the_job_with_a_checkpoint(tmp_path
     """Rank 1 dies at step 8; as the survivors merge with its replacement, rank 2 dies too
     (the testing hook's point "merge"). Open MPI's MPI_Intercomm_merge never returns from
     that: instead of hanging, every process of the join ends itself once
-    LSGD_HPC_HEAL_JOIN_TIMEOUT has passed, with one line each; the job ends non-zero and
-    leaves the checkpoint the survivors saved for the join (step 8, ranks 0, 2, 3), from
-    which --resume goes on (the survivors' full-size resume, tested elsewhere)."""
+    LSGD_HPC_HEAL_JOIN_TIMEOUT (5 s here) has passed, with one line each; the job ends
+    non-zero and leaves the checkpoint the survivors saved for the join (step 8, ranks 0, 2,
+    3), from which --resume goes on (the survivors' full-size resume, tested elsewhere)."""
     t0 = time.monotonic()
     proc, run_dir = train(tmp_path, "--inject-failure", "1:8,2:8:merge", check=False,
-                          env={"LSGD_HPC_HEAL_JOIN_TIMEOUT": "10"})
+                          env={"LSGD_HPC_HEAL_JOIN_TIMEOUT": "5"})
     out = proc.stderr[-3000:]
     assert proc.returncode not in (0, None), out
     assert "rank 2 kills itself at step 8 (merge)" in proc.stderr, out
     ended = [line for line in proc.stderr.splitlines()
-             if "the join did not end within 10 s" in line]
+             if "the join did not end within 5 s" in line]
     assert sorted(line.rpartition("ending this ")[2].split()[0] for line in ended) == \
         ["replacement", "survivor", "survivor"], out
     assert time.monotonic() - t0 < TIMEOUT / 2, out
@@ -197,7 +197,7 @@ def test_a_rank_killed_from_outside_is_replaced(tmp_path):
     """SIGKILL from outside (as a crash would), while the job trains: the job heals and
     finishes at full size."""
     run_dir = tmp_path / "run"
-    steps = 400
+    steps = 300
     cmd = mpirun_cmd(4, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(steps),
                          "--eval-every", "100", "--ranks-per-node", "2", "--run-dir",
                          str(run_dir), "--on-failure", "heal", "--algorithm", "allreduce",
@@ -210,7 +210,7 @@ def test_a_rank_killed_from_outside_is_replaced(tmp_path):
             if (run_dir / "metrics" / "rank00003.h5").exists() and len(_python_ranks(p.pid)) == 4:
                 break
             time.sleep(0.2)
-        time.sleep(3.0)
+        time.sleep(2.0)
         os.kill(_python_ranks(p.pid)[3], signal.SIGKILL)
         out, err = p.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:

@@ -11,20 +11,59 @@ from mpi_util import REPO, run_mpi
 
 TRAIN = [sys.executable, "-m", "lsgd_hpc.train"]
 
+#: Several runs in one mpirun job (a rank's python, torch and MPI start-up costs seconds;
+#: the suite's time), one after another: ["train", ARGS...] is lsgd_hpc.train's main, as
+#: `python -m lsgd_hpc.train ARGS` runs it; ["script", PATH, ARGS...] runs that script as
+#: __main__ with those arguments. A run that fails ends the job with its status.
+JOB = """
+import json, runpy, sys
+from lsgd_hpc.cli import train
+for run in json.load(open(sys.argv[1])):
+    if run[0] == "script":
+        sys.argv = run[1:]
+        runpy.run_path(run[1], run_name="__main__")
+    else:
+        status = train.main(run[1:])
+        if status != 0:
+            sys.exit(status)
+"""
+
+
+def run_job(folder, np_, runs, timeout, env=None, cwd=None):
+    """``runs`` (see JOB) in one ``mpirun -np np_`` job under ``timeout``."""
+    (folder / "job.json").write_text(json.dumps(runs))
+    (folder / "job.py").write_text(JOB)
+    return run_mpi(np_, [sys.executable, str(folder / "job.py"), str(folder / "job.json")],
+                   env=env, cwd=cwd, timeout=timeout)
+
+
+LOOP_STEPS = 30
+ALGORITHMS = ["lsgd", "allreduce"]
+
+
+@pytest.fixture(scope="module")
+def loop_runs(tmp_path_factory):
+    """For each algorithm, the library loop (tests/drivers/library_vs_cli.py) and the CLI, at
+    4 ranks as 2 nodes: all in one job."""
+    base = tmp_path_factory.mktemp("loop")
+    runs = []
+    for algorithm in ALGORITHMS:
+        extra = ["--bucket-mb", "1"] if algorithm == "allreduce" else []
+        runs.append(["script", str(REPO / "tests" / "drivers" / "library_vs_cli.py"),
+                     str(base / f"{algorithm}.json"), algorithm, str(LOOP_STEPS), "2"])
+        runs.append(["train", "--algorithm", algorithm, "--max-steps", str(LOOP_STEPS),
+                     "--run-dir", str(base / f"cli-{algorithm}"), "--ranks-per-node", "2",
+                     "--consensus-every", "0", "--seed", "0", *extra])
+    run_job(base, 4, runs, timeout=480)
+    return base
+
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["lsgd", "allreduce"])
-def test_library_loop_equals_cli_step_for_step(tmp_path, algorithm):
-    steps = 30
-    out = tmp_path / "lib.json"
-    run_mpi(4, [sys.executable, str(REPO / "tests" / "drivers" / "library_vs_cli.py"), str(out),
-                algorithm, str(steps), "2"], timeout=240)
-    lib = json.loads(out.read_text())
-    run = tmp_path / "cli"
-    extra = ["--bucket-mb", "1"] if algorithm == "allreduce" else []
-    run_mpi(4, [*TRAIN, "--algorithm", algorithm, "--max-steps", str(steps), "--run-dir",
-                str(run), "--ranks-per-node", "2", "--consensus-every", "0", "--seed", "0",
-                *extra], timeout=240)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_library_loop_equals_cli_step_for_step(loop_runs, algorithm):
+    steps = LOOP_STEPS
+    lib = json.loads((loop_runs / f"{algorithm}.json").read_text())
+    run = loop_runs / f"cli-{algorithm}"
     for rank in range(4):
         with h5py.File(run / "metrics" / f"rank{rank:05d}.h5", "r") as f:
             cli_losses = f["train/loss"][:].tolist()
@@ -35,6 +74,8 @@ def test_library_loop_equals_cli_step_for_step(tmp_path, algorithm):
     if algorithm == "lsgd":
         assert len(lib[0]["leader"]) >= steps // 4
 
+
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 FACTORY = '''
 import torch
@@ -69,12 +110,11 @@ def _usage(proc, needle):
 
 
 @pytest.mark.mpi
-def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli):
+def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli,
+                                                                   two_rank_runs):
     (tmp_path / "usermodels.py").write_text(FACTORY)
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
-    run = tmp_path / "run"
-    run_mpi(2, [*TRAIN, "--model", "usermodels:make", "--optimizer", "adamw", "--lr", "0.003",
-                "--max-steps", "30", "--run-dir", str(run)], env=env, cwd=tmp_path, timeout=180)
+    run = two_rank_runs / "model-run"
     with h5py.File(run / "metrics" / "rank00000.h5", "r") as f:
         assert json.loads(f.attrs["config"])["model"] == "usermodels:make"
         assert f["eval/test_accuracy"][-1] > 0.7
@@ -90,7 +130,7 @@ def test_model_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, for
 
 @pytest.mark.mpi
 def test_run_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path):
-    proc = run_mpi(4, [*TRAIN, "--run-dir", "/proc/lsgd", "--max-steps", "2"], timeout=120,
+    proc = run_mpi(2, [*TRAIN, "--run-dir", "/proc/lsgd", "--max-steps", "2"], timeout=120,
                    check=False)
     _usage(proc, "run dir /proc/lsgd: cannot create or write it")
     ro = tmp_path / "ro"
@@ -105,12 +145,10 @@ def test_run_dir_that_cannot_be_made_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.mpi
-def test_bf16_trains_digits_within_margin_of_fp32(tmp_path):
+def test_bf16_trains_digits_within_margin_of_fp32(two_rank_runs):
     acc = {}
-    for precision in ("fp32", "bf16", "fp16"):
-        run = tmp_path / precision
-        run_mpi(2, [*TRAIN, "--precision", precision, "--epochs", "4", "--run-dir", str(run),
-                    "--consensus-every", "0"], timeout=180)
+    for precision in PRECISIONS:
+        run = two_rank_runs / precision
         with h5py.File(run / "metrics" / "rank00000.h5", "r") as f:
             acc[precision] = float(f["eval/test_accuracy"][-1])
             if precision == "fp16":
@@ -135,13 +173,30 @@ def wrong(data_dir, seed):
 '''
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    """The 2-rank trainings of this module's tests, in one job: the model and the dataset
+    plug-ins (from the folder's usermodels.py and userdata.py), and digits for 4 epochs in
+    each precision; each run into its own folder."""
+    base = tmp_path_factory.mktemp("trainings")
+    (base / "usermodels.py").write_text(FACTORY)
+    (base / "userdata.py").write_text(DATA)
+    runs = [["train", "--model", "usermodels:make", "--optimizer", "adamw", "--lr", "0.003",
+             "--max-steps", "30", "--run-dir", str(base / "model-run")],
+            ["train", "--dataset", "userdata:digits_tensors", "--max-steps", "60",
+             "--run-dir", str(base / "data-run")]]
+    runs += [["train", "--precision", precision, "--epochs", "4", "--run-dir",
+              str(base / precision), "--consensus-every", "0"] for precision in PRECISIONS]
+    run_job(base, 2, runs, env={"PYTHONPATH": f"{base}:{REPO}"}, cwd=base, timeout=600)
+    return base
+
+
 @pytest.mark.mpi
-def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli):
+def test_dataset_factory_plugin_trains_and_bad_ones_are_usage_errors(tmp_path, forked_cli,
+                                                                     two_rank_runs):
     (tmp_path / "userdata.py").write_text(DATA)
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}"}
-    run = tmp_path / "run"
-    run_mpi(2, [*TRAIN, "--dataset", "userdata:digits_tensors", "--max-steps", "60",
-                "--run-dir", str(run)], env=env, cwd=tmp_path, timeout=180)
+    run = two_rank_runs / "data-run"
     with h5py.File(run / "metrics" / "rank00000.h5", "r") as f:
         assert f["eval/test_accuracy"][-1] > 0.7
     for i, (spec, needle) in enumerate((("userdata:wrong", "returned list; it must return"),

@@ -79,9 +79,16 @@ def lost_rank_runs(tmp_path_factory):
     def get(method):
         if method not in runs:
             runs[method] = run_ft(tmp_path_factory.mktemp(method), method, "--kill", "1:5",
-                                  "--checkpoint-every", "4")
+                                  "--checkpoint-every", "4", *LOST_RANK_EXTRA.get(method, ()))
         return runs[method]
     return get
+
+
+# Allreduce SGD trains one replica over all ranks and takes no workers: its lost-rank job asks
+# for worker_ranks=node too, which makes it the job of the "allreduce, node-one" case of
+# test_workers_go_on_with_the_ranks_they_have_left as well (4 ranks as 2 nodes, rank 1 lost at
+# step 5): one job, read by both tests (and resumed by the full-size resume's job)
+LOST_RANK_EXTRA = {"allreduce": ("-o", "worker_ranks=node")}
 
 
 @pytest.mark.mpi
@@ -123,22 +130,32 @@ WORKER_JOBS = {
     "node-whole": (4, 2, "node", "2:5,3:5", [2, 3]),
     "k2-both": (8, 4, 2, "1:5,6:9,7:9", [1, 6, 7]),
 }
-WORKER_CASES = [(m, "node-one") for m in ("lsgd", "diloco", "local-sgd", "allreduce")] + \
+# the case of allreduce, node-one reads the lost-rank job of allreduce (lost_rank_runs), which
+# runs with worker_ranks=node: it runs on the worker (xdist) that runs that job
+SHARED_WORKER_CASE = ("allreduce", "node-one")
+WORKER_CASES = [(m, "node-one") for m in ("lsgd", "diloco", "local-sgd")] + \
+    [pytest.param(*SHARED_WORKER_CASE,
+                  marks=pytest.mark.xdist_group("module:test_faults_mpi"))] + \
     [("diloco", "node-whole")] + \
     [(m, "k2-both") for m in ("lsgd", "diloco", "local-sgd", "allreduce")]
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("method,job", WORKER_CASES)
-def test_workers_go_on_with_the_ranks_they_have_left(tmp_path, method, job):
+def test_workers_go_on_with_the_ranks_they_have_left(tmp_path, request, method, job):
     """A worker that loses some of its ranks goes on with the rest (its replicas identical,
     its gradient averaged over fewer ranks), a worker that loses all of them leaves the
     world of workers, and every survivor finishes the budget with the method's shared state
     equal everywhere. Allreduce SGD trains one replica over all ranks already: it runs
     without workers and recovers as a rank-level method."""
     np_, rpn, k, kills, lost = WORKER_JOBS[job]
-    proc, res, _ = run_ft(tmp_path, method, "--kill", kills, "--rpn", str(rpn),
-                          "-o", f"worker_ranks={k}", np_=np_)
+    if (method, job) == SHARED_WORKER_CASE:      # the same job as the lost-rank test's
+        assert (np_, rpn, kills) == (4, 2, "1:5") and LOST_RANK_EXTRA[method] == \
+            ("-o", f"worker_ranks={k}")
+        proc, res, _ = request.getfixturevalue("lost_rank_runs")(method)
+    else:
+        proc, res, _ = run_ft(tmp_path, method, "--kill", kills, "--rpn", str(rpn),
+                              "-o", f"worker_ranks={k}", np_=np_)
     check_survivors(proc, res, lost, np_=np_)
     if method in SHARED:
         assert len({r["digest"] for r in res}) == 1, [r["digest"] for r in res]
@@ -371,8 +388,8 @@ def test_a_rank_killed_from_outside(tmp_path):
         while not marker.exists():
             assert p.poll() is None, p.communicate()
             assert time.monotonic() < deadline, "rank 2 never reached step 6"
-            time.sleep(0.2)
-        time.sleep(1.0)
+            time.sleep(0.1)
+        time.sleep(0.5)             # the others into their next collective meanwhile
         os.kill(int(marker.read_text()), signal.SIGKILL)
         out, err = p.communicate(timeout=TIMEOUT)
     finally:
@@ -401,11 +418,12 @@ def test_fewer_survivors_than_min_ranks_end_the_job(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.fast
 def test_shrink_without_ulfm_is_refused_on_every_rank(tmp_path):
-    """Plain mpirun: Shrink would be a Dup; every rank refuses with one line (exit 2)."""
-    proc, res, _ = run_ft(tmp_path, "lsgd", check=False, mpi_args=[])
+    """Plain mpirun: Shrink would be a Dup; every rank refuses with one line (exit 2). (2 ranks:
+    the refusal comes in init, before the layout or the method.)"""
+    proc, res, _ = run_ft(tmp_path, "lsgd", check=False, mpi_args=[], np_=2)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("rank refused:")]
-    assert len(lines) == 4
+    assert len(lines) == 2
     assert len(set(lines)) == 1 and "mpirun --with-ft ulfm" in lines[0]
 
 

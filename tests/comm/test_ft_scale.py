@@ -30,7 +30,9 @@ def _check(res, steps):
 
 
 def test_sixteen_ranks_survive_a_rank_then_a_node(tmp_path):
-    steps = 200
+    # the kills come 0.5 s and 2.5 s after the first progress line: 120 steps still train
+    # for several seconds after them (16 ranks on 2 cores: ~0.1 s a step)
+    steps = 120
     sc = ft_soak.Scenario("rank5 then node3", 16, steps, [(0.5, [5]), (2.5, [12, 13, 14, 15])],
                           gap=0.02)
     res = ft_soak.run_scenario(sc, tmp_path, timeout=420, log=print)
@@ -40,7 +42,7 @@ def test_sixteen_ranks_survive_a_rank_then_a_node(tmp_path):
 
 
 def test_eight_ranks_survive_a_kill_during_a_checkpoint(tmp_path):
-    steps = 60
+    steps = 40          # checkpoints every 10 steps: rank 6 dies in the save of step 30
     sc = ft_soak.Scenario("checkpoint", 8, steps, inject="6:30:save")
     res = ft_soak.run_scenario(sc, tmp_path, timeout=300, log=print)
     _check(res, steps)

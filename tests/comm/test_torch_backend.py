@@ -44,15 +44,32 @@ def torchrun(nproc: int, args: list, timeout: float = 240, env: dict | None = No
     return run_group(cmd, env=e, cwd=REPO, timeout=timeout)
 
 
+#: Both backends' runs in one job (a rank's python, torch and MPI start-up costs seconds):
+#: lsgd_hpc.train's main once per backend and method, as tests/parallel/train_driver.py runs
+#: it (with its own_options), the MPI backend's first.
+BOTH = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from train_driver import own_options
+from lsgd_hpc.cli import train
+base, algs, short = sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
+for backend in ("mpi", "torch"):
+    for alg in algs:
+        status = train.main(["--algorithm", alg, "--run-dir", f"{base}/{backend}-{alg}",
+                             *own_options(alg, ["--backend", backend, *short])])
+        if status != 0:
+            sys.exit(status)
+"""
+
+
 @pytest.fixture(scope="module")
 def both_backends(tmp_path_factory):
     base = tmp_path_factory.mktemp("torchbackend")
-    runs = {}
-    for backend in ("mpi", "torch"):
-        run_mpi(4, [sys.executable, DRIVER, str(base / backend), ",".join(ALGS), "--",
-                    "--backend", backend, *SHORT], timeout=600)
-        runs[backend] = {a: read(base / f"{backend}-{a}", 4) for a in ALGS}
-    return runs
+    (base / "both.py").write_text(BOTH)
+    run_mpi(4, [sys.executable, str(base / "both.py"), str(Path(DRIVER).parent), str(base),
+                ",".join(ALGS), *SHORT], timeout=600)
+    return {backend: {a: read(base / f"{backend}-{a}", 4) for a in ALGS}
+            for backend in ("mpi", "torch")}
 
 
 @pytest.mark.mpi

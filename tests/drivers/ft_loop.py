@@ -209,3 +209,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # as the trainer leaves (lsgd_hpc.cli.train.run_as_main): exit handlers, MPI_Finalize,
+    # then no interpreter teardown (a CPU-second a rank with torch loaded)
+    from lsgd_hpc.session import exit_as_interpreter
+    exit_as_interpreter(0)

@@ -10,6 +10,10 @@ have one):
   the block, after the setup blocks it uses, is a script run under ``mpirun ARGS -np N`` (K times,
   each must exit R, default 0) in a fresh folder; then every PATH must exist there and the
   last run's output must contain TEXT (the marker is split like a shell line).
+  Blocks with ``np=2`` and no ``mpi`` or ``rc`` share one ``mpirun -np 2`` job (a python,
+  torch and MPI start-up a rank costs seconds; the suite's time): each runs (K times) as
+  ``__main__`` in a fresh namespace, in a fresh folder of its own, one after another between
+  barriers, the last run's output captured on its own.
 - ``<!-- test: shell -->`` before a ```sh block: its lines run, in order, in the folder of the
   run block before it, after that block; each must exit 0.
 
@@ -17,10 +21,12 @@ The table between ``<!-- methods-table`` and ``<!-- /methods-table -->`` must be
 what :func:`methods_table` generates from the methods' specs (``METHODS[...].spec``).
 """
 
+import json
 import re
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,8 +132,97 @@ def test_the_contract_block_is_the_first():
     assert "method.step(loss)" in first
 
 
+def shared(run) -> bool:
+    """A block that can run in the shared job: np=2, exit 0, no launcher options."""
+    spec = run["spec"]
+    return spec.get("np", "2") == "2" and spec.get("rc", "0") == "0" and not spec.get("mpi")
+
+
+#: Runs the shared blocks in one job: each (``times`` times) as __main__ in a fresh
+#: namespace and its own folder, the last run's stdout captured; a result file per block and
+#: rank, written before an error aborts the job (as the library's abort ends a block's own).
+SHARED_DRIVER = """
+import contextlib, gc, io, json, os, sys, traceback
+from mpi4py import MPI
+blocks = json.load(open(sys.argv[1]))
+rank = MPI.COMM_WORLD.Get_rank()
+for b in blocks:
+    os.chdir(b["folder"])
+    error = None
+    for _ in range(b["times"]):
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                exec(compile(b["script"], os.path.join(b["folder"], "block.py"), "exec"),
+                     {"__name__": "__main__"})
+        except BaseException:
+            error = traceback.format_exc()
+            break
+        gc.collect()
+        MPI.COMM_WORLD.Barrier()
+    with open(os.path.join(b["folder"], f"result{rank}.json"), "w") as f:
+        json.dump({"stdout": out.getvalue(), "error": error}, f)
+    print(out.getvalue(), end="", flush=True)
+    if error:
+        print(error, file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+"""
+
+
+@pytest.fixture(scope="module")
+def shared_job(tmp_path_factory):
+    """The shared blocks' job: ({block index: its folder}, the finished job)."""
+    base = tmp_path_factory.mktemp("docblocks")
+    todo = []
+    for run in filter(shared, runs()):
+        folder = base / f"block{run['index']}"
+        folder.mkdir()
+        (folder / "block.py").write_text(run["script"])
+        todo.append({"index": run["index"], "folder": str(folder), "script": run["script"],
+                     "times": int(run["spec"].get("times", "1"))})
+    (base / "blocks.json").write_text(json.dumps(todo))
+    (base / "driver.py").write_text(SHARED_DRIVER)
+    job = run_mpi(2, [sys.executable, str(base / "driver.py"), str(base / "blocks.json")],
+                  timeout=60 + 30 * sum(b["times"] for b in todo), cwd=base, check=False)
+    return {b["index"]: Path(b["folder"]) for b in todo}, job
+
+
+def check_after(run, folder, stdout):
+    """What a block's marker asks of its run: the output, the files, its shell lines."""
+    spec = run["spec"]
+    assert spec.get("stdout", "") in stdout, f"{spec['stdout']!r} not printed:\n{stdout}"
+    for path in [p for p in spec.get("expect", "").split(",") if p]:
+        assert (folder / path).exists(), f"{path} was not written"
+    for body in run["shell"]:
+        for line in body.strip().splitlines():
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            res = subprocess.run(line, shell=True, cwd=folder, env=mpi_env(),
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, f"{line}: exit {res.returncode}\n{res.stderr}"
+
+
 @pytest.mark.mpi
-@pytest.mark.parametrize("run", runs(), ids=lambda r: f"block{r['index']}")
+@pytest.mark.parametrize("run", [r for r in runs() if shared(r)],
+                         ids=lambda r: f"block{r['index']}")
+def test_shared_block_runs(run, shared_job):
+    folders, job = shared_job
+    folder = folders[run["index"]]
+    stdout = ""
+    for rank in range(2):
+        result = folder / f"result{rank}.json"
+        assert result.exists(), (f"the shared job (exit {job.returncode}) did not finish this "
+                                 f"block on rank {rank}\n{job.stdout[-3000:]}\n"
+                                 f"{job.stderr[-4000:]}")
+        got = json.loads(result.read_text())
+        assert got["error"] is None, f"rank {rank}:\n{got['error']}"
+        stdout += got["stdout"]
+    check_after(run, folder, stdout)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("run", [r for r in runs() if not shared(r)],
+                         ids=lambda r: f"block{r['index']}")
 def test_block_runs(run, tmp_path):
     spec = run["spec"]
     script = tmp_path / "block.py"
@@ -139,13 +234,4 @@ def test_block_runs(run, tmp_path):
                       check=False, mpi_args=shlex.split(spec.get("mpi", "")))
         assert res.returncode == rc, (f"exit {res.returncode}, expected {rc}\n{res.stdout}"
                                       f"\n{res.stderr[-4000:]}")
-    assert spec.get("stdout", "") in res.stdout, f"{spec['stdout']!r} not printed:\n{res.stdout}"
-    for path in [p for p in spec.get("expect", "").split(",") if p]:
-        assert (tmp_path / path).exists(), f"{path} was not written"
-    for body in run["shell"]:
-        for line in body.strip().splitlines():
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            res = subprocess.run(line, shell=True, cwd=tmp_path, env=mpi_env(),
-                                 capture_output=True, text=True, timeout=120)
-            assert res.returncode == 0, f"{line}: exit {res.returncode}\n{res.stderr}"
+    check_after(run, tmp_path, res.stdout)

@@ -193,19 +193,81 @@ def set_bytes(run_dir, step):
     return sum(f.stat().st_size for f in folder.iterdir())
 
 
+#: Several runs of the trainer in one mpirun job (a rank's python, torch and MPI start-up
+#: costs seconds; the suite's time), one after another: for each [NAME, ARGS...],
+#: lsgd_hpc.train's main with ARGS, as `python -m lsgd_hpc.train ARGS` runs it, its standard
+#: output also kept in FOLDER/NAME.rankR.out. A run that fails ends the job with its status.
+JOB = """
+import contextlib, io, json, os, sys
+from lsgd_hpc.cli import train
+from lsgd_hpc.comm.launcher import env_rank
+folder = sys.argv[1]
+for name, *args in json.load(open(os.path.join(folder, "runs.json"))):
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            status = train.main(args)
+    finally:
+        with open(os.path.join(folder, f"{name}.rank{env_rank()}.out"), "w") as f:
+            f.write(out.getvalue())
+        print(out.getvalue(), end="", flush=True)
+    if status != 0:
+        sys.exit(status)
+"""
+
+
+def run_job(folder, runs, check=True):
+    """``runs`` ([NAME, ARGS...] each) in one job of WORLD ranks; the job, and each run's
+    standard output (every rank's, rank 0's first) by name."""
+    (folder / "runs.json").write_text(json.dumps(runs))
+    (folder / "job.py").write_text(JOB)
+    proc = run_mpi(WORLD, [sys.executable, str(folder / "job.py"), str(folder)], timeout=400,
+                   check=check)
+    outs = {}
+    for name, *_ in runs:
+        files = [folder / f"{name}.rank{r}.out" for r in range(WORLD)]
+        outs[name] = "".join(f.read_text() for f in files if f.exists())
+    return proc, outs
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("layout") / "reference"
-    proc = run_mpi(WORLD, [*TRAIN, "--run-dir", str(run), *ARGS], timeout=400)
-    assert "done: 30 steps" in proc.stdout
-    return {"run": run, "rows": [read(run, r) for r in range(WORLD)],
-            "model": ck.load_rank(str(run), 30, 0)["objects"]["model"]}
-
-
-def copy_run(reference, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(reference["run"], run)
-    return run
+def runs(tmp_path_factory):
+    """Every 2-rank run of the tests below, in two jobs. The first: the uninterrupted
+    reference, then the same run with rank 1 killed during its asynchronous write at step 20
+    (it ends the job). Then three copies are prepared (what each test checks of a copy before
+    its resume is kept here), and the second job resumes all three: the reference whose
+    newest set's shared file is damaged, the killed run, the reference with its set of step
+    20 written as format 1."""
+    base = tmp_path_factory.mktemp("layout")
+    ref, killed = base / "reference", base / "killed"
+    first, outs = run_job(base, [["reference", "--run-dir", str(ref), *ARGS],
+                                 ["killed", "--run-dir", str(killed), *ARGS,
+                                  "--inject-failure", "1:20:save"]], check=False)
+    assert "done: 30 steps" in outs["reference"], first.stdout[-3000:] + first.stderr[-3000:]
+    reference = {"run": ref, "rows": [read(ref, r) for r in range(WORLD)],
+                 "model": ck.load_rank(str(ref), 30, 0)["objects"]["model"]}
+    seen = {"killed": {"returncode": first.returncode, "stderr": first.stderr,
+                       "latest": ck.latest_checkpoint(str(killed)),
+                       "latest.json": json.loads((killed / "checkpoints" /
+                                                  "latest.json").read_text())}}
+    damaged = base / "damaged"
+    shutil.copytree(ref, damaged)
+    seen["damaged"] = {"latest.json": json.loads((damaged / "checkpoints" /
+                                                   "latest.json").read_text())}
+    # the newest set's shared file is damaged: the resume falls back to step 20
+    f = damaged / "checkpoints" / "step000000030" / "shared-world.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    format1 = base / "format1"
+    shutil.copytree(ref, format1)
+    write_format_1(format1, 20)
+    seen["format1"] = {"latest": ck.latest_checkpoint(str(format1)), "sizes": [
+        os.path.getsize(format1 / "checkpoints" / "step000000020" / f"rank{r:05d}.pt")
+        for r in range(WORLD)]}
+    _, outs = run_job(base, [[name, "--run-dir", str(run), "--resume", *ARGS] for name, run in
+                             (("damaged", damaged), ("killed", killed), ("format1", format1))])
+    for name, run in (("damaged", damaged), ("killed", killed), ("format1", format1)):
+        seen[name].update(run=run, stdout=outs[name])
+    return reference, seen
 
 
 @pytest.mark.mpi
@@ -221,30 +283,25 @@ def test_one_replica_is_written(tmp_path):
 
 
 @pytest.mark.mpi
-def test_a_resume_is_bit_exact(reference, tmp_path):
-    run = copy_run(reference, tmp_path)
-    latest = json.loads((run / "checkpoints" / "latest.json").read_text())
+def test_a_resume_is_bit_exact(runs):
+    reference, seen = runs
+    latest = seen["damaged"]["latest.json"]
     assert latest["format"] == 2 and latest["shared"]["world"]["ranks"] == list(range(WORLD))
-    # the newest set's shared file is damaged: the resume falls back to step 20
-    f = run / "checkpoints" / "step000000030" / "shared-world.pt"
-    f.write_bytes(f.read_bytes()[:1000])
-    proc = run_mpi(WORLD, [*TRAIN, "--run-dir", str(run), "--resume", *ARGS], timeout=400)
-    assert "resumed at step 20" in proc.stdout
-    assert_same_run(run, reference)
+    # the newest set's shared file was damaged (the runs fixture): the resume falls back to 20
+    assert "resumed at step 20" in seen["damaged"]["stdout"]
+    assert_same_run(seen["damaged"]["run"], reference)
 
 
 @pytest.mark.mpi
-def test_a_kill_during_an_asynchronous_write_leaves_the_previous_set(reference, tmp_path):
-    run = tmp_path / "run"
-    proc = run_mpi(WORLD, [*TRAIN, "--run-dir", str(run), *ARGS, "--inject-failure",
-                           "1:20:save"], timeout=400, check=False)
-    assert proc.returncode != 0
-    assert "rank 1 kills itself at step 20 (save)" in proc.stderr
-    assert ck.latest_checkpoint(str(run))["step"] == 10
-    assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 10
-    proc = run_mpi(WORLD, [*TRAIN, "--run-dir", str(run), "--resume", *ARGS], timeout=400)
-    assert "resumed at step 10" in proc.stdout
-    assert_same_run(run, reference)
+def test_a_kill_during_an_asynchronous_write_leaves_the_previous_set(runs):
+    reference, seen = runs
+    killed = seen["killed"]
+    assert killed["returncode"] != 0
+    assert "rank 1 kills itself at step 20 (save)" in killed["stderr"]
+    assert killed["latest"]["step"] == 10
+    assert killed["latest.json"]["step"] == 10
+    assert "resumed at step 10" in killed["stdout"]
+    assert_same_run(killed["run"], reference)
 
 
 def write_format_1(run, step):
@@ -265,17 +322,13 @@ def write_format_1(run, step):
 
 
 @pytest.mark.mpi
-def test_a_set_of_format_1_resumes(reference, tmp_path):
-    run = copy_run(reference, tmp_path)
-    write_format_1(run, 20)
-    latest = ck.latest_checkpoint(str(run))
-    assert latest == {"step": 20, "world_size": WORLD, "folder": "step000000020"}
+def test_a_set_of_format_1_resumes(runs):
+    reference, seen = runs
+    format1 = seen["format1"]
+    assert format1["latest"] == {"step": 20, "world_size": WORLD, "folder": "step000000020"}
     # a full file per rank: the replica is in every rank's file again
-    sizes = [os.path.getsize(run / "checkpoints" / "step000000020" / f"rank{r:05d}.pt")
-             for r in range(WORLD)]
-    assert min(sizes) > 0.9 * os.path.getsize(
+    assert min(format1["sizes"]) > 0.9 * os.path.getsize(
         reference["run"] / "checkpoints" / "step000000020" / "shared-world.pt")
-    proc = run_mpi(WORLD, [*TRAIN, "--run-dir", str(run), "--resume", *ARGS], timeout=400)
-    assert "resumed at step 20" in proc.stdout
-    assert_same_run(run, reference)
-    assert ck.latest_checkpoint(str(run))["format"] == 2           # written anew as format 2
+    assert "resumed at step 20" in format1["stdout"]
+    assert_same_run(format1["run"], reference)
+    assert ck.latest_checkpoint(str(format1["run"]))["format"] == 2   # written anew as format 2
