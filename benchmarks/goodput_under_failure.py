@@ -288,8 +288,9 @@ def _poisson_rows(pois: dict) -> list:
                  f"pause {r['pause_s']:.2f} s per kill" + (
                      f", {r['short_s']:.1f} s short of a rank per kill" if policy == "heal"
                      else "") + (
-                     f"; {r['failed_joins']} join(s) cut short by a kill: relaunched with "
-                     f"--resume after {sum(r['down_s']):.1f} s" if r.get("failed_joins")
+                     f"; {r['failed_joins']} heal(s) that ended the job ("
+                     f"{'; '.join(r.get('heal_failures', []))}): relaunched with --resume, "
+                     f"{sum(r['down_s']):.1f} s down" if r.get("failed_joins")
                      else ""))
         own = r["own_rank_mtbf_s"] / NP
         rows.append(row(
@@ -397,6 +398,7 @@ class _Job:
         self.done_at_s: Optional[float] = None     # the run's own clock at its done line
         self.joins = 0                             # heal: replacements that joined
         self.join_failed = False                   # heal: a join ended the job (deadline)
+        self.abandoned = False                     # no rank of the job is left
         self.th = threading.Thread(target=self._read, daemon=True)
         self.th.start()
 
@@ -500,11 +502,20 @@ def _expose(job: _Job, killer: _Killer, clock: Dict, deadline: float, log, label
     eligible, joins = set(pids), 0
     seen = checked = time.perf_counter()
     while not job.over() and time.perf_counter() < deadline:
+        if job.join_failed:            # the join deadline ends the job (heal): no more kills
+            break
         if time.perf_counter() - checked > 1.0:        # every rank gone, mpirun still up
             checked = time.perf_counter()
-            seen = checked if job.ranks() else seen
+            now = job.ranks()
+            if job.joins > joins:
+                eligible |= set(now)
+                joins = job.joins
+            # (a replacement that was never taken in does not count: it keeps mpirun up
+            # after the ranks it was to join are gone)
+            seen = checked if any(p in eligible for p in now) else seen
             if checked - seen > EXIT_GRACE_S:
                 log(f"  goodput_under_failure: {label}: no rank left; the job is ended")
+                job.abandoned = True
                 break
         nxt = killer.due(pids)
         exposed = clock["exposure"] + time.perf_counter() - seg
@@ -555,6 +566,7 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
     killer = _Killer(policy, theta, POISSON_SEED)
     clock = {"exposure": 0.0, "mortal_s": 0.0}
     kills, downs, jobs, first, resume, failed_joins = [], [], 0, None, False, 0
+    errors_seen: List[str] = []
     relaunched_at = None
     deadline = time.perf_counter() + 3 * timeout
     while True:
@@ -575,17 +587,25 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
         relaunched_at = None
         new = _expose(job, killer, clock, deadline, log, policy)
         kills += new
-        grace = EXIT_GRACE_S if job.done is not None or not job.ranks() else timeout
+        # done, or no rank left, or a join that ended the job (a replacement still waiting
+        # to be taken in keeps mpirun up: the job is ended after the grace)
+        grace = EXIT_GRACE_S if job.done is not None or job.join_failed or job.abandoned \
+            or not job.ranks() else timeout
         rc = job.end(min(deadline, time.perf_counter() + grace))
         if policy == "abort" and new and job.done is None:
             resume = (run_dir / "checkpoints" / "latest.json").exists()
             continue
-        if policy == "heal" and job.done is None and job.join_failed and jobs < 10:
+        if policy == "heal" and job.done is None and jobs < 10 and \
+                (run_dir / "checkpoints" / "latest.json").exists():
+            # the job ended during a heal (a join the deadline cut short, or survivors that
+            # failed in it): as a requeue would, relaunched from its last checkpoint; counted
             failed_joins += 1
             relaunched_at = kills[-1]["wall"] if kills else time.perf_counter()
-            resume = (run_dir / "checkpoints" / "latest.json").exists()
-            log(f"  goodput_under_failure: heal: a join was cut short (job {jobs} ended by "
-                "the join deadline); relaunched with --resume")
+            resume = True
+            why = "ended by the join deadline" if job.join_failed else \
+                "ended without finishing: " + " ".join("".join(job.lines[-3:]).split())[-200:]
+            log(f"  goodput_under_failure: heal: job {jobs} {why}; relaunched with --resume")
+            errors_seen.append(f"job {jobs}: {why}")
             continue
         if job.done is None:
             raise RuntimeError(f"{policy}: the job did not finish (exit {rc}): "
@@ -597,7 +617,7 @@ def _poisson_run(policy: str, steps: int, every: int, theta: float, run_dir: Pat
                 "mortal_rank_s": clock["mortal_s"], "kills": len(kills),
                 "kills_exposed_s": [round(k["exposed"], 2) for k in kills],
                 "down_s": downs, "jobs": jobs, "startup_s": job.started - job.launched,
-                "failed_joins": failed_joins}
+                "failed_joins": failed_joins, "heal_failures": errors_seen}
 
 
 # -- what the run's metrics say ----------------------------------------------------------------
