@@ -51,6 +51,7 @@ from _common import driver_main, row
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+from lsgd_hpc.comm.ulfm import RECOVERABLE_SPAWNS  # noqa: E402
 from lsgd_hpc.planning import goodput as gp  # noqa: E402
 from lsgd_hpc.testing import (kill_session, mpi_env, mpirun_cmd, run_group,  # noqa: E402
                               session_pids)
@@ -62,7 +63,7 @@ KILLED = 1
 #: about 10 s beside 3 training ranks) joins well before the end, as it would in a long job
 FULL_STEPS, QUICK_STEPS = 4000, 60
 METHODS = [("lsgd", ["--algorithm", "lsgd"]), ("allreduce", ["--algorithm", "allreduce"])]
-ULFM = ["--with-ft", "ulfm"]
+ULFM = ["--with-ft", "ulfm", *RECOVERABLE_SPAWNS]   # (replacements: docs/cluster.md)
 RECOVERY_TARGET_S = 5.0
 
 

@@ -35,7 +35,9 @@ class FailureInjector:
     it is ready (:func:`replacement_env`, asked by the survivors as they spawn it).
     ``"merge"`` (under heal): this survivor dies in the first join with replacements after a
     loss at that step or later, once the survivors told the replacements to join and before
-    the merge."""
+    the merge. ``"resume"`` (under heal), like ``"join"``: the first replacement that takes
+    that rank after a loss at that step or later kills itself after the join, in the healed
+    world's restore (before its first step), once."""
 
     def __init__(self, plan: Sequence[Tuple[object, int, str]]):
         self.plan = list(plan)
@@ -64,7 +66,7 @@ class FailureInjector:
 
 _INJECTOR: Optional[FailureInjector] = None
 #: the points of a plan (FailureInjector)
-POINTS = ("step", "elected", "save", "join", "merge")
+POINTS = ("step", "elected", "save", "join", "merge", "resume")
 
 
 def inject_failures(spec: str, comm=None) -> FailureInjector:
@@ -74,7 +76,8 @@ def inject_failures(spec: str, comm=None) -> FailureInjector:
     between its election and its broadcast (LeaderSGD). ``"1:5:elected"`` names the point
     explicitly; ``"2:8:save"`` kills rank 2 in the middle of saving the checkpoint of step 8;
     ``"1:8:join"`` kills the first replacement of rank 1 while it joins (heal);
-    ``"2:8:merge"`` kills rank 2 in the first join after a loss at step 8 or later (heal).
+    ``"2:8:merge"`` kills rank 2 in the first join after a loss at step 8 or later (heal);
+    ``"2:8:resume"`` kills rank 2's replacement in the restore after its join (heal).
     Installs the plan for this process (the methods call :func:`injection_point` each step)
     and returns it; ``comm`` (the session's) pins this rank's initial number."""
     global _INJECTOR
@@ -96,7 +99,7 @@ def failure_plan(spec: str) -> list:
         point = parts[2] if len(parts) == 3 else ("elected" if who == "leader" else "step")
         if point not in POINTS:
             raise ValueError(f"inject_failures: point {point!r} is not 'step', 'elected', "
-                             "'save', 'join' or 'merge'")
+                             "'save', 'join', 'merge' or 'resume'")
         try:
             step_n = int(step)
             rank = who if who == "leader" else int(who)
@@ -130,21 +133,32 @@ REPLACEMENT_DIES_ENV = "LSGD_HPC_TEST_REPLACEMENT_DIES"
 
 def replacement_env(replacing: Sequence[int], step: int, spawns: int) -> dict:
     """Testing hook, asked by the survivors as they spawn replacements for ``replacing``
-    after a loss at ``step``: the environment that makes them die while they join (plan
-    point ``"join"`` for one of those ranks, at ``step`` or later; the first spawn for the
-    loss only, ``spawns`` == 0), else nothing."""
+    after a loss at ``step``: the environment that makes one of them die (plan point
+    ``"join"``: every replacement of this spawn, while it joins; ``"resume"``: the one that
+    takes that rank, after the join, in the healed world's restore), for a plan entry of one
+    of those ranks at ``step`` or later; the first spawn for the loss only (``spawns`` ==
+    0), and each entry once. Else nothing."""
     if _INJECTOR is None or spawns:
         return {}
-    if any(p == "join" and who in replacing and step >= s for who, s, p in _INJECTOR.plan):
-        return {REPLACEMENT_DIES_ENV: "1"}
+    for item in list(_INJECTOR.plan):
+        who, s, p = item
+        if p in ("join", "resume") and who in replacing and step >= s:
+            _INJECTOR.plan.remove(item)
+            return {REPLACEMENT_DIES_ENV: "join" if p == "join" else f"resume:{who}"}
     return {}
 
 
-def replacement_dies_here() -> None:
-    """Called by a replacement as it joins (before it says it is ready): SIGKILL itself
-    when the survivors' spawn said so (``replacement_env``); else a no-op."""
-    if os.environ.get(REPLACEMENT_DIES_ENV) == "1":
-        print("[lsgd_hpc] inject_failures: a replacement kills itself while joining",
-              file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(60)                            # pragma: no cover - the signal is on its way
+def replacement_dies_here(point: str = "join", rank: Optional[int] = None) -> None:
+    """Called by a replacement as it joins (``"join"``, before it says it is ready) and by
+    the Checkpointer's restore (``"resume"``, ``rank`` this process's initial rank): SIGKILL
+    itself there when the survivors' spawn said so (``replacement_env``); else a no-op."""
+    want = os.environ.get(REPLACEMENT_DIES_ENV)
+    if not want or want != (point if point == "join" else f"{point}:{rank}"):
+        return
+    print(f"[lsgd_hpc] inject_failures: a replacement (rank {rank}) kills itself in its "
+          f"{point}" if rank is not None else
+          "[lsgd_hpc] inject_failures: a replacement kills itself while joining",
+          file=sys.stderr, flush=True)
+    os.environ.pop(REPLACEMENT_DIES_ENV, None)
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)                                # pragma: no cover - the signal is on its way

@@ -17,7 +17,14 @@ import time
 from typing import Optional
 
 __all__ = ["ulfm_problem", "ULFM_ENV", "FINALIZE_ENV", "prepare_mpi_environment",
-           "settle_failures", "settle_seconds", "SETTLE_ENV"]
+           "settle_failures", "settle_seconds", "SETTLE_ENV", "RECOVERABLE_SPAWNS"]
+
+#: Open MPI 5's mpirun options that make the jobs a heal spawns (its replacements) recoverable
+#: as ``--with-ft ulfm`` makes the first one: without them the runtime ends every process a
+#: spawn started when one of them dies (replacements that joined die with it), and mpirun
+#: exits with the dead process's status even when the job completes. The trainer's
+#: documented heal command line and slurm/lsgd_cifar.sbatch pass them.
+RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
 
 #: set to 1 to assert that an MPI other than Open MPI has ULFM active (MPICH:
 #: ``mpiexec -disable-auto-cleanup``); Open MPI is checked by its own setting

@@ -164,11 +164,15 @@ class ShardedSampler(torch.utils.data.Sampler):
             diff = ", ".join(f"{k} {theirs[k]} -> {mine[k]}" for k in mine
                              if theirs[k] != mine[k])
             raise ValueError(f"ShardedSampler: the checkpoint's sharding differs ({diff})")
-        rank, size = self.rank, self.size
+        # (a reshard waiting for the epoch's end: ranks lost during this restore; the
+        # world it names is the one that resumes)
+        rank, size = self._pending if self._pending is not None else (self.rank, self.size)
         self._pending = None
         self.base_step = int(state.get("base_step", 0))
         self.base_epoch = int(state.get("base_epoch", 0))
         if int(state["size"]) == size:
+            if (rank, size) != (self.rank, self.size):
+                self._shard(rank, size)
             return                     # the epoch's full-size shards: each rank its own
         self._shard(0, int(state["size"]))           # the survivors' epochs, to find the step
         epoch, start = self._locate(rejoin.step)

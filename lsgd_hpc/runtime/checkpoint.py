@@ -296,6 +296,17 @@ def resume_problem(run_dir: str, pointer: dict, size: int) -> Optional[str]:
             f"ranks rejoin), this job has {size}")
 
 
+def _resumed_shrunk(pointer: dict, comm, current: List[int]) -> bool:
+    """Whether ``comm`` is the world of the job that wrote ``pointer``'s set less ranks it
+    has lost since (a failure during the restore, or between a heal's join and its first
+    step): it then resumes the set with the ranks it has, as a shrink would have gone on."""
+    full = int(pointer.get("initial_size") or pointer["world_size"])
+    writers = pointer.get("ranks") or list(range(int(pointer["world_size"])))
+    return (bool(getattr(comm, "lost_ranks", ())) and len(current) < full
+            and getattr(comm, "initial_size", comm.size) == full
+            and all(0 <= i < full for i in current) and bool(set(current) & set(writers)))
+
+
 def _load(path: str):
     # weights_only: a checkpoint is data, never code to run.
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -580,10 +591,21 @@ class Checkpointer:
         then gives it the parameters of its kind -- the global leader's (LeaderSGD), the
         replica with its optimizer state (AllreduceSGD), the centre (EASGD), x_prev (DiLoCo),
         x_old (SlowMo), the lowest survivor's (local SGD, gossip). ``rejoined`` lists those
-        ranks afterwards. See docs/library.md, "Surviving lost ranks"."""
+        ranks afterwards. See docs/library.md, "Surviving lost ranks".
+
+        With ``on_failure="shrink"`` or ``"heal"`` the restore is a transaction: a rank lost
+        during it (a replacement that dies right after a heal's join, say) makes the
+        survivors recover and restore again in the smaller world, each from its own file
+        where it wrote one (the set is then resumed by the job's ranks less those it lost)."""
         self.wait()
         for job in [j for j in list(_WRITES) if j.run_dir == self.run_dir]:
             job.join()                # another Checkpointer of this process on the folder
+        ft = getattr(self.comm, "fault_tolerance", None)
+        if ft is None:
+            return self._restore()
+        return ft.transaction(self._restore)
+
+    def _restore(self) -> Optional[int]:
         pointer = latest_checkpoint(self.run_dir)
         seen = self.comm.allgather_object(None if pointer is None else pointer["step"])
         if len(set(seen)) > 1:
@@ -591,20 +613,26 @@ class Checkpointer:
                              f"sets {sorted(set(map(str, seen)))}; is the folder shared?")
         if pointer is None:
             return None
-        problem = resume_problem(self.run_dir, pointer, self.comm.size)
+        from lsgd_hpc.comm.injection import replacement_dies_here
+        replacement_dies_here("resume", getattr(self.comm, "initial_rank", self.comm.rank))
+        current = list(getattr(self.comm, "initial_ranks", range(self.comm.size)))
+        problem = (None if _resumed_shrunk(pointer, self.comm, current)
+                   else resume_problem(self.run_dir, pointer, self.comm.size))
         if problem:
             raise ValueError(problem)
         self.skipped = list(pointer.get("skipped", []))
         step = int(pointer["step"])
         writers = pointer.get("ranks")
+        if writers is None and len(current) != int(pointer["world_size"]):
+            writers = list(range(int(pointer["world_size"])))   # a full set, ranks lost since
         rejoin, sources = None, list(range(self.comm.size))
         if writers is not None:
             me = self.comm.rank
             rejoin = Rejoin(step, list(writers),
-                            [r for r in range(self.comm.size) if r not in writers],
-                            me in writers)
+                            [r for r, i in enumerate(current) if i not in writers],
+                            current[me] in writers)
             # a rank that rejoins loads the lowest survivor's file
-            sources = [writers.index(r) if r in writers else 0 for r in range(self.comm.size)]
+            sources = [writers.index(i) if i in writers else 0 for i in current]
         state = self._read_set(pointer, sources)
         missing = sorted(set(self.objects) - set(state["objects"]))
         if missing:
@@ -643,10 +671,18 @@ class Checkpointer:
         self.rejoined = [] if rejoin is None else list(rejoin.joined)
         if rejoin is not None and method is not None:
             how = method.rejoin(rejoin)
-            if self.comm.rank == 0:
+            full = getattr(self.comm, "initial_size", self.comm.size)
+            if self.comm.rank == 0 and self.comm.size == full:
                 print(f"[lsgd_hpc] resumed the survivors' checkpoint of step {rejoin.step} at "
                       f"the full {self.comm.size} ranks: rank(s) {_ranks(rejoin.joined)} "
                       f"rejoin with {how}", file=sys.stderr, flush=True)
+            elif self.comm.rank == 0:           # ranks were lost during this restore
+                joined = [self.comm.initial_ranks[r] for r in rejoin.joined]
+                print(f"[lsgd_hpc] resumed the checkpoint of step {rejoin.step} with the "
+                      f"{self.comm.size} of {full} ranks left (rank(s) "
+                      f"{_ranks(self.comm.lost_ranks)} lost since it was written)"
+                      + (f": rank(s) {_ranks(joined)} rejoin with {how}" if joined else ""),
+                      file=sys.stderr, flush=True)
         if sampler is not None and method is not None:
             sampler.set_step(method.steps)
 
