@@ -287,7 +287,8 @@ def _poisson_rows(pois: dict) -> list:
             continue
         costs = (f"restart wait {r['down_s']:.1f} s" if policy == "abort" else
                  f"pause {r['pause_s']:.2f} s per kill" + (
-                     f", {r['short_s']:.1f} s short of a rank per kill" if policy == "heal"
+                     f", join {r.get('join_s', 0.0):.2f} s, {r['short_s']:.1f} s short of a "
+                     "rank per kill" if policy == "heal"
                      else "") + (
                      f"; {r['failed_joins']} heal(s) that ended the job ("
                      f"{'; '.join(r.get('heal_failures', []))}): relaunched with --resume, "
@@ -338,7 +339,9 @@ def _poisson_notes(pois: dict) -> list:
         "steps between checkpoints x the mean step at full size), abort's wait from the kill "
         "to the relaunched job's start line (teardown, launch, checkpoint load), the pause per "
         "kill (what the steps within 2 rows of each /faults event or join took beyond the "
-        "median step), heal's seconds a rank short per kill (replacement start-up) and, "
+        "median step), heal's join per kill (the /faults heal rows' recovery_seconds: the "
+        "checkpoint for the join, every object built again, the restore; off the rows' "
+        "training clock) and seconds a rank short per kill (replacement start-up) and, "
         "when a kill cut a join short (the job then ends after the join's checkpoint, within "
         f"the join deadline, here {JOIN_TIMEOUT_S} s, and is relaunched with --resume), the "
         "seconds from that kill to the relaunched job's start line added to its wall, capacity "
@@ -641,12 +644,16 @@ def _read_metrics(run_dir: Path) -> Dict[str, dict]:
             t = f["train"]
             d = {k: t[k][:].tolist() for k in ("step", "training_time", "wall_time",
                                                 "checkpoint_seconds")}
-            d["faults"] = []
+            d["faults"], d["heal_pauses"] = [], []
             if "faults" in f:
                 g = f["faults"]
                 for lost, step in zip(g["lost_ranks"][:], g["step"][:]):
                     lost = lost.decode() if isinstance(lost, bytes) else str(lost)
                     d["faults"].append((_ranges(lost), int(step)))
+                if "replaced_ranks" in g:       # heal rows: this rank's pause for the join
+                    d["heal_pauses"] = [float(p) for r, p in zip(g["replaced_ranks"][:],
+                                                                 g["recovery_seconds"][:])
+                                        if len(r)]
         out[path.stem] = d
     return out
 
@@ -673,10 +680,14 @@ def _alive_per_step(files: Dict[str, dict], steps: int) -> List[int]:
 
 
 def _survivor(files: Dict[str, dict], steps: int) -> dict:
+    """The file whose rows the run's clock is read from: of those that reach the budget, the
+    one with the most of its steps (under heal every file reaches it, but a rank that was
+    killed and replaced has a gap: the steps it missed would count nowhere); the lowest
+    rank of those."""
     done = [d for _, d in sorted(files.items()) if d["step"] and d["step"][-1] >= steps]
     if not done:
         raise RuntimeError("no rank's metrics reach the step budget")
-    return done[0]
+    return max(done, key=lambda d: len({s for s in d["step"] if 1 <= s <= steps}))
 
 
 def _deltas(d: dict) -> List[float]:
@@ -748,7 +759,9 @@ def _measure(policy: str, res: dict, steps: int, run_dir: Path) -> dict:
     res["wall_s"] = res["span_s"] - max(0.0, res["done_at_s"] - d["wall_time"][-1])
     out = {"checkpoint_s": _checkpoint_cost(d), "step_s": acc["step"],
            "rank_steps": sum(alive), "pause_s": acc["pause"] / kills if kills else 0.0,
-           "short_s": acc["short"] / kills if kills else 0.0, "useful_s": acc["useful"]}
+           "short_s": acc["short"] / kills if kills else 0.0, "useful_s": acc["useful"],
+           # heal: the joins (checkpoint, objects built again, restore), off the rows' clocks
+           "join_s": sum(d.get("heal_pauses", [])) / kills if kills else 0.0}
     if policy == "abort":
         out["down_s"] = (sum(res["down_s"]) / len(res["down_s"]) if res["down_s"]
                          else res["startup_s"])
@@ -764,6 +777,7 @@ def _predict(policy: str, res: dict, meas: dict, every: int, theta: float) -> fl
                                 meas.get("down_s", 0.0))
     m = gp.FailureModel(nodes=NP, node_mtbf_s=theta, checkpoint_s=meas["checkpoint_s"],
                         restart_s=0.0, shrink_pause_s=meas["pause_s"],
+                        heal_pause_s=meas.get("join_s", 0.0) if policy == "heal" else 0.0,
                         replacement_s=meas["short_s"], checkpoint_interval_s=tau,
                         job_s=meas["useful_s"],
                         floor=1 if policy == "shrink" else 0)

@@ -20,7 +20,7 @@ import sys
 import traceback
 from typing import Optional
 
-__all__ = ["Comm", "init", "ON_FAILURE"]
+__all__ = ["Comm", "init", "ON_FAILURE", "exit_as_interpreter"]
 
 _BACKENDS = ("mpi", "horovod", "torch")
 #: the values of ``init(on_failure=...)``: "abort" (the first dead rank ends the job),

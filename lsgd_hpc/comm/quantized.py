@@ -688,8 +688,11 @@ class Quantized:
         return None if sub is None else Quantized(sub, self.kind, _shared=self.shared)
 
     def state_dict(self) -> dict:
-        """The error-feedback residuals (copies), by buffer key."""
+        """The error-feedback residuals (copies), by buffer key, with the compressor that
+        left them (for the record: a resume may change it, the residuals stay what was not
+        sent yet)."""
         return {"comm_dtype": self.kind, "topk": self.topk,
+                "error_feedback_decay": self.shared.decay,
                 "residuals": {k: v.detach().clone() for k, v in self.shared.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
