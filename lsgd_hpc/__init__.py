@@ -18,6 +18,7 @@ from lsgd_hpc._version import __version__
 #: public name -> module that defines it
 _EXPORTS = {
     "init": "session", "Comm": "session", "ON_FAILURE": "session",
+    "exit_as_interpreter": "session",
     "ProcessFailure": "comm.failures", "UnrecoverableFailure": "comm.failures",
     "Method": "methods", "METHODS": "methods", "method_class": "methods",
     "LeaderSGD": "methods", "AsyncLeaderSGD": "methods", "AllreduceSGD": "methods",
