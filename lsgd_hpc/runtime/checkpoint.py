@@ -304,7 +304,7 @@ def _resumed_shrunk(pointer: dict, comm, current: List[int]) -> bool:
     writers = pointer.get("ranks") or list(range(int(pointer["world_size"])))
     return (bool(getattr(comm, "lost_ranks", ())) and len(current) < full
             and getattr(comm, "initial_size", comm.size) == full
-            and all(0 <= i < full for i in current) and bool(set(current) & set(writers)))
+            and bool(set(current) & set(writers)))
 
 
 def _load(path: str):
@@ -668,20 +668,22 @@ class Checkpointer:
             torch.manual_seed(int(torch.randint(2 ** 62, (1,), generator=g)) + self.comm.rank)
         self.comm.stats.load_state_dict(state["comm_stats"])
         sampler, method = self.objects.get("sampler"), self.objects.get("method")
-        self.rejoined = [] if rejoin is None else list(rejoin.joined)
+        # the ranks that rejoined, as numbered at the start (at full size: their ranks)
+        initial = list(getattr(self.comm, "initial_ranks", range(self.comm.size)))
+        self.rejoined = [] if rejoin is None else [initial[r] for r in rejoin.joined]
         if rejoin is not None and method is not None:
             how = method.rejoin(rejoin)
             full = getattr(self.comm, "initial_size", self.comm.size)
             if self.comm.rank == 0 and self.comm.size == full:
                 print(f"[lsgd_hpc] resumed the survivors' checkpoint of step {rejoin.step} at "
-                      f"the full {self.comm.size} ranks: rank(s) {_ranks(rejoin.joined)} "
+                      f"the full {self.comm.size} ranks: rank(s) {_ranks(self.rejoined)} "
                       f"rejoin with {how}", file=sys.stderr, flush=True)
             elif self.comm.rank == 0:           # ranks were lost during this restore
-                joined = [self.comm.initial_ranks[r] for r in rejoin.joined]
                 print(f"[lsgd_hpc] resumed the checkpoint of step {rejoin.step} with the "
                       f"{self.comm.size} of {full} ranks left (rank(s) "
                       f"{_ranks(self.comm.lost_ranks)} lost since it was written)"
-                      + (f": rank(s) {_ranks(joined)} rejoin with {how}" if joined else ""),
+                      + (f": rank(s) {_ranks(self.rejoined)} rejoin with {how}"
+                         if self.rejoined else ""),
                       file=sys.stderr, flush=True)
         if sampler is not None and method is not None:
             sampler.set_step(method.steps)
