@@ -285,15 +285,7 @@ def _poisson_rows(pois: dict) -> list:
             rows.append(row(label, "", "not available: python -m lsgd_hpc.train --help lists "
                             "no heal among --on-failure's choices", None, ""))
             continue
-        costs = (f"restart wait {r['down_s']:.1f} s" if policy == "abort" else
-                 f"pause {r['pause_s']:.2f} s per kill" + (
-                     f", join {r.get('join_s', 0.0):.2f} s, {r['short_s']:.1f} s short of a "
-                     "rank per kill" if policy == "heal"
-                     else "") + (
-                     f"; {r['failed_joins']} heal(s) that ended the job ("
-                     f"{'; '.join(r.get('heal_failures', []))}): relaunched with --resume, "
-                     f"{sum(r['down_s']):.1f} s down" if r.get("failed_joins")
-                     else ""))
+        costs = _poisson_costs(policy, r)
         own = r["own_rank_mtbf_s"] / NP
         rows.append(row(
             label, f"{r['kills']} seeded Poisson kill(s) (about {POISSON_KILLS:g} expected): "
@@ -306,6 +298,21 @@ def _poisson_rows(pois: dict) -> list:
             f"{pois['checkpoint_every']} steps, {costs}",
             r["measured"] / r["predicted"], "measured / predicted goodput"))
     return rows
+
+
+def _poisson_costs(policy: str, r: dict) -> str:
+    """The costs a Poisson run measured, as its row says them."""
+    if policy == "abort":
+        return f"restart wait {r['down_s']:.1f} s"
+    text = f"pause {r['pause_s']:.2f} s per kill"
+    if policy == "heal":
+        text += (f", join {r.get('join_s', 0.0):.2f} s, {r['short_s']:.1f} s short of a "
+                 "rank per kill")
+    if r.get("failed_joins"):
+        text += (f"; {r['failed_joins']} heal(s) that ended the job ("
+                 f"{'; '.join(r.get('heal_failures', []))}): relaunched with --resume, "
+                 f"{sum(r['down_s']):.1f} s down")
+    return text
 
 
 def _poisson_notes(pois: dict) -> list:

@@ -155,10 +155,10 @@ def replacement_dies_here(point: str = "join", rank: Optional[int] = None) -> No
     want = os.environ.get(REPLACEMENT_DIES_ENV)
     if not want or want != (point if point == "join" else f"{point}:{rank}"):
         return
-    print(f"[lsgd_hpc] inject_failures: a replacement (rank {rank}) kills itself in its "
-          f"{point}" if rank is not None else
-          "[lsgd_hpc] inject_failures: a replacement kills itself while joining",
-          file=sys.stderr, flush=True)
+    where = "while joining" if point == "join" else f"in its {point}"
+    who = "a replacement" if rank is None else f"a replacement (rank {rank})"
+    print(f"[lsgd_hpc] inject_failures: {who} kills itself {where}", file=sys.stderr,
+          flush=True)
     os.environ.pop(REPLACEMENT_DIES_ENV, None)
     os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)                                # pragma: no cover - the signal is on its way
