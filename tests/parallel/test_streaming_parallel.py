@@ -309,7 +309,7 @@ class _Work:
 
 
 class _Manager:
-    """What torchft 0.2.0's DiLoCo asks of its Manager, over our communicator: allreduce is
+    """What torchft's DiLoCo asks of its Manager, over our communicator: allreduce is
     the mean over the group, done at once (the result is what it is when posted); every
     commit succeeds, and the step counts commits (which fragment syncs next)."""
 
@@ -346,7 +346,7 @@ class _Manager:
                     reason="torchft is not installed (pip install -e '.[torchft]')")
 @pytest.mark.parametrize("P,tau,alpha", [(1, 0, 0.0), (2, 1, 0.5), (3, 2, 0.25)])
 def test_streaming_diloco_follows_torchft(comm, P, tau, alpha):
-    """The same model, inner optimizer and data per rank under torchft 0.2.0's DiLoCo (one
+    """The same model, inner optimizer and data per rank under torchft's DiLoCo (one
     outer optimizer per fragment, as its Streaming DiLoCo tests do) and lsgd_hpc's: the same
     parameters after every step. Bit for bit at 1 and 2 ranks; beyond, the allreduces sum in
     an order that depends on the message size (torchft's per tensor, ours per fragment)."""
