@@ -24,7 +24,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 from lsgd_hpc.planning import goodput as gp
 
-__all__ = ["DEFAULTS", "main", "format_failure_plan", "failure_plan", "probe_write_bandwidth"]
+__all__ = ["DEFAULTS", "main", "format_failure_plan", "failure_plan", "probe_write_bandwidth",
+           "add_failure_options", "check", "state_checkpoint_cost", "finite"]
 
 #: Defaults of the costs (seconds), for a large GPU cluster: stated in every plan
 DEFAULTS = {"checkpoint_seconds": 60.0, "restart_seconds": 600.0, "queue_seconds": 0.0,
@@ -44,28 +45,24 @@ class _Parser(argparse.ArgumentParser):
         raise FailureUsageError(message)
 
 
-def _parser() -> argparse.ArgumentParser:
+def add_failure_options(p: argparse.ArgumentParser) -> None:
+    """The failure costs and the job's shape beyond its size: the options of this planner that
+    the method planner (lsgd_hpc.planning.plan) takes too, for ``--mtbf-hours`` with
+    ``--params`` or ``--inter-gbps`` (one recommendation of both)."""
     d = DEFAULTS
-    p = _Parser(prog="python -m lsgd_hpc.plan --mtbf-hours H",
-                description=__doc__.splitlines()[0])
-    p.add_argument("--mtbf-hours", required=True,
-                   help="mean time between failures of one node, hours (llama3: the Llama 3 "
-                        "report's, 6,335 h)")
-    p.add_argument("--nodes", type=int, required=True, help="nodes of the job")
-    p.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (default 8)")
     p.add_argument("--job-hours", type=float, default=d["job_hours"],
                    help="training time the job needs at full size without failures "
                         f"(default {d['job_hours']:g})")
     p.add_argument("--checkpoint-seconds", type=float,
                    help="seconds one checkpoint blocks training (default: measured with "
-                        f"--model, else {d['checkpoint_seconds']:g})")
-    p.add_argument("--model", help="measure the checkpoint: this model's state over the "
-                                    "write bandwidth of --checkpoint-dir")
-    p.add_argument("--dataset", help="with --model: its input shape (default: the model's)")
-    p.add_argument("--checkpoint-dir", default=tempfile.gettempdir(),
-                   help="with --model: where the write probe writes (default: the temp dir)")
+                        f"--model, else {d['checkpoint_seconds']:g}; with --params or "
+                        "--inter-gbps: the model's state over --write-gbytes-per-s)")
+    p.add_argument("--checkpoint-dir",
+                   help="where the write probe writes (the failure planner alone, with "
+                        "--model: default the temp dir; with --params or --inter-gbps: "
+                        "probed only when given)")
     p.add_argument("--write-gbytes-per-s", type=float,
-                   help="with --model: the checkpoint write bandwidth, GB/s (no probe)")
+                   help="the checkpoint write bandwidth of one writer, GB/s (no probe)")
     for name, what in (("restart", "from the requeued job's start to its first step: "
                                     "launch, set-up, checkpoint load"),
                        ("queue", "abort: wait before the restart (detection, queue); no "
@@ -88,6 +85,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--requeue-hours", type=float,
                    help="heal with spares: requeue every H hours, refilling the spares "
                         "(default: never)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m lsgd_hpc.plan --mtbf-hours H",
+                description=" ".join(__doc__.split("\n\n")[0].split()))
+    p.add_argument("--mtbf-hours", required=True,
+                   help="mean time between failures of one node, hours (llama3: the Llama 3 "
+                        "report's, 6,335 h)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes of the job")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--model", help="measure the checkpoint: this model's state over the "
+                                    "write bandwidth of --checkpoint-dir")
+    p.add_argument("--dataset", help="with --model: its input shape (default: the model's)")
+    add_failure_options(p)
     p.add_argument("--step-ms", type=float,
                    help="one training step, ms: the interval also in steps (--checkpoint-every)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -104,7 +115,9 @@ def _mtbf_hours(text: str) -> float:
             from None
 
 
-def _check(args) -> None:
+def check(args, combined: bool = False) -> None:
+    """Every check of the failure options (``combined``: with the method planner's, which
+    checked the counts and lets --write-gbytes-per-s go without --model)."""
     def bad(name, v, what):
         raise FailureUsageError(f"--{name.replace('_', '-')}: {what}, got {v}")
 
@@ -131,7 +144,7 @@ def _check(args) -> None:
                                 f"{args.replica_nodes}")
     if args.requeue_hours is not None and not args.spares:
         raise FailureUsageError("--requeue-hours: refills spares; needs --spares")
-    if args.model is None and (args.dataset or args.write_gbytes_per_s):
+    if not combined and args.model is None and (args.dataset or args.write_gbytes_per_s):
         raise FailureUsageError("--dataset, --write-gbytes-per-s: need --model")
 
 
@@ -164,13 +177,40 @@ def _checkpoint_cost(args, model_facts: Optional[Callable]) -> Dict:
         bw, how = args.write_gbytes_per_s * 1e9, "given"
     else:
         try:
-            bw = probe_write_bandwidth(args.checkpoint_dir)
+            bw, how = _probe(args.checkpoint_dir or tempfile.gettempdir())
         except OSError as exc:
             raise FailureUsageError(f"--checkpoint-dir: cannot write a probe there "
                                     f"({exc.strerror or exc})") from None
-        how = f"measured in {args.checkpoint_dir}, one writer, 64 MB + fsync"
     return {"seconds": state / bw, "bytes": state, "write_Bps": bw,
             "source": f"{facts.model}'s state {state / 1e6:.3g} MB (weights + momentum) at "
+                      f"{bw / 1e9:.3g} GB/s ({how})"}
+
+
+def _probe(folder: str):
+    return (probe_write_bandwidth(folder),
+            f"measured in {folder}, one writer, 64 MB + fsync")
+
+
+def state_checkpoint_cost(args, state_bytes: float, assumed_write_Bps: float) -> Dict:
+    """The checkpoint's seconds for a model of ``state_bytes`` (weights and momentum): given
+    (--checkpoint-seconds), at --write-gbytes-per-s, probed in --checkpoint-dir when given,
+    else at ``assumed_write_Bps`` (``"assumed": True``)."""
+    if args.checkpoint_seconds is not None:
+        return {"seconds": args.checkpoint_seconds, "source": "given", "assumed": False}
+    assumed = False
+    if args.write_gbytes_per_s:
+        bw, how = args.write_gbytes_per_s * 1e9, "given"
+    elif args.checkpoint_dir:
+        try:
+            bw, how = _probe(args.checkpoint_dir)
+        except OSError as exc:
+            raise FailureUsageError(f"--checkpoint-dir: cannot write a probe there "
+                                    f"({exc.strerror or exc})") from None
+    else:
+        bw, how, assumed = assumed_write_Bps, "assumed", True
+    return {"seconds": state_bytes / bw, "bytes": state_bytes, "write_Bps": bw,
+            "assumed": assumed,
+            "source": f"the model's state {state_bytes / 1e9:.3g} GB (weights + momentum) at "
                       f"{bw / 1e9:.3g} GB/s ({how})"}
 
 
@@ -185,9 +225,11 @@ def failure_model(args, checkpoint_s: float) -> gp.FailureModel:
         survivable=args.survivable)
 
 
-def failure_plan(args, model_facts: Optional[Callable] = None) -> Dict:
-    """The plan as a dict: inputs, checkpoint cost, and goodput.policies' result."""
-    ckpt = _checkpoint_cost(args, model_facts)
+def failure_plan(args, model_facts: Optional[Callable] = None,
+                 checkpoint: Optional[Dict] = None) -> Dict:
+    """The plan as a dict: inputs, checkpoint cost (``checkpoint``, or from the options), and
+    goodput.policies' result."""
+    ckpt = checkpoint if checkpoint is not None else _checkpoint_cost(args, model_facts)
     m = failure_model(args, ckpt["seconds"])
     res = gp.policies(m)
     inputs = {k: v for k, v in asdict(m).items() if k not in ("capacity", "floor")}
@@ -230,14 +272,16 @@ def _header(r: Dict) -> list:
         f"survivable by shrink and heal; replicas of {i['replica_nodes']} node(s)",
         f"abort's checkpoint interval: Young sqrt(2 delta M) = {_hms(r['young_s'])} (goodput "
         f"{100 * r['goodput_young']:.2f} %), Daly = {_hms(r['daly_s'])}"
-        f"{_steps(r['daly_s'], i['step_ms'])} (recommended)",
+        f"{_steps(r['daly_s'], i['step_ms'])} (abort's)",
         f"shrink and heal checkpoint every {_hms(r['shrink_heal_interval_s'])}"
         f"{_steps(r['shrink_heal_interval_s'], i['step_ms'])} (Daly's for the failures they "
         f"do not survive), keeping {100 * r['kappa']:.2f} % of their time",
     ]
 
 
-def format_failure_plan(r: Dict) -> str:
+def format_failure_plan(r: Dict, verdict: bool = True) -> str:
+    """The text plan; ``verdict`` False: without its closing "recommended:" line (the method
+    planner prints one recommendation of both)."""
     lines = _header(r) + ["", f"{'policy':<16} {'goodput':>8}  setting"]
     for row in r["rows"]:
         setting = row["detail"]
@@ -248,6 +292,8 @@ def format_failure_plan(r: Dict) -> str:
         elif row["policy"] == "heal+spares":
             setting += f"; per node-hour {100 * row['per_node_hour']:.2f} %"
         lines.append(f"{row['policy']:<16} {100 * row['goodput']:>7.2f}%  {setting}")
+    if not verdict:
+        return "\n".join(lines)
     rows = sorted(r["rows"], key=lambda x: -x["goodput"])
     chosen = next(x for x in r["rows"] if x["policy"] == r["recommended"])
     top = rows[0] if rows[0] is not chosen else rows[1]
@@ -266,20 +312,20 @@ def main(argv: Sequence[str], model_facts: Optional[Callable] = None) -> int:
     for --model; passed in, as plan.py imports this module."""
     try:
         args = _parser().parse_args(list(argv))
-        _check(args)
+        check(args)
         result = failure_plan(args, model_facts)
     except ValueError as exc:      # ours, and plan.py's UsageError for a bad --model
         print(f"lsgd_hpc.plan: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(_finite(result), indent=2, default=str) if args.json
+    print(json.dumps(finite(result), indent=2, default=str) if args.json
           else format_failure_plan(result))
     return 0
 
 
-def _finite(x):
+def finite(x):
     """JSON without Infinity: inf (never) becomes null."""
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: finite(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [finite(v) for v in x]
     return None if isinstance(x, float) and math.isinf(x) else x

@@ -1,13 +1,20 @@
-"""Plan a run before spending an allocation: predicted step time, communication share and bytes per
-step of every method on a stated cluster, with a recommended tau (LSGD), T (local SGD) and gossip
-topology, from the alpha-beta cost model (lsgd_hpc.planning.costmodel).
+"""Plan a run before spending an allocation: what to run on a stated cluster (method, compressor,
+worker shape and, with --mtbf-hours, failure policy and checkpoint interval, with its train
+command), from the predicted step time, communication share and bytes per step of every method
+(the alpha-beta cost model, lsgd_hpc.planning.costmodel).
 
+    python -m lsgd_hpc.plan --params 1e9 --nodes 64 --ranks-per-node 8 --inter-gbps 10 \\
+        [--mtbf-hours 50000]
     python -m lsgd_hpc.plan --model resnet20 --nodes 64 --ranks-per-node 8 \\
         --inter-gbps 100 --intra-gbps 600 [--step-ms 45]
     mpirun -np 4 python -m lsgd_hpc.plan --model resnet20 --measure [--nodes 64 ...]
 
 Parameter and buffer counts come from the real model (lsgd_hpc.models), or --params N names any
-model of N parameters (no buffers; it needs --step-ms). Every plan states rho: the predicted
+model of N parameters (no buffers). What a user may not know has a default, printed as an
+"assumed: ..." line (lsgd_hpc.planning.advice states the figures): the link inside a node from
+--interconnect or the GPU kind (--gpu, default h100: NVLink 4), and the compute of one step of
+a --params model from 6 N x --tokens-per-step FLOP (default 8192 tokens a rank) at --tflops
+(default 40 % of the GPU's published peak). Every plan states rho: the predicted
 seconds of one fp32 allreduce of the parameters between nodes (hierarchical: each node's link
 crossed once) over the compute seconds of one step. --comm-dtype int4/int2 and --topk F (EASGD,
 DiLoCo; LSGD's global pull) are priced from their byte counts (costmodel.topk_payload_bytes,
@@ -15,8 +22,9 @@ planning.recommend); a compressed round of EASGD, local SGD, DiLoCo or SlowMo is
 package runs it: on several nodes of several ranks, float32 inside the node and compressed
 between the node roots only; on one node, or one rank a node, flat over all ranks
 (planning.recommend.hier_allreduce_time). Without --step-ms the
-compute time of one step is estimated from the model's multiply-adds (training ~ 3 x forward,
-2 FLOP per multiply-add) at --tflops achieved TFLOP/s. With --measure (under mpirun or srun,
+compute time of one step of a zoo model is estimated from its multiply-adds (training ~ 3 x
+forward, 2 FLOP per multiply-add) at --tflops achieved TFLOP/s (default 10: small networks do
+not reach a GPU's sustained rate). With --measure (under mpirun or srun,
 one process per rank) the job first measures latency and bandwidth inside and between its
 nodes (lsgd_hpc.planning.netprobe) and the step time of the model on its own devices, then plans with
 those figures for --nodes x --ranks-per-node (default: the job's own layout).
@@ -27,22 +35,25 @@ of ranks, on the network) plus an allreduce of the gradient inside each worker e
 the spreading of each round's result inside it (on the node's link); bytes/step/rank is then
 the method's traffic between workers, and the traffic inside a worker is printed apart.
 
-With --mtbf-hours H (a per-node MTBF) it is the failure planner instead
-(lsgd_hpc.planning.failplan): the expected goodput of abort + requeue at the Young/Daly
-checkpoint interval, shrink and heal, and the policy to choose.
+With --mtbf-hours H (a per-node MTBF) and --params or --inter-gbps, the failure planner
+(lsgd_hpc.planning.failplan, goodput) joins the plan: the goodput of abort + requeue at the
+Young/Daly checkpoint interval, shrink and heal for the model's checkpoint (its weights and
+momentum over --write-gbytes-per-s, default 1 GB/s a writer), and the one recommendation
+carries the policy, the checkpoint interval in steps of the method's predicted step and the
+predicted goodput. --mtbf-hours alone (--nodes, no link figure) is the failure planner only.
 
-Recommendations: the smallest period (powers of two) whose predicted communication share is at
+Periods: the smallest period (powers of two) whose predicted communication share is at
 most --max-comm-share (tau_G first, then the smallest tau_L dividing it); for gossip, among the
 topologies within that share, the one with the largest spectral gap per step (the cheapest one
 when none is within it).
 
-With --recommend the plan also names the method to run, its period and its compressor
-(lsgd_hpc.planning.recommend): allreduce SGD, LSGD (pull delay, compressed global pull),
+The method, its period and its compressor (lsgd_hpc.planning.recommend; every rank a worker,
+so not with --worker-ranks): allreduce SGD, LSGD (pull delay, compressed global pull),
 DiLoCo, Streaming DiLoCo (fragments, sync delay) and EASGD over H/tau in 4..500, values
 fp32/int8/int4/int2 and top-k 1, 0.03, 0.01, compressed rounds reduced in float32 inside a node
 and compressed between nodes; of the candidates within --recommend-slack of the fastest
 predicted step, the one with the smallest period, then the mildest compression (the quality
-guard: --max-period, --min-topk).
+guard: --max-period, --min-topk). The plan ends with one "recommended:" line and its command.
 """
 
 from __future__ import annotations
@@ -51,12 +62,13 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lsgd_hpc.data.specs import DATASETS
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMM_DTYPES, TOPK_METHODS, comm_dtype_problem, topk_problem
+from lsgd_hpc.planning import advice, failplan
 from lsgd_hpc.planning import costmodel as cm
 
 __all__ = ["ModelFacts", "model_facts", "params_facts", "PlanInputs", "plan", "format_plan", "main",
@@ -161,6 +173,7 @@ class PlanInputs:
     max_period: int = 500
     min_topk: float = 0.01
     compressed_overlap: bool = False   # --assume-compressed-overlap
+    assumptions: List[str] = field(default_factory=list)   # "assumed: ..." lines: defaults
 
 
 def _topologies() -> Tuple[str, ...]:
@@ -359,7 +372,8 @@ def recommendation(inp: PlanInputs, facts: ModelFacts, rho: float) -> Dict:
 
 
 def format_recommendation(rec: Dict) -> str:
-    """The --recommend section of the text plan."""
+    """The method candidates of the text plan (the recommendation itself is the run's line,
+    lsgd_hpc.planning.advice.format_run)."""
     best = rec["recommended"]
 
     def compressor(r):
@@ -373,11 +387,10 @@ def format_recommendation(rec: Dict) -> str:
 
     lines = [
         "",
-        f"recommended method (rho {rec['rho']:.3g}): {best['method']}, {setting(best)}, "
-        f"{compressor(best)}: {_fmt_ms(best['step_s'])} ms a step "
+        f"method candidates (rho {rec['rho']:.3g}): the first by the rule is {best['method']}, "
+        f"{setting(best)}, {compressor(best)}: {_fmt_ms(best['step_s'])} ms a step "
         f"({100 * best['comm_share']:.1f}% communication, "
         f"comm/compute {best['comm_ratio']:.3g})",
-        f"  python -m lsgd_hpc.train {best['args']}",
         f"  rule: {rec['rule']}",
         "",
         f"{'':2}{'method':<17} {'setting':<30} {'compressor':<16} {'step ms':>9} "
@@ -385,7 +398,7 @@ def format_recommendation(rec: Dict) -> str:
     ]
     fastest = rec["fastest_step_s"]
     for i, r in enumerate([best] + rec["runners_up"]):
-        note = "recommended" if i == 0 else "within slack" if r.get("eligible") else ""
+        note = "first by the rule" if i == 0 else "within slack" if r.get("eligible") else ""
         if r["step_s"] == fastest:
             note = (note + ", " if note else "") + "fastest"
         if r["method"] == "allreduce":
@@ -467,7 +480,9 @@ def format_plan(result: Dict) -> str:
                         if workers else ""))
     lines += [
         "",
-        f"recommended (comm share <= {i['max_comm_share']:.0%}): "
+        # with the method recommendation, the run's one "recommended" line is the answer
+        ("periods" if "recommendation" in result else "recommended")
+        + f" (comm share <= {i['max_comm_share']:.0%}): "
         f"LSGD --tau-local {rec['lsgd']['tau_local']} --tau-global {rec['lsgd']['tau_global']}; "
         f"local SGD --local-steps {rec['local-sgd']['T']} (cost ratio of a round to a step "
         f"{rec['local-sgd']['cost_ratio']:.3g}; --local-steps auto refines it from the loss); "
@@ -549,25 +564,41 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from lsgd_hpc.models.zoo import MODELS
-    p = _Parser(prog="python -m lsgd_hpc.plan", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m lsgd_hpc.plan",
+                description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--model", choices=MODELS, help="network (lsgd_hpc.models); or --params")
     p.add_argument("--params", type=float, metavar="N",
                    help="in place of --model: a model of N parameters (e.g. 1e9), no buffers; "
-                        "needs --step-ms")
+                        "its step: --step-ms, else 6 N x --tokens-per-step FLOP at --tflops")
     p.add_argument("--dataset", choices=tuple(DATASET_SHAPES),
                    help="data set whose input shape the model takes (default: the model's own)")
     p.add_argument("--nodes", type=int, help="compute nodes (default with --measure: the job's)")
     p.add_argument("--ranks-per-node", type=int, help="ranks (GPUs) per node")
     p.add_argument("--inter-gbps", type=float, help="bandwidth between nodes, Gbit/s per node")
-    p.add_argument("--intra-gbps", type=float, help="bandwidth inside a node, Gbit/s per rank")
+    p.add_argument("--intra-gbps", type=float,
+                   help="bandwidth inside a node, Gbit/s per rank (default: measured with "
+                        "--measure, else --interconnect's, else --gpu's; printed as assumed)")
+    p.add_argument("--gpu", choices=tuple(advice.GPUS),
+                   help=f"the ranks' device (default {advice.DEFAULT_GPU}, assumed): its "
+                        "link inside a node (h100 NVLink 4, a100 NVLink 3, v100 NVLink 2, cpu "
+                        "shared memory), its sustained TFLOP/s for a --params model "
+                        f"({advice.MFU:.0%} of its peak) and the train command's --device")
+    p.add_argument("--interconnect", choices=tuple(advice.INTERCONNECTS),
+                   help="the link inside a node in place of the GPU's (e.g. pcie4 for PCIe "
+                        "cards): nvlink4 3600, nvlink3 2400, nvlink2 1200, pcie5 512, pcie4 "
+                        "256, pcie3 128, shm 200 Gbit/s a rank")
+    p.add_argument("--tokens-per-step", type=int, metavar="T",
+                   help=f"--params: tokens (or samples) one rank computes per step, for the "
+                        f"step estimate of 6 N T FLOP (default {advice.TOKENS_PER_STEP})")
     p.add_argument("--inter-latency-us", type=float, default=5.0,
                    help="latency between nodes, microseconds (default 5: InfiniBand)")
     p.add_argument("--intra-latency-us", type=float, default=2.0,
                    help="latency inside a node, microseconds (default 2: NVLink)")
     p.add_argument("--step-ms", type=float, help="compute time of one local step, ms")
     p.add_argument("--batch-size", type=int, help="per-rank minibatch (default: the data set's)")
-    p.add_argument("--tflops", type=float, default=10.0,
-                   help="achieved TFLOP/s per rank for the estimate without --step-ms (default 10)")
+    p.add_argument("--tflops", type=float,
+                   help="achieved TFLOP/s per rank for the estimate without --step-ms (default: "
+                        f"--params {advice.MFU:.0%} of --gpu's peak; --model 10)")
     p.add_argument("--mem-gbytes-per-s", type=float, default=1500.0,
                    help="device memory bandwidth for the pulls' elementwise passes, GB/s")
     p.add_argument("--max-comm-share", type=float, default=0.1,
@@ -593,8 +624,8 @@ def _parser() -> argparse.ArgumentParser:
                         "node, train one replica with an allreduce of the gradient inside; the "
                         "methods run between workers (default 1: every rank a worker)")
     p.add_argument("--recommend", action="store_true",
-                   help="also recommend a method, its period and its compressor: the least "
-                        "aggressive candidate (smallest period, then mildest compression) of "
+                   help="(the default without --worker-ranks) recommend a method, its period "
+                        "and its compressor: the least aggressive candidate (smallest period, then mildest compression) of "
                         "a grid (allreduce; lsgd; diloco; streaming diloco; easgd; H/tau in "
                         "4..500; fp32/int8/int4/int2; top-k 1, 0.03, 0.01) whose predicted "
                         "step is within --recommend-slack of the fastest")
@@ -613,26 +644,31 @@ def _parser() -> argparse.ArgumentParser:
                         "package runs a compressed non-blocking broadcast at once today, "
                         "hiding nothing; a compressed allreduce hides for real)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--mtbf-hours", help="the failure planner instead: expected goodput of "
-                   "abort, shrink and heal at this per-node MTBF (python -m lsgd_hpc.plan "
-                   "--mtbf-hours H --nodes N --help)")
+    p.add_argument("--mtbf-hours", metavar="H",
+                   help="per-node MTBF, hours (llama3: the Llama 3 report's): with --params or "
+                        "--inter-gbps the recommendation adds the failure policy, checkpoint "
+                        "interval and goodput; without them, the failure planner alone "
+                        "(python -m lsgd_hpc.plan --mtbf-hours H --nodes N --help)")
+    failplan.add_failure_options(p.add_argument_group("failures (with --mtbf-hours)"))
     return p
 
 
 def _check_model(args) -> None:
-    """Exactly one of --model and --params; --params a whole count >= 1, with --step-ms (no
-    multiply-adds to estimate the step from, no network to time it on) and no --dataset."""
+    """Exactly one of --model and --params; --params a whole count >= 1, no --dataset;
+    --tokens-per-step with --params only."""
     if (args.model is None) == (args.params is None):
         raise UsageError("--model or --params: give exactly one (a model of lsgd_hpc.models, "
                          "or a parameter count such as 1e9)")
     if args.params is None:
+        if args.tokens_per_step is not None:
+            raise UsageError("--tokens-per-step: for --params (a zoo model's step is "
+                             "estimated from its multiply-adds and --batch-size)")
         return
     n = args.params
     if not (math.isfinite(n) and n >= 1 and n == int(n)):
         raise UsageError(f"--params: must be a whole number >= 1, got {n:g}")
-    if args.step_ms is None:
-        raise UsageError("--step-ms: required with --params (the compute seconds of one step "
-                         "of that model cannot be estimated or measured here)")
+    if args.tokens_per_step is not None and args.tokens_per_step < 1:
+        raise UsageError(f"--tokens-per-step: must be >= 1, got {args.tokens_per_step}")
     if args.dataset is not None:
         raise UsageError("--dataset: a data set is for --model, not --params")
 
@@ -667,11 +703,12 @@ def _check(args) -> None:
         raise UsageError(f"--min-topk: must be in (0, 1], got {args.min_topk:g}")
     if args.recommend and args.worker_ranks not in ("1", 1):
         raise UsageError("--recommend: prices every rank as a worker; leave out --worker-ranks")
+    _check_failures(args)
     if not 0 < args.max_comm_share < 1:
         raise UsageError(f"--max-comm-share: must be in (0, 1), got {args.max_comm_share}")
     if not args.measure:
-        missing = [f"--{n.replace('_', '-')}" for n in ("nodes", "ranks_per_node", "inter_gbps",
-                                                        "intra_gbps") if getattr(args, n) is None]
+        missing = [f"--{n.replace('_', '-')}" for n in ("nodes", "ranks_per_node", "inter_gbps")
+                   if getattr(args, n) is None]
         if missing:
             raise UsageError(f"{', '.join(missing)}: required without --measure")
     elif args.measure_ranks_per_node is not None and args.measure_ranks_per_node < 1:
@@ -693,25 +730,68 @@ def _check(args) -> None:
                          f"{args.nodes * args.ranks_per_node}")
 
 
+#: the failure options (failplan.add_failure_options) and their defaults
+FAILURE_OPTIONS = {"job_hours": failplan.DEFAULTS["job_hours"], "checkpoint_seconds": None,
+                   "checkpoint_dir": None, "write_gbytes_per_s": None,
+                   "restart_seconds": failplan.DEFAULTS["restart_seconds"],
+                   "queue_seconds": failplan.DEFAULTS["queue_seconds"],
+                   "shrink_pause_seconds": failplan.DEFAULTS["shrink_pause_seconds"],
+                   "heal_pause_seconds": failplan.DEFAULTS["heal_pause_seconds"],
+                   "replacement_seconds": failplan.DEFAULTS["replacement_seconds"],
+                   "survivable": failplan.DEFAULTS["survivable"], "replica_nodes": 1,
+                   "spares": 0, "requeue_hours": None}
+
+
+def _check_failures(args) -> None:
+    """--mtbf-hours with the method plan: the failure planner's checks; the failure options
+    without it are refused."""
+    if args.mtbf_hours is None:
+        given = [k for k, v in FAILURE_OPTIONS.items() if getattr(args, k) != v]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')}: needs --mtbf-hours")
+        return
+    if args.measure:
+        raise UsageError("--mtbf-hours: not with --measure (give --nodes, --ranks-per-node and "
+                         "--inter-gbps)")
+    try:
+        failplan.check(args, combined=True)
+    except failplan.FailureUsageError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _batch_size(args, facts: ModelFacts) -> Optional[int]:
     if facts.dataset is None:           # --params: the batch is the user's, if given
         return args.batch_size
     return args.batch_size or int(DATASETS[facts.dataset].defaults["batch_size"])
 
 
-def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInputs:
-    batch = _batch_size(args, facts)
-    m = measured or {}
+def _step(args, facts: ModelFacts, batch: Optional[int], m: Dict) -> Tuple[float, str, List]:
+    """Compute seconds of one step, where they come from, and the assumption lines."""
     if args.step_ms is not None:
-        step_s, step_src = args.step_ms / 1e3, "given"
-    elif "step_s" in m:
-        step_s, step_src = m["step_s"], m["step_source"]
-    else:
-        flop = TRAIN_FLOP_PER_MAC * facts.macs_per_sample * batch
-        step_s = flop / (args.tflops * 1e12)
-        step_src = (f"estimated: {flop / 1e9:.3g} GFLOP for batch {batch} at {args.tflops:g} "
-                    f"TFLOP/s; pass --step-ms for a measured figure")
-    links, srcs = {}, []
+        return args.step_ms / 1e3, "given", []
+    if "step_s" in m:
+        return m["step_s"], m["step_source"], []
+    if facts.dataset is None:           # --params: 6 N T FLOP at the GPU's sustained rate
+        tokens = args.tokens_per_step or advice.TOKENS_PER_STEP
+        step_s, line = advice.params_step(facts.n_params, tokens, args.tflops,
+                                          args.gpu or advice.DEFAULT_GPU,
+                                          args.tokens_per_step is not None)
+        return step_s, "estimated: 6 N x tokens FLOP (see assumed)", [line]
+    tflops = args.tflops or 10.0
+    flop = TRAIN_FLOP_PER_MAC * facts.macs_per_sample * batch
+    step_s = flop / (tflops * 1e12)
+    src = (f"estimated: {flop / 1e9:.3g} GFLOP for batch {batch} at {tflops:g} TFLOP/s; pass "
+           "--step-ms for a measured figure")
+    extra = [] if args.tflops else [
+        f"assumed: compute {step_s * 1e3:.3g} ms a step = {flop / 1e9:.3g} GFLOP (batch "
+        f"{batch}) at 10 TFLOP/s achieved (pass --step-ms, or --tflops to set)"]
+    return step_s, src, extra
+
+
+def _links(args, m: Dict) -> Tuple[Dict, List[str], List[str]]:
+    """The links (given, measured, or the intra-node one from --interconnect or --gpu), their
+    sources and the assumption lines."""
+    links, srcs, assumed = {}, [], []
     for kind in ("intra", "inter"):
         gbps, lat = getattr(args, f"{kind}_gbps"), getattr(args, f"{kind}_latency_us")
         if gbps is not None:
@@ -720,9 +800,36 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
         elif kind in m:
             links[kind] = m[kind]
             srcs.append(f"{kind} measured")
+        elif kind == "intra":
+            gbps, line = advice.intra_link(args.gpu or advice.DEFAULT_GPU, args.interconnect)
+            links[kind] = cm.Link.from_gbps(gbps, lat)
+            srcs.append("intra assumed")
+            assumed.append(line)
         else:
             raise UsageError(f"--{kind}-gbps: the job has no {kind}-node link to measure "
                              f"({m.get('layout', 'one rank')}); give --{kind}-gbps")
+    return links, srcs, assumed
+
+
+def _assumptions(args, measured: bool) -> List[str]:
+    """The lines of the defaults that stand for the device and the latencies."""
+    out = []
+    if args.gpu is None:
+        g = advice.GPUS[advice.DEFAULT_GPU]
+        out.append(f"assumed: every rank one {g.name} ({advice.DEFAULT_GPU}; the train command's "
+                   "--device cuda) (pass --gpu to set)")
+    if not measured and (args.intra_latency_us, args.inter_latency_us) == (2.0, 5.0):
+        out.append("assumed: latency 2 us inside a node, 5 us between nodes (InfiniBand); "
+                   f"device memory {args.mem_gbytes_per_s:g} GB/s (pass --intra-latency-us, "
+                   "--inter-latency-us, --mem-gbytes-per-s to set)")
+    return out
+
+
+def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInputs:
+    batch = _batch_size(args, facts)
+    m = measured or {}
+    step_s, step_src, step_assumed = _step(args, facts, batch, m)
+    links, srcs, link_assumed = _links(args, m)
     rpn = args.ranks_per_node or m.get("ranks_per_node")
     if args.worker_ranks != "node" and rpn and rpn % args.worker_ranks:
         raise UsageError(f"--worker-ranks: must divide the ranks of every node "
@@ -731,16 +838,102 @@ def _inputs(args, facts: ModelFacts, measured: Optional[Dict] = None) -> PlanInp
                       rpn, links["intra"],
                       links["inter"], step_s, step_src, ", ".join(srcs), batch,
                       args.mem_gbytes_per_s * 1e9, args.max_comm_share, args.allreduce,
-                      args.comm_dtype, args.worker_ranks, args.topk, args.recommend,
+                      args.comm_dtype, args.worker_ranks, args.topk,
+                      args.recommend or args.worker_ranks == 1,
                       args.recommend_slack, args.max_period, args.min_topk,
-                      args.assume_compressed_overlap)
+                      args.assume_compressed_overlap,
+                      _assumptions(args, bool(m)) + link_assumed + step_assumed)
+
+
+def _failures(args, facts: ModelFacts) -> Tuple[Dict, List[str]]:
+    """--mtbf-hours with the method plan: the failure plan of this model's checkpoint, and the
+    assumption lines of its defaults."""
+    state = (facts.n_params + facts.n_buffers) * failplan.STATE_BYTES_PER_ELEMENT
+    try:
+        ckpt = failplan.state_checkpoint_cost(args, state, advice.WRITE_GBYTES_PER_S * 1e9)
+    except failplan.FailureUsageError as exc:
+        raise UsageError(str(exc)) from None
+    fargs = argparse.Namespace(**{**vars(args), "step_ms": None})
+    result = failplan.failure_plan(fargs, checkpoint=ckpt)
+    lines = []
+    if ckpt["assumed"]:
+        lines.append(f"assumed: checkpoint {ckpt['seconds']:.3g} s = {state / 1e9:.3g} GB of "
+                     f"state (weights + momentum) at {advice.WRITE_GBYTES_PER_S:g} GB/s a writer "
+                     "(pass --write-gbytes-per-s, --checkpoint-dir or --checkpoint-seconds to "
+                     "set)")
+    names = {"job_hours": "{:g} h of training", "restart_seconds": "restart {:g} s",
+             "shrink_pause_seconds": "shrink pause {:g} s",
+             "heal_pause_seconds": "heal join {:g} s",
+             "replacement_seconds": "replacement ready after {:g} s",
+             "survivable": "{:.0%} of failures survivable"}
+    default = [k for k in names if getattr(args, k) == FAILURE_OPTIONS[k]]
+    if default:
+        lines.append("assumed: " + ", ".join(names[k].format(getattr(args, k)) for k in default)
+                     + " (pass " + ", ".join(f"--{k.replace('_', '-')}" for k in default)
+                     + " to set)")
+    return result, lines
+
+
+def _model_args(args, facts: ModelFacts) -> Tuple[List[str], Optional[str]]:
+    """The train command's model and data options, and what it still needs."""
+    if facts.dataset is None:
+        return [], ("add your data set and model: --dataset module:callable --model "
+                    "module:callable, docs/library.md")
+    note = None
+    if DATASETS[facts.dataset].needs_data_dir:
+        note = (f"--dataset {facts.dataset} needs --data-dir DIR: python -m lsgd_hpc.data fetch "
+                f"{facts.dataset} --root DIR")
+    return ["--dataset", facts.dataset, "--model", facts.model], note
+
+
+def answer(args, facts: ModelFacts, result: Dict) -> None:
+    """The one recommendation (``result["run"]``) of the plan's method and, with
+    --mtbf-hours, the failure plan (``result["failures"]``); assumption lines added to
+    ``result["inputs"]["assumptions"]``."""
+    rec = result.get("recommendation")
+    if rec is None:
+        return
+    failures = None
+    if args.mtbf_hours is not None:
+        failures, lines = _failures(args, facts)
+        result["inputs"]["assumptions"] += lines
+        result["failures"] = failures
+    model_args, note = _model_args(args, facts)
+    device = "cpu" if (args.gpu or advice.DEFAULT_GPU) == "cpu" else "cuda"
+    run = advice.run_recommendation(rec, failures, result["inputs"]["nodes"],
+                                    result["inputs"]["ranks_per_node"], device, model_args)
+    run["model_note"] = note
+    result["run"] = run
+
+
+def format_answer(result: Dict) -> str:
+    """The whole text: assumptions, the plan, the method candidates, the failure plan, and
+    the one recommendation with its command."""
+    parts = []
+    if result["inputs"].get("assumptions"):
+        parts.append("\n".join(result["inputs"]["assumptions"]) + "\n")
+    parts.append(format_plan(result))
+    if "recommendation" in result:
+        parts.append(format_recommendation(result["recommendation"]))
+    if "failures" in result:
+        parts.append("\n" + failplan.format_failure_plan(result["failures"], verdict=False))
+    if "run" in result:
+        parts.append(advice.format_run(result["run"], result["run"].get("model_note")))
+    return "\n".join(parts)
+
+
+def _routes_to_failure_planner(argv: Sequence[str]) -> bool:
+    """--mtbf-hours without --params, --inter-gbps or --measure: the failure planner alone."""
+    def given(name):
+        return any(a == name or a.startswith(name + "=") for a in argv)
+    return given("--mtbf-hours") and not any(
+        given(n) for n in ("--params", "--inter-gbps", "--measure"))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a == "--mtbf-hours" or a.startswith("--mtbf-hours=") for a in argv):
-        from lsgd_hpc.planning.failplan import main as failure_main   # the failure planner
-        return failure_main(argv, model_facts)
+    if _routes_to_failure_planner(argv):
+        return failplan.main(argv, model_facts)
     try:
         args = _parser().parse_args(argv)
         _check(args)
@@ -759,6 +952,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     try:
         result = plan(_inputs(args, facts, measured), facts)
+        answer(args, facts, result)
     except UsageError as exc:    # the same on every rank: measured figures are broadcast
         if rank == 0:
             print(f"lsgd_hpc.plan: error: {exc}", file=sys.stderr)
@@ -767,13 +961,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if measured:
             result["measured"] = {k: (asdict(v) if isinstance(v, cm.Link) else v)
                                   for k, v in measured.items()}
-        if args.json:
-            print(json.dumps(result, indent=2, default=str))
-        else:
-            text = format_plan(result)
-            if "recommendation" in result:
-                text += "\n" + format_recommendation(result["recommendation"])
-            print(text)
+        doc = failplan.finite(result) if "failures" in result else result  # inf: never
+        print(json.dumps(doc, indent=2, default=str) if args.json else format_answer(result))
     return 0
 
 
