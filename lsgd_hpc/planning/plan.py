@@ -562,6 +562,30 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _add_recommend_options(p: argparse.ArgumentParser) -> None:
+    """The method recommendation's options (lsgd_hpc.planning.recommend)."""
+    p.add_argument("--recommend", action="store_true",
+                   help="(the default without --worker-ranks) recommend a method, its period "
+                        "and its compressor: the least aggressive candidate (smallest period, then mildest compression) of "
+                        "a grid (allreduce; lsgd; diloco; streaming diloco; easgd; H/tau in "
+                        "4..500; fp32/int8/int4/int2; top-k 1, 0.03, 0.01) whose predicted "
+                        "step is within --recommend-slack of the fastest")
+    p.add_argument("--recommend-slack", type=float, default=0.05, metavar="S",
+                   help="with --recommend: eligible candidates are within this fraction of "
+                        "the fastest predicted step (default 0.05)")
+    p.add_argument("--max-period", type=int, default=500, metavar="H",
+                   help="with --recommend, the quality guard: no period (H, tau) above H "
+                        "(default 500: DiLoCo's)")
+    p.add_argument("--min-topk", type=float, default=0.01, metavar="F",
+                   help="with --recommend, the quality guard: no top-k below F (default 0.01: "
+                        "SparseLoCo's 1%%)")
+    p.add_argument("--assume-compressed-overlap", action="store_true",
+                   help="with --recommend: price LSGD's compressed pull started early "
+                        "(--pull-delay) as hidden behind compute like an fp32 one (the "
+                        "package runs a compressed non-blocking broadcast at once today, "
+                        "hiding nothing; a compressed allreduce hides for real)")
+
+
 def _parser() -> argparse.ArgumentParser:
     from lsgd_hpc.models.zoo import MODELS
     p = _Parser(prog="python -m lsgd_hpc.plan",
@@ -582,7 +606,7 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the ranks' device (default {advice.DEFAULT_GPU}, assumed): its "
                         "link inside a node (h100 NVLink 4, a100 NVLink 3, v100 NVLink 2, cpu "
                         "shared memory), its sustained TFLOP/s for a --params model "
-                        f"({advice.MFU:.0%} of its peak) and the train command's --device")
+                        f"({advice.MFU * 100:.0f}%% of its peak) and the train command's --device")
     p.add_argument("--interconnect", choices=tuple(advice.INTERCONNECTS),
                    help="the link inside a node in place of the GPU's (e.g. pcie4 for PCIe "
                         "cards): nvlink4 3600, nvlink3 2400, nvlink2 1200, pcie5 512, pcie4 "
@@ -598,7 +622,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, help="per-rank minibatch (default: the data set's)")
     p.add_argument("--tflops", type=float,
                    help="achieved TFLOP/s per rank for the estimate without --step-ms (default: "
-                        f"--params {advice.MFU:.0%} of --gpu's peak; --model 10)")
+                        f"--params {advice.MFU * 100:.0f}%% of --gpu's peak; --model 10)")
     p.add_argument("--mem-gbytes-per-s", type=float, default=1500.0,
                    help="device memory bandwidth for the pulls' elementwise passes, GB/s")
     p.add_argument("--max-comm-share", type=float, default=0.1,
@@ -623,26 +647,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="ranks per worker (the trainer's --worker-ranks): K ranks of a node, or "
                         "node, train one replica with an allreduce of the gradient inside; the "
                         "methods run between workers (default 1: every rank a worker)")
-    p.add_argument("--recommend", action="store_true",
-                   help="(the default without --worker-ranks) recommend a method, its period "
-                        "and its compressor: the least aggressive candidate (smallest period, then mildest compression) of "
-                        "a grid (allreduce; lsgd; diloco; streaming diloco; easgd; H/tau in "
-                        "4..500; fp32/int8/int4/int2; top-k 1, 0.03, 0.01) whose predicted "
-                        "step is within --recommend-slack of the fastest")
-    p.add_argument("--recommend-slack", type=float, default=0.05, metavar="S",
-                   help="with --recommend: eligible candidates are within this fraction of "
-                        "the fastest predicted step (default 0.05)")
-    p.add_argument("--max-period", type=int, default=500, metavar="H",
-                   help="with --recommend, the quality guard: no period (H, tau) above H "
-                        "(default 500: DiLoCo's)")
-    p.add_argument("--min-topk", type=float, default=0.01, metavar="F",
-                   help="with --recommend, the quality guard: no top-k below F (default 0.01: "
-                        "SparseLoCo's 1%%)")
-    p.add_argument("--assume-compressed-overlap", action="store_true",
-                   help="with --recommend: price LSGD's compressed pull started early "
-                        "(--pull-delay) as hidden behind compute like an fp32 one (the "
-                        "package runs a compressed non-blocking broadcast at once today, "
-                        "hiding nothing; a compressed allreduce hides for real)")
+    _add_recommend_options(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--mtbf-hours", metavar="H",
                    help="per-node MTBF, hours (llama3: the Llama 3 report's): with --params or "

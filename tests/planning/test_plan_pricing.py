@@ -81,7 +81,7 @@ def test_cli_params_accepted():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--params", "1e9", *CLUSTER], "--step-ms: required with --params"),
+    (["--model", "mlp", *CLUSTER, "--tokens-per-step", "8"], "--tokens-per-step: for --params"),
     (["--params", "0", *CLUSTER, "--step-ms", "1"], "--params"),
     (["--params", "2.5", *CLUSTER, "--step-ms", "1"], "--params"),
     (["--params", "inf", *CLUSTER, "--step-ms", "1"], "--params"),

@@ -130,8 +130,16 @@ def test_cli_recommend_json_has_the_fields():
 def test_cli_recommend_text(capsys):
     assert main(BIG + ["--recommend", "--inter-gbps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "recommended method (rho 400)" in out and "python -m lsgd_hpc.train --algorithm" in out
-    assert "wire/step" in out and "baseline" in out
+    assert "method candidates (rho 400)" in out and "wire/step" in out and "baseline" in out
+    # one answer: the last "recommended:" line, its command the candidates' first by the rule
+    said = [ln for ln in out.splitlines() if "recommended" in ln.lower()]
+    assert len(said) == 1 and said[0].startswith("recommended: "), said
+    lines = out.splitlines()
+    command = lines[lines.index(said[0]) + 1].strip()
+    assert command.startswith("mpirun -np 32 --map-by ppr:8:node python -m lsgd_hpc.train "
+                              "--algorithm ")
+    first = next(ln for ln in lines if ln.endswith("first by the rule"))
+    assert first.split()[0] in said[0]
 
 
 @pytest.mark.parametrize("extra, needle", [
