@@ -1,9 +1,12 @@
 """The per-rank HDF5 metrics file (schema_version 1): rows buffered between flushes, each flush
-appended to the file in HDF5's single-writer/multiple-reader (SWMR) mode."""
+appended to the file in HDF5's single-writer/multiple-reader (SWMR) mode, through a file object
+that keeps the superblock's status flags clear on disk (a file left by a killed writer opens
+with a plain ``h5py.File(path, "r")``)."""
 
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import pickle
@@ -70,10 +73,12 @@ def rank_file(run_dir: str, rank: int) -> str:
 
 def open_rank_file(path) -> h5py.File:
     """A rank file opened read-only, without HDF5 file locking, also while its writer appends
-    to it: a file that a writer holds open (or held when it was killed mid-flush) is marked
-    "already open for write" and is then opened as a SWMR reader, which sees the rows of
-    the writer's last completed flush at least. Any other error (a truncated file, not HDF5)
-    propagates. Columns of a group may then differ in length by the rows of one flush: cut
+    to it. This package's writer never leaves the superblock's status flags set on disk (see
+    ``MetricsWriter``), so its files open as ordinary ones; a file whose flags are set (written
+    by an older version of this package, or by another SWMR writer) is marked "already open
+    for write" and is then opened as a SWMR reader, which sees the rows of the writer's last
+    completed flush at least. Any other error (a truncated file, not HDF5) propagates. Columns
+    of a group may differ in length by the rows of one flush (a writer killed mid-flush): cut
     them to the shortest (the rows they all have are a prefix of the rows logged)."""
     try:
         return h5py.File(path, "r", locking=False)
@@ -83,13 +88,167 @@ def open_rank_file(path) -> h5py.File:
     return h5py.File(path, "r", locking=False, swmr=True)
 
 
-def _swmr_fapl():
-    """File access for the writer's appends: the latest format (SWMR needs it), no locking
-    (readers take none either)."""
+def _swmr_fapl(fileobj):
+    """File access for the writer's appends: HDF5 writes through ``fileobj`` (h5py's
+    file-object driver; a ``_CrashSafeFile``), the latest format (SWMR needs it)."""
     fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+    fapl.set_fileobj_driver(h5py.h5fd.fileobj_driver, fileobj)
     fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
-    fapl.set_file_locking(False, ignore_when_disabled=True)
     return fapl
+
+
+#: the HDF5 format signature, at the start of a file without a user block
+_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+#: bytes of a superblock of version 2 or 3 with 8-byte addresses (the longest read back)
+_SUPERBLOCK_BYTES = 48
+
+
+def _lookup3(data: bytes, initval: int = 0) -> int:
+    """Bob Jenkins' lookup3 ``hashlittle``: HDF5's metadata checksum (H5_checksum_lookup3)."""
+    m = 0xFFFFFFFF
+
+    def rot(x, k):
+        return ((x << k) | (x >> (32 - k))) & m
+
+    n = len(data)
+    a = b = c = (0xDEADBEEF + n + initval) & m
+    i = 0
+    while n > 12:
+        a = (a + int.from_bytes(data[i:i + 4], "little")) & m
+        b = (b + int.from_bytes(data[i + 4:i + 8], "little")) & m
+        c = (c + int.from_bytes(data[i + 8:i + 12], "little")) & m
+        a = ((a - c) & m) ^ rot(c, 4); c = (c + b) & m
+        b = ((b - a) & m) ^ rot(a, 6); a = (a + c) & m
+        c = ((c - b) & m) ^ rot(b, 8); b = (b + a) & m
+        a = ((a - c) & m) ^ rot(c, 16); c = (c + b) & m
+        b = ((b - a) & m) ^ rot(a, 19); a = (a + c) & m
+        c = ((c - b) & m) ^ rot(b, 4); b = (b + a) & m
+        i, n = i + 12, n - 12
+    if n == 0:
+        return c
+    tail = bytes(data[i:i + n]) + bytes(12 - n)
+    a = (a + int.from_bytes(tail[0:4], "little")) & m
+    b = (b + int.from_bytes(tail[4:8], "little")) & m
+    c = (c + int.from_bytes(tail[8:12], "little")) & m
+    c = (c ^ b) - rot(b, 14) & m
+    a = (a ^ c) - rot(c, 11) & m
+    b = (b ^ a) - rot(a, 25) & m
+    c = (c ^ b) - rot(b, 16) & m
+    a = (a ^ c) - rot(c, 4) & m
+    b = (b ^ a) - rot(a, 14) & m
+    c = (c ^ b) - rot(b, 24) & m
+    return c
+
+
+def _superblock_fields(head) -> Optional[tuple]:
+    """(checksummed length, offset of the end-of-file address, bytes of an address) of the
+    version-2-or-later superblock that ``head`` starts with; None for anything else."""
+    if len(head) < 12 or bytes(head[:8]) != _SIGNATURE or head[8] < 2:
+        return None
+    size = head[9]
+    end = 12 + 4 * size                # signature .. root group address; then the checksum
+    return (end, 12 + 2 * size, size) if len(head) >= end + 4 else None
+
+
+def clear_status_flags(head: bytes, eof: Optional[int] = None) -> bytes:
+    """``head`` (a file's first bytes, the superblock whole) with the superblock's status
+    flags cleared (what ``h5clear -s`` does), its end-of-file address set to ``eof`` when
+    given, and its checksum made anew; ``head`` itself when it does not start with a
+    superblock of version 2 or later. HDF5 sets the flags (write access, SWMR write access)
+    in a version-3 superblock while a writer holds the file open and clears them at its
+    close; a plain reader refuses a file whose flags are set ("file is already open for
+    write")."""
+    fields = _superblock_fields(head)
+    if fields is None:
+        return head
+    end, eof_at, size = fields
+    sb = bytearray(head)
+    sb[11] = 0
+    if eof is not None:
+        sb[eof_at:eof_at + size] = int(eof).to_bytes(size, "little")
+    sb[end:end + 4] = _lookup3(bytes(sb[:end])).to_bytes(4, "little")
+    return bytes(sb)
+
+
+class _CrashSafeFile(io.FileIO):
+    """The rank file as the appending writer's HDF5 sees it (h5py's file-object driver),
+    kept such that the file on disk, after any of its writes (where a SIGKILL may cut the
+    writer), opens with a plain ``h5py.File(path, "r")`` and reads back:
+
+    - every write of the superblock goes to disk with its status flags cleared, in the same
+      write: HDF5 keeps its own copy of the flags in memory (it writes, flushes and closes
+      as a SWMR writer), but the file on disk never carries them ("already open for write");
+    - the superblock's end-of-file address covers every byte written: after a write past it
+      (a new chunk, a new chunk index block), the superblock is written again with the new
+      end, before HDF5's next write, which may point to them (a SWMR writer writes what
+      an object points to before the object, and the superblock only at its close; a
+      plain reader refuses an address past the end-of-file address: "addr overflow"). It
+      never exceeds the file's length either ("truncated file").
+
+    A file that does not start with a superblock of version 2 or later is written as is.
+    """
+
+    def __init__(self, path: str):
+        super().__init__(path, "r+")
+        self._sb = bytearray(os.pread(self.fileno(), _SUPERBLOCK_BYTES, 0))
+        fields = _superblock_fields(self._sb)
+        #: the end-of-file address in the superblock on disk (None: not a superblock we know)
+        self._eof = None if fields is None else \
+            int.from_bytes(self._sb[fields[1]:fields[1] + fields[2]], "little")
+        #: whether the superblock on disk carries status flags (left by another writer)
+        self.flagged = fields is not None and bool(self._sb[11])
+
+    def _put_superblock(self, eof: int) -> None:
+        self._sb = bytearray(clear_status_flags(bytes(self._sb), eof))
+        self._pwrite(memoryview(self._sb), 0)
+        self._eof = eof
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        pos, n = self.tell(), len(view)
+        if self._eof is None:
+            return self._pwrite(view, pos)
+        if pos < len(self._sb):
+            # (a part of) the superblock: merged into the one on disk, flags cleared, its
+            # end-of-file address no more than the file's length; one write from offset 0
+            head = bytearray(max(pos + n, len(self._sb)))
+            head[:len(self._sb)] = self._sb
+            head[pos:pos + n] = view
+            fields = _superblock_fields(head)
+            if fields is None:
+                return self._pwrite(view, pos)
+            _, eof_at, size = fields
+            eof = min(int.from_bytes(head[eof_at:eof_at + size], "little"),
+                      max(os.fstat(self.fileno()).st_size, pos + n))
+            out = clear_status_flags(bytes(head), eof)
+            self._pwrite(memoryview(out), 0)
+            self._sb, self._eof = bytearray(out[:len(self._sb)]), eof
+            self.seek(pos + n)
+            return n
+        self._pwrite(view, pos)
+        if pos + n > self._eof:
+            self._put_superblock(pos + n)
+            self.seek(pos + n)
+        return n
+
+    def truncate(self, size=None):
+        size = self.tell() if size is None else size
+        if self._eof is not None and size < self._eof:
+            self._put_superblock(size)
+        self._ftruncate(size)
+        return size
+
+    def _ftruncate(self, size: int) -> None:
+        os.ftruncate(self.fileno(), size)
+
+    def _pwrite(self, view: memoryview, pos: int) -> int:
+        """All of ``view`` at ``pos`` (the file position left after it, as a write leaves
+        it)."""
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fileno(), view[done:], pos + done)
+        self.seek(pos + done)
+        return done
 
 
 def _fsync(path: str) -> None:
@@ -105,15 +264,19 @@ class MetricsWriter:
 
     The file's columns are chunked, resizable datasets. The first flush writes the file whole
     (a temporary file in the same folder, fsynced, renamed over the path); each later flush
-    opens it directly in HDF5's SWMR-write mode, extends every column of a group by its new
-    rows, writes them, flushes, closes and fsyncs the file: its cost is that of the new rows,
-    not of the whole run, and memory holds the rows of one flush interval (``rows``; the
-    counts already on disk are ``written``). HDF5 writes the raw data before the metadata
-    and, in SWMR mode, a column's chunk index before its extent, so a job killed at any
-    instant (even mid-flush) leaves a file that h5py opens (``open_rank_file``: a SWMR
-    reader when the kill came mid-flush) and whose columns hold prefixes of the rows logged;
-    the columns of a group differ by at most the rows of the flush that was cut, and readers
-    cut them to the shortest. Between flushes the file is closed, an ordinary HDF5 file.
+    opens it directly, switches to HDF5's SWMR writing, extends every column of a group by
+    its new rows, writes them, flushes, closes and fsyncs the file: its cost is that of the
+    new rows, not of the whole run, and memory holds the rows of one flush interval
+    (``rows``; the counts already on disk are ``written``). As a SWMR writer HDF5 writes the
+    raw data before the metadata and what an object points to before the object (a column's
+    chunk index before its extent); it writes through a ``_CrashSafeFile``, which keeps the
+    superblock's status flags clear on disk and its end-of-file address past every byte
+    written. So a job killed at any instant (even mid-flush) leaves a file that a plain
+    ``h5py.File(path, "r")`` opens, whose columns hold prefixes of the rows logged; the
+    columns of a group differ by at most the rows of the flush that was cut, and readers cut
+    them to the shortest (tests/runtime/test_metrics_kill.py replays every write of a flush
+    cut short, and SIGKILLs writers). Between flushes the file is closed, an ordinary HDF5
+    file.
 
     What changes the file's layout (the first rows of an optional group such as /faults,
     changed attributes such as ``end_time`` at ``close()``, a resume's ``load_existing``)
@@ -201,8 +364,8 @@ class MetricsWriter:
             try:
                 self._append()
             except OSError:
-                # the file is held read-only by a reader of this process, or marked open
-                # for write by a writer that was killed: write it anew instead
+                # the file's status flags are set (another SWMR writer holds it, or was
+                # killed holding it), or it is not what this writer wrote: write it anew
                 self._rewrite(dict(self.written))
         self._last_flush_time = time.monotonic()
         self._rows_since_flush = 0
@@ -222,29 +385,40 @@ class MetricsWriter:
                 values.clear()
 
     def _append(self) -> None:
-        fid = h5py.h5f.open(os.fsencode(self.path),
-                            h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE, _swmr_fapl())
-        try:
-            for g, cols in self.rows.items():
-                k, n = self._pending(g), self.written[g]
-                if not k:
-                    continue
-                # every column's extent and data (HDF5's low-level calls: a tenth of the
-                # high-level ones' cost); at the flush below HDF5 writes the raw data first,
-                # then each column's chunk index before its extent (SWMR flush order)
-                for c, values in cols.items():
-                    ds = h5py.h5d.open(fid, f"{g}/{c}".encode())
-                    ds.set_extent((n + k,))
-                    space = ds.get_space()
-                    space.select_hyperslab((n,), (k,))
-                    ds.write(h5py.h5s.create_simple((k,)), space,
-                             np.ascontiguousarray(values, dtype=self.columns[g][c]))
-                    ds.close()
-            h5py.h5f.flush(fid)
-        finally:
-            fid.close()
-        _fsync(self.path)
+        with _CrashSafeFile(self.path) as raw:
+            if raw.flagged:
+                raise OSError(f"{self.path}: superblock status flags set (a writer holds it, "
+                              f"or was killed holding it)")
+            fid = h5py.h5f.open(os.fsencode(self.path), h5py.h5f.ACC_RDWR, _swmr_fapl(raw))
+            try:
+                # SWMR writing (HDF5 refuses ACC_SWMR_WRITE at the open through a file
+                # object, not the switch after it): what an object points to is written
+                # before the object; without it, some cut flushes read back wrong values
+                fid.start_swmr_write()
+                self._append_rows(fid)
+            finally:
+                fid.close()
+            os.fsync(raw.fileno())
         self._taken()
+
+    def _append_rows(self, fid) -> None:
+        """Each group's new rows appended to its columns, then the file flushed."""
+        for g, cols in self.rows.items():
+            k, n = self._pending(g), self.written[g]
+            if not k:
+                continue
+            # every column's extent and data (HDF5's low-level calls: a tenth of the
+            # high-level ones' cost); at the flush below HDF5 writes the raw data first,
+            # then each column's chunk index before its extent (SWMR flush order)
+            for c, values in cols.items():
+                ds = h5py.h5d.open(fid, f"{g}/{c}".encode())
+                ds.set_extent((n + k,))
+                space = ds.get_space()
+                space.select_hyperslab((n,), (k,))
+                ds.write(h5py.h5s.create_simple((k,)), space,
+                         np.ascontiguousarray(values, dtype=self.columns[g][c]))
+                ds.close()
+        h5py.h5f.flush(fid)
 
     def _rewrite(self, keep: Dict[str, int], src: Optional[h5py.File] = None) -> None:
         """Write the file anew: the attributes, the first ``keep[g]`` rows of each group

@@ -12,7 +12,8 @@ import textwrap
 import h5py
 import pytest
 
-from lsgd_hpc.runtime.metrics import GROUPS, MetricsWriter, open_rank_file
+from lsgd_hpc.runtime.metrics import (GROUPS, MetricsWriter, clear_status_flags,
+                                      open_rank_file)
 
 
 def train_row(w, s):
@@ -83,34 +84,46 @@ def test_flushes_append_and_memory_holds_one_interval(tmp_path):
 
 
 def test_a_reader_of_this_process_holding_the_file(tmp_path):
-    """An open reader in the same process keeps HDF5 from opening the file for SWMR writing:
-    the flush writes it anew instead."""
+    """An open reader in the same process does not keep the writer from appending (it writes
+    through a file object of its own, which HDF5 does not match with the reader's): the file
+    is not written anew (same inode) and the reader sees the new rows."""
     path = tmp_path / "m.h5"
     w = writer(path)
+    inode = os.stat(path).st_ino
     with open_rank_file(path) as r:
         train_row(w, 6)
         w.flush()
-        assert len(r["train"]["step"]) == 5
+        assert os.stat(path).st_ino == inode
+        assert list(r["train"]["step"]) == [1, 2, 3, 4, 5, 6]
     assert w.column("train", "step") == [1, 2, 3, 4, 5, 6]
     train_row(w, 7)
     w.flush()
     assert w.column("train", "step") == list(range(1, 8))
+    assert os.stat(path).st_ino == inode
 
 
-def test_a_file_left_open_by_a_killed_writer(tmp_path):
-    """A writer SIGKILLed while it holds the file in SWMR mode: open_rank_file reads it, and
-    a resume keeps its rows and leaves an ordinary file."""
-    path = tmp_path / "m.h5"
-    writer(path)
+def sec2_swmr_writer_killed(path):
+    """Open ``path`` for SWMR writing as HDF5 does by itself (this package's writer before
+    it wrote through _CrashSafeFile) and SIGKILL the process holding it."""
     code = textwrap.dedent(f"""
         import os, signal, h5py
-        from lsgd_hpc.runtime.metrics import _swmr_fapl
+        fapl = h5py.h5p.create(h5py.h5p.FILE_ACCESS)
+        fapl.set_libver_bounds(h5py.h5f.LIBVER_LATEST, h5py.h5f.LIBVER_LATEST)
         fid = h5py.h5f.open({str(path).encode()!r}, h5py.h5f.ACC_RDWR | h5py.h5f.ACC_SWMR_WRITE,
-                            _swmr_fapl())
+                            fapl)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     res = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert res.returncode == -signal.SIGKILL
+
+
+def test_a_file_left_open_by_another_killed_swmr_writer(tmp_path):
+    """A file whose superblock status flags a killed SWMR writer left set (an older version
+    of this package): a plain open refuses it, open_rank_file reads it, a resume keeps its
+    rows and leaves an ordinary file."""
+    path = tmp_path / "m.h5"
+    writer(path)
+    sec2_swmr_writer_killed(path)
     with pytest.raises(OSError, match="already open for write"):
         h5py.File(path, "r", locking=False)
     assert lengths(path)["train"] == {5}
@@ -118,6 +131,39 @@ def test_a_file_left_open_by_a_killed_writer(tmp_path):
     fresh.load_existing({"train": 4, "eval": 1, "leader": 0, "consensus": 0})
     with h5py.File(path, "r") as f:
         assert list(f["train"]["step"]) == [1, 2, 3, 4] and list(f["eval"]["step"]) == [5]
+
+
+def test_a_flush_into_a_flagged_file_writes_it_anew(tmp_path):
+    """The writer's append refuses a file whose status flags are set (HDF5: already open for
+    write); the flush writes the file anew, an ordinary one, with every row."""
+    path = tmp_path / "m.h5"
+    w = writer(path)
+    sec2_swmr_writer_killed(path)
+    train_row(w, 6)
+    w.flush()
+    with h5py.File(path, "r") as f:
+        assert list(f["train"]["step"]) == [1, 2, 3, 4, 5, 6]
+
+
+def test_clear_status_flags_is_h5clear(tmp_path):
+    """clear_status_flags on the superblock of a file left flagged gives one that HDF5 opens
+    (checksum made anew: lookup3); on bytes that are no superblock of version 2 or later,
+    the bytes themselves."""
+    path = tmp_path / "m.h5"
+    writer(path)
+    with open(path, "rb") as f:
+        clean = f.read(48)
+    sec2_swmr_writer_killed(path)
+    with open(path, "r+b") as f:
+        flagged = f.read(48)
+        assert flagged[11] != 0 and flagged != clean
+        assert clear_status_flags(flagged) == clean
+        f.seek(0)
+        f.write(clear_status_flags(flagged))
+    with h5py.File(path, "r") as f:
+        assert list(f["train"]["step"]) == [1, 2, 3, 4, 5]
+    assert clear_status_flags(b"not an HDF5 file") == b"not an HDF5 file"
+    assert clear_status_flags(clean) == clean
 
 
 def test_fewer_rows_than_the_checkpoint_is_an_error(tmp_path):
