@@ -72,7 +72,7 @@ def intra_link(gpu: str, interconnect: Optional[str]) -> Tuple[float, str]:
     """Gbit/s inside a node and its assumption line."""
     name = interconnect or GPUS[gpu].interconnect
     gbps, what = INTERCONNECTS[name]
-    how = "--interconnect" if interconnect else f"{gpu}'s, --gpu"
+    how = "--interconnect" if interconnect else f"the {gpu}'s"
     return gbps, (f"assumed: inside a node {gbps:g} Gbit/s a rank: {name} ({what}; {how}) "
                   "(pass --intra-gbps or --interconnect to set)")
 

@@ -781,7 +781,7 @@ def _step(args, facts: ModelFacts, batch: Optional[int], m: Dict) -> Tuple[float
         step_s, line = advice.params_step(facts.n_params, tokens, args.tflops,
                                           args.gpu or advice.DEFAULT_GPU,
                                           args.tokens_per_step is not None)
-        return step_s, "estimated: 6 N x tokens FLOP (see assumed)", [line]
+        return step_s, "estimated: 6 N T FLOP, see the assumed line", [line]
     tflops = args.tflops or 10.0
     flop = TRAIN_FLOP_PER_MAC * facts.macs_per_sample * batch
     step_s = flop / (tflops * 1e12)
