@@ -163,12 +163,15 @@ TRAINER_OPTIONS = (
            section="output and checkpoints", low=0),
     Option("log_every", 1, "int", "steps between rows of /train",
            section="output and checkpoints", low=1),
-    # A flush rebuilds the rank's file and fsyncs it (25-60 ms here): every 200 steps that
-    # was 3-8 % of a small model's step time (loop_overhead benchmark), every 1000 under 1.5 %.
-    Option("flush_every", 1000, "int", "steps between metric flushes",
+    # A flush appends the rows since the last one and fsyncs the file (a few ms here, at any
+    # length of run: metrics_flush benchmark): every 5 s it is ~0.1 % of the run, and a rank
+    # that dies (SIGKILL, a lost node) leaves a file that ends at most ~5 s before its death.
+    Option("flush_every", 1000, "int",
+           "steps between metric flushes (or --flush-seconds, whichever comes first)",
            section="output and checkpoints", low=1),
-    Option("flush_seconds", 60.0, "float", "seconds between flushes",
-           section="output and checkpoints", low=0, low_open=True),
+    Option("flush_seconds", 5.0, "float",
+           "seconds between metric flushes (a killed rank's file ends at most this long "
+           "before its death)", section="output and checkpoints", low=0, low_open=True),
     Option("checkpoint_every", 0, "int",
            "steps between checkpoints (0: on preemption and at the end)",
            section="output and checkpoints", low=0),
