@@ -1,10 +1,10 @@
 """``python -m lsgd_hpc.summary RUN_DIR --follow``: the progress of a running job, one line per
 interval, read from its per-rank metrics files while they are being written.
 
-A writer appends each flush's rows to its file in HDF5's SWMR mode (a change of the file's
+A writer appends each flush's rows to its file as a SWMR writer (a change of the file's
 layout replaces it whole: a temporary file, fsync, rename), so any file opened holds complete
-rows up to a flush (``lsgd_hpc.runtime.metrics.open_rank_file``: a SWMR reader while a flush
-is under way, columns cut to the shortest); files are opened without HDF5 locking, each one
+rows up to a flush (``lsgd_hpc.runtime.metrics.open_rank_file``; columns cut to the shortest
+while a flush is under way); files are opened without HDF5 locking, each one
 re-read only when it changed (inode, size, modification time), and a file that vanishes or
 cannot be read between the listing and the read is read again at the next interval (its
 previous rows stand meanwhile). Each line::

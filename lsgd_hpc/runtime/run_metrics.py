@@ -44,7 +44,7 @@ class RunMetrics(MetricsWriter):
     clock is then no longer used."""
 
     def __init__(self, path: str, attrs: dict, comm, flush_every: int = 1000,
-                 flush_seconds: float = 60.0, extra_columns=None, trackers=None):
+                 flush_seconds: float = 5.0, extra_columns=None, trackers=None):
         super().__init__(path, attrs, flush_every, flush_seconds, extra_columns, trackers)
         self.comm = comm
         self.t0 = time.perf_counter()
@@ -281,7 +281,7 @@ def _library_of(comm) -> str:
 
 
 def open_metrics(run_dir: str, comm, method=None, config: Optional[dict] = None,
-                 flush_every: int = 1000, flush_seconds: float = 60.0,
+                 flush_every: int = 1000, flush_seconds: float = 5.0,
                  extra_columns: Optional[dict] = None, trackers=None) -> RunMetrics:
     """Collective: this rank's ``RUN_DIR/metrics/rankNNNNN.h5`` with the schema's file
     attributes (``lsgd_hpc.aggregate`` and ``lsgd_hpc.summary`` read it). ``method``: its
