@@ -393,8 +393,12 @@ class MetricsWriter:
             try:
                 # SWMR writing (HDF5 refuses ACC_SWMR_WRITE at the open through a file
                 # object, not the switch after it): what an object points to is written
-                # before the object; without it, some cut flushes read back wrong values
-                fid.start_swmr_write()
+                # before the object; without it, some cut flushes read back wrong values.
+                # An HDF5 that refuses the switch too: the flush writes the file anew.
+                try:
+                    fid.start_swmr_write()
+                except (RuntimeError, ValueError) as exc:
+                    raise OSError(f"{self.path}: no SWMR writing: {exc}") from exc
                 self._append_rows(fid)
             finally:
                 fid.close()
