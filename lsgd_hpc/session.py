@@ -285,7 +285,8 @@ def exit_as_interpreter(code: int) -> None:
 
 def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="auto",
          abort_on_exception: bool = True, on_failure: str = "abort",
-         min_ranks: int = 1, spares: int = 0) -> Comm:
+         min_ranks: int = 1, spares: int = 0,
+         failure_timeout: Optional[float] = None) -> Comm:
     """Join the job's world (collective: every rank calls it once, first).
 
     ``backend``: ``"mpi"`` (mpi4py; mpirun, srun --mpi=pmix), ``"horovod"``, or ``"torch"``
@@ -295,8 +296,11 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     ``"cpu"``, ``"cuda"`` or a torch.device. ``abort_on_exception``: an uncaught exception
     on one rank aborts the whole job (the default), instead of leaving the others hanging.
     ``on_failure``: ``"abort"`` (the default: the first dead rank ends the job) or
-    ``"shrink"`` (the survivors go on in a smaller world; the MPI backend under a
-    fault-tolerant MPI only, ``mpirun --with-ft ulfm``; ValueError on every rank otherwise).
+    ``"shrink"`` (the survivors go on in a smaller world: the MPI backend under a
+    fault-tolerant MPI, ``mpirun --with-ft ulfm``; or the torch backend with every worker a
+    torchft replica group, lsgd_hpc/comm/replicas.py; ValueError on every rank otherwise).
+    ``failure_timeout``: torch backend with ``"shrink"``, the seconds after which a silent
+    worker counts as lost (default 10); every other timeout of torchft follows from it.
     ``min_ranks``: with ``"shrink"``, fewer survivors than this end the job
     (``lsgd_hpc.comm.failures.UnrecoverableFailure`` on every survivor). ``spares``: with
     ``"heal"``, the job's last ``spares`` ranks train nothing and wait to replace lost ranks
@@ -317,6 +321,16 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
     from lsgd_hpc.comm import NodeGroups, launcher, make_world
     tolerant = on_failure in ("shrink", "heal")
+    if failure_timeout is not None and not (tolerant and backend == "torch"):
+        raise ValueError("failure_timeout is for backend='torch' with on_failure='shrink' "
+                         "(torchft's timeouts); ULFM detects failures itself")
+    if tolerant and backend == "torch":
+        from lsgd_hpc.comm.replicas import join_replicas
+        dev = _pick_device(device, launcher.local_rank() or 0)
+        comm = join_replicas(dev, ranks_per_node, min_ranks, on_failure, failure_timeout)
+        if abort_on_exception:
+            _install_abort_hook(comm.world)
+        return comm
     if tolerant and backend != "mpi":
         from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ValueError(ulfm_problem(backend).replace("'shrink'", repr(on_failure)))

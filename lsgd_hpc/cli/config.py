@@ -144,6 +144,11 @@ TRAINER_OPTIONS = (
     Option("min_ranks", 1, "int",
            "with --on-failure shrink or heal: fewer survivors than this end the job (exit 3)",
            section="cluster and backend", low=1),
+    Option("failure_timeout", None, "float",
+           "with --backend torch --on-failure shrink: seconds after which a silent worker "
+           "counts as lost; torchft's timeouts follow from it (between workers this, inside "
+           "a worker twice this, quorum and start-up six times, at least 60 s)",
+           section="cluster and backend", low=0, low_open=True, none="10"),
     Option("inject_failure", None, "str",
            "RANK:STEP[,RANK:STEP...]: testing only, that rank (as numbered at the start) "
            "SIGKILLs itself at that step; leader:STEP kills the global leader elected then, "
@@ -485,7 +490,24 @@ def _check_failure_options(cfg: Config) -> None:
     """--straggler, --inject-failure, --on-failure and --min-ranks."""
     straggler_of(cfg)
     failures_of(cfg)
-    if cfg.on_failure in ("shrink", "heal") and cfg.backend != "mpi":
+    torch_ft = cfg.on_failure in ("shrink", "heal") and cfg.backend == "torch"
+    if cfg.failure_timeout is not None and not torch_ft:
+        raise ConfigError("--failure-timeout", "is for --backend torch with --on-failure "
+                                               "shrink (torchft's timeouts); ULFM detects "
+                                               "failures itself")
+    if torch_ft:
+        from lsgd_hpc.comm.replicas import replica_problem
+        problem = replica_problem(cfg.on_failure)
+        if problem:
+            raise ConfigError("--on-failure", problem.replace(
+                "on_failure='heal'", "heal").replace("on_failure='shrink'", "--on-failure "
+                "shrink").replace("backend='", "--backend ").replace("'", ""))
+        if cfg.worker_ranks != 1:
+            raise ConfigError("--worker-ranks", f"{cfg.worker_ranks} is not supported with "
+                                                "--backend torch --on-failure shrink yet "
+                                                "(every rank is its own torchft replica "
+                                                "group); use --worker-ranks 1")
+    elif cfg.on_failure in ("shrink", "heal") and cfg.backend != "mpi":
         from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ConfigError("--on-failure", ulfm_problem(cfg.backend).replace(
             "on_failure='shrink'", cfg.on_failure).replace("backend='", "--backend ").replace(

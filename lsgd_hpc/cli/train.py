@@ -80,12 +80,15 @@ def _init(backend: str, cfg):
     rank's device; an exception ends only this run (the trainer agrees and exits itself)."""
     import lsgd_hpc
     cuda = cfg is not None and cfg.device == "cuda"
-    tolerant = (cfg is not None and cfg.on_failure in ("shrink", "heal") and backend == "mpi")
+    tolerant = (cfg is not None and cfg.on_failure in ("shrink", "heal")
+                and backend in ("mpi", "torch") and cfg.backend == backend)
+    torch_ft = tolerant and backend == "torch"
     return lsgd_hpc.init(backend, ranks_per_node=cfg.ranks_per_node if cfg else None,
                          device="cuda" if cuda else "cpu", abort_on_exception=False,
                          on_failure=cfg.on_failure if tolerant else "abort",
                          min_ranks=cfg.min_ranks if tolerant else 1,
-                         spares=cfg.spares if tolerant and cfg.on_failure == "heal" else 0)
+                         spares=cfg.spares if tolerant and cfg.on_failure == "heal" else 0,
+                         failure_timeout=cfg.failure_timeout if torch_ft else None)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

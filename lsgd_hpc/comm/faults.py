@@ -113,7 +113,7 @@ class FaultTolerance:
         #: seconds without a new failure notice before a recovery shrinks (settle_failures)
         self.settle_seconds = settle_seconds()
         world = comm.world
-        world.comm.Set_errhandler(_mpi().ERRORS_RETURN)
+        self._prepare_world(world)
         import socket
         #: the host of every initial rank, and its node: the host name, or "node K" when the
         #: layout is emulated (``ranks_per_node``); the node groups are rebuilt from these
@@ -121,6 +121,53 @@ class FaultTolerance:
         self.initial_nodes: List[str] = [
             f"node {r // ranks_per_node}" if ranks_per_node else host
             for r, host in enumerate(self.initial_hosts)]
+
+    # -- what the engine does (ULFM here; torchft in lsgd_hpc/comm/replicas.py) ----------------
+    def _prepare_world(self, world) -> None:
+        """Make the world's collectives report a lost rank instead of aborting."""
+        world.comm.Set_errhandler(_mpi().ERRORS_RETURN)
+
+    def _alert_others(self) -> None:
+        """Make every survivor blocked in a collective with this one fail too (revoke)."""
+        self.comm.world.revoke_all()
+
+    def _agree(self, ok: int) -> int:
+        """A uniform agreement of the survivors on ``ok`` (0 when a rank died meanwhile)."""
+        try:
+            return self.comm.world.comm.Agree(ok)
+        except _mpi().Exception:
+            return 0
+
+    def _meet_survivors(self) -> None:
+        """Before a recovery: meet a survivor waiting in a transaction's closing agreement."""
+        self.comm.world.revoke_all()
+        try:
+            self.comm.world.comm.Agree(0)
+        except _mpi().Exception:
+            pass
+
+    def _shrink_world(self, attempt: int, exc: Optional[BaseException]) -> Optional[List[int]]:
+        """The survivors agree on who is gone and the world adopts the smaller group: the
+        initial ranks of the new world's ranks, or None to try again (a failure met inside)."""
+        MPI = _mpi()
+        world = self.comm.world
+        world.revoke_all()
+        old = world.comm
+        # No communicator is built while failures are still being noticed (see
+        # settle_failures): Open MPI crashes a rank that notices one during MPI_Comm_shrink.
+        settle_failures(old, self.settle_seconds)
+        try:
+            new = track(old.Shrink())           # the survivors agree on who is gone
+        except MPI.Exception as e:
+            if attempt + 1 < MAX_ATTEMPTS:      # a failure met inside the shrink: again
+                return None
+            raise UnrecoverableFailure(f"lsgd_hpc: MPI_Comm_shrink failed ({e}); cannot "
+                                       "recover") from exc
+        new.Set_errhandler(MPI.ERRORS_RETURN)
+        kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())),
+                                         old.Get_group())
+        world.adopt_shrunk(new, key=f"world~{self.generation + 1}")
+        return [self.initial_ranks[r] for r in kept]
 
     # -- registration ------------------------------------------------------------------------
     def register(self, participant: "Participant") -> None:
@@ -143,11 +190,7 @@ class FaultTolerance:
                 # A survivor that was finishing a transaction (a checkpoint) waits in its
                 # closing agreement on this world: meet it there (its answer is then "no",
                 # and it recovers too) before anyone shrinks.
-                self.comm.world.revoke_all()
-                try:
-                    self.comm.world.comm.Agree(0)
-                except _mpi().Exception:
-                    pass
+                self._meet_survivors()
             event = self._recover(t0, exc)
         except UnrecoverableFailure:
             self.broken = True
@@ -218,7 +261,6 @@ class FaultTolerance:
                   f"on {len(set(self.initial_nodes))} node(s)", file=sys.stderr, flush=True)
 
     def _recover(self, t0: float, exc: Optional[BaseException]) -> FailureEvent:
-        MPI = _mpi()
         from lsgd_hpc.comm.accounting import uncounted
         comm, world = self.comm, self.comm.world
         before = world.size
@@ -227,27 +269,13 @@ class FaultTolerance:
         for p in self.participants:
             p.recovery_prepare(ctx)                  # local: where each method was cut off
         for attempt in range(MAX_ATTEMPTS):
-            world.revoke_all()
-            old = world.comm
-            # No communicator is built while failures are still being noticed (see
-            # settle_failures): Open MPI crashes a rank that notices one during MPI_Comm_shrink.
-            settle_failures(old, self.settle_seconds)
-            try:
-                new = track(old.Shrink())       # the survivors agree on who is gone
-            except MPI.Exception as e:
-                if attempt + 1 < MAX_ATTEMPTS:  # a failure met inside the shrink: again
-                    continue
-                raise UnrecoverableFailure(f"lsgd_hpc: MPI_Comm_shrink failed ({e}); cannot "
-                                           "recover") from exc
-            new.Set_errhandler(MPI.ERRORS_RETURN)
-            kept = MPI.Group.Translate_ranks(new.Get_group(), list(range(new.Get_size())),
-                                             old.Get_group())
-            gone = sorted(set(range(old.Get_size())) - set(kept))
-            lost_here += [self.initial_ranks[r] for r in gone]
-            self.initial_ranks = [self.initial_ranks[r] for r in kept]
+            kept = self._shrink_world(attempt, exc)
+            if kept is None:
+                continue
+            lost_here += [r for r in self.initial_ranks if r not in set(kept)]
+            self.initial_ranks = list(kept)
             self.generation += 1
-            world.adopt_shrunk(new, key=f"world~{self.generation}")
-            if new.Get_size() < self.min_ranks:     # the same size on every survivor
+            if world.size < self.min_ranks:         # the same size on every survivor
                 raise UnrecoverableFailure(
                     f"lsgd_hpc: {new.Get_size()} rank(s) left after losing rank(s) "
                     f"{format_ranks(self.lost + lost_here)} (initial numbering), fewer than "
@@ -266,11 +294,8 @@ class FaultTolerance:
                 ok = 0
                 if not is_process_failure(e):
                     problem = f"{type(e).__name__}: {e}"
-                world.revoke_all()              # release survivors blocked in the restore
-            try:
-                agreed = world.comm.Agree(ok)   # uniform, even if a rank dies meanwhile
-            except MPI.Exception:
-                agreed = 0                      # another rank died: shrink again
+                self._alert_others()            # release survivors blocked in the restore
+            agreed = self._agree(ok)   # uniform, even if a rank dies meanwhile (0: again)
             if agreed:
                 break
             if problem is not None:             # a bug, not a failure: all voted and end alike
@@ -303,7 +328,6 @@ class FaultTolerance:
         uniform agreement (MPI_Comm_agree) follows it, and when a rank died on the way (on
         any survivor, even one whose collectives completed) every survivor recovers and runs
         ``fn()`` again. For blocks that end in a decision, such as a checkpoint's commit."""
-        MPI = _mpi()
         while True:
             ok, error = 1, None
             self.in_transaction = True
@@ -313,13 +337,10 @@ class FaultTolerance:
                 ok = 0
                 if not is_process_failure(exc):
                     error = exc
-                self.comm.world.revoke_all()
+                self._alert_others()
             finally:
                 self.in_transaction = False
-            try:
-                agreed = self.comm.world.comm.Agree(ok)
-            except MPI.Exception:
-                agreed = 0
+            agreed = self._agree(ok)
             if error is not None:
                 raise error
             if agreed:

@@ -93,6 +93,16 @@ def _srun(env: dict) -> bool:
     return env.get("SLURM_STEP_ID") is not None and env.get("SLURM_PROCID", "").isdigit()
 
 
+def _replica_group(env: dict) -> Optional[Tuple[int, int]]:
+    """torchft's ``(REPLICA_GROUP_ID, NUM_REPLICA_GROUPS)`` when both are set: this process
+    is in one of several replica groups, each started by a launcher of its own (so the
+    launcher's rank and size are the group's, not the job's)."""
+    rid, n = env.get("REPLICA_GROUP_ID", ""), env.get("NUM_REPLICA_GROUPS", "")
+    if rid.isdigit() and n.isdigit():
+        return int(rid), int(n)
+    return None
+
+
 def detect(env: Optional[dict] = None) -> LaunchInfo:
     """This process's launch, from ``env`` (default: os.environ)."""
     env = os.environ if env is None else env
@@ -123,6 +133,9 @@ def env_rank(env: Optional[dict] = None) -> int:
     of an MPI world of its own, and only this tells them apart)."""
     env = os.environ if env is None else env
     info = detect(env)
+    replica = _replica_group(env)
+    if replica is not None:         # torchft's workers: group G's rank r is job rank G*size+r
+        return replica[0] * (info.size or 1) + (info.rank if info.launcher else 0)
     if info.launcher is None:
         # SLURM_PROCID without a step id (a batch script's own shell, tests): still a rank
         return _int(env, "SLURM_PROCID") or 0
@@ -149,8 +162,11 @@ def launcher_world_size(env: dict) -> Tuple[Optional[str], Optional[int]]:
     process that ``srun`` started itself (a job step's task, no mpirun variables) is one of
     the step's SLURM_STEP_NUM_TASKS tasks. ``(None, None)`` when nobody says.
     """
+    replica = _replica_group(env)
     if _torchrun(env):
-        return "torchrun", int(env["WORLD_SIZE"])
+        return "torchrun", int(env["WORLD_SIZE"]) * (replica[1] if replica else 1)
+    if replica is not None:         # torchft's workers started one process each
+        return None, None
     if env.get("OMPI_COMM_WORLD_SIZE", "").isdigit():
         return "mpirun", int(env["OMPI_COMM_WORLD_SIZE"])
     if env.get("MPI_LOCALNRANKS") and env.get("PMI_SIZE", "").isdigit():   # Hydra

@@ -46,7 +46,7 @@ from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 SUPPORTED_DTYPES, check_tensor, sanitize_score)
 
-__all__ = ["TorchCommunicator", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
+__all__ = ["TorchCommunicator", "C10dCalls", "init_torch_world", "REDUCIBLE_DTYPES_TORCH"]
 
 #: what an allreduce adds on this backend: the MPI backend's dtypes and half precision
 REDUCIBLE_DTYPES_TORCH = (torch.float32, torch.float64, torch.int32, torch.int64,
@@ -59,6 +59,45 @@ VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 #: an allgather into one flat tensor (gloo and NCCL have it; all_gather_single is its newer
 #: name, all_gather_into_tensor the older one that torch 2.14 deprecates)
 _ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class C10dCalls:
+    """The collectives a :class:`TorchCommunicator` issues, over one process group that
+    torch.distributed knows (``group`` None: the default group): torch.distributed's own
+    functions. lsgd_hpc.comm.replicas has the same calls over a torchft process group, which
+    torch.distributed does not know (its groups are reconfigured between quorums)."""
+
+    def __init__(self, group=None):
+        self.group = group
+
+    def all_reduce(self, tensor, op, async_op: bool = False):
+        return dist.all_reduce(tensor, op, group=self.group, async_op=async_op)
+
+    def broadcast(self, tensor, root: int, async_op: bool = False):
+        return dist.broadcast(tensor, group=self.group, group_src=root, async_op=async_op)
+
+    def all_gather(self, outs: list, send, async_op: bool = False):
+        return dist.all_gather(outs, send, group=self.group, async_op=async_op)
+
+    def all_gather_single(self, out, send, async_op: bool = False):
+        return _ALLGATHER(out, send, group=self.group, async_op=async_op)
+
+    def all_to_all_single(self, out, send, async_op: bool = False):
+        return dist.all_to_all_single(out, send, group=self.group, async_op=async_op)
+
+    def all_gather_object(self, out: list, obj) -> None:
+        dist.all_gather_object(out, obj, group=self.group)
+
+    def exchange(self, send, receives, destinations) -> None:
+        """Point-to-point: ``send`` to every rank of ``destinations``; each ``(buffer, rank)``
+        of ``receives`` filled from that rank."""
+        ops = [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=j)
+               for buf, j in receives]
+        ops += [dist.P2POp(dist.isend, send, group=self.group, group_peer=j)
+                for j in destinations]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
 
 def _buffer_key(t: torch.Tensor) -> tuple:
@@ -177,13 +216,23 @@ class TorchCommunicator(Communicator):
                  env: Optional[dict] = None, device: Optional[torch.device] = None):
         if group is None and world_ranks is None:
             init_torch_world(env, device=device)
-        self.group = group
-        self.stats = stats if stats is not None else CommStats()
         if world_ranks is None:
             world_ranks = range(dist.get_world_size())
+        ranks = tuple(int(r) for r in world_ranks)
+        self._setup(group, C10dCalls(group), stats, ranks, ranks.index(dist.get_rank()), key)
+        if group is None:
+            from lsgd_hpc.comm import launcher
+            self.one_host = launcher.world_on_one_host(self._size)
+
+    def _setup(self, group, c10d, stats: Optional[CommStats], world_ranks: Sequence[int],
+               rank: int, key: str) -> None:
+        """The state of a communicator over ``group``, whose collectives ``c10d`` issues."""
+        self.group = group
+        self._c10d = c10d
+        self.stats = stats if stats is not None else CommStats()
         self.world_ranks = tuple(int(r) for r in world_ranks)
         self._size = len(self.world_ranks)
-        self._rank = self.world_ranks.index(dist.get_rank())
+        self._rank = int(rank)
         self.key = key
         self._n_derived = 0
         self._children: list = []
@@ -194,9 +243,6 @@ class TorchCommunicator(Communicator):
         self._serial = 0
         self._nccl_p2p_ready = False
         self.one_host: Optional[bool] = None
-        if group is None:
-            from lsgd_hpc.comm import launcher
-            self.one_host = launcher.world_on_one_host(self._size)
 
     @property
     def rank(self) -> int:
@@ -223,7 +269,7 @@ class TorchCommunicator(Communicator):
         sig = [tensor.numel(), _DTYPE_CODE[tensor.dtype], root]
         both = torch.tensor(sig + [-s for s in sig], dtype=torch.int64)
         with self._watch(f"{what} agreement check"):
-            dist.all_reduce(both, dist.ReduceOp.MAX, group=self.group)
+            self._c10d.all_reduce(both, dist.ReduceOp.MAX)
         hi, lo = both[:3].tolist(), [-v for v in both[3:].tolist()]
         if hi != lo:
             raise CommError(f"{what}: ranks disagree on the buffer (numel {lo[0]}..{hi[0]}, "
@@ -255,13 +301,13 @@ class TorchCommunicator(Communicator):
         self._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes), self._watch("allreduce_"):
-            dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group)
+            self._c10d.all_reduce(tensor, dist.ReduceOp.SUM)
         return self._finish_mean(tensor, op)
 
     def _start_iallreduce(self, tensor: torch.Tensor, agreed: bool):
         if not agreed:
             self._agree("iallreduce_", tensor)
-        work = dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=True)
+        work = self._c10d.all_reduce(tensor, dist.ReduceOp.SUM, async_op=True)
         return work.wait, work.is_completed
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
@@ -274,7 +320,7 @@ class TorchCommunicator(Communicator):
         is_root = self._rank == root
         with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes), \
                 self._watch("broadcast_"):
-            dist.broadcast(tensor, group=self.group, group_src=root)
+            self._c10d.broadcast(tensor, root)
         return tensor
 
     def _election(self, gathered: torch.Tensor) -> Election:
@@ -289,7 +335,7 @@ class TorchCommunicator(Communicator):
         send = torch.tensor([mine, float(self._rank)], dtype=torch.float64)
         out = torch.empty(self._size, 2, dtype=torch.float64)
         with self._counted(ELECT_BYTES, ELECT_BYTES), self._watch("elect"):
-            dist.all_gather(list(out.unbind(0)), send, group=self.group)
+            self._c10d.all_gather(list(out.unbind(0)), send)
         return self._election(out)
 
     def ielect(self, score: float) -> Request:
@@ -301,7 +347,7 @@ class TorchCommunicator(Communicator):
             return Pending(self, out, "sum", lambda: None, lambda: True, name="ielect",
                            finish=lambda: self._election(out))
         with self._counted(ELECT_BYTES, ELECT_BYTES):
-            work = dist.all_gather(list(out.unbind(0)), send, group=self.group, async_op=True)
+            work = self._c10d.all_gather(list(out.unbind(0)), send, async_op=True)
 
         def finish(_send=send) -> Election:       # the send buffer lives until completion
             return self._election(out)
@@ -317,23 +363,18 @@ class TorchCommunicator(Communicator):
         nbytes = tensor.numel() * tensor.element_size()
         is_root = self._rank == root
         with self._counted(nbytes if is_root else 0, 0 if is_root else nbytes):
-            work = dist.broadcast(tensor, group=self.group, group_src=root, async_op=True)
+            work = self._c10d.broadcast(tensor, root, async_op=True)
         return Pending(self, tensor, "sum", work.wait, work.is_completed, name="ibroadcast_",
                        finish=lambda: tensor)
 
     # -- neighbour exchange --------------------------------------------------------------
     def _exchange(self, send: torch.Tensor, src: tuple, dst: tuple, out: torch.Tensor) -> None:
         """Point-to-point: ``send`` to every rank of ``dst``, row k of ``out`` from ``src[k]``."""
-        ops = [dist.P2POp(dist.irecv, out[k], group=self.group, group_peer=j)
-               for k, j in enumerate(src) if j != self._rank]
-        ops += [dist.P2POp(dist.isend, send, group=self.group, group_peer=j)
-                for j in dst if j != self._rank]
         for k, j in enumerate(src):              # an edge to itself needs no message
             if j == self._rank:
                 out[k].copy_(send)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        self._c10d.exchange(send, [(out[k], j) for k, j in enumerate(src) if j != self._rank],
+                            [j for j in dst if j != self._rank])
 
     def neighbor_allgather(self, tensor: torch.Tensor, sources: Sequence[int],
                            destinations: Sequence[int], out: Optional[torch.Tensor] = None,
@@ -346,7 +387,7 @@ class TorchCommunicator(Communicator):
             # NCCL: the first batch_isend_irecv on a group must involve every member, and a
             # rank without neighbours posts nothing; one tiny collective sets the group up
             with self._watch("neighbor_allgather set-up"):
-                dist.all_reduce(torch.zeros(1, device=tensor.device), group=self.group)
+                self._c10d.all_reduce(torch.zeros(1, device=tensor.device), dist.ReduceOp.SUM)
             self._nccl_p2p_ready = True
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes * len(dst), nbytes * len(src)), \
@@ -388,7 +429,7 @@ class TorchCommunicator(Communicator):
             agree = torch.tensor([serial, -serial], dtype=torch.int64)
             if self._size > 1:
                 with self._watch("graph cache check"):
-                    dist.all_reduce(agree, dist.ReduceOp.MAX, group=self.group)
+                    self._c10d.all_reduce(agree, dist.ReduceOp.MAX)
             if not (agree[0].item() == -agree[1].item() == serial >= 0):
                 entry = None
         if entry is None:
@@ -450,7 +491,7 @@ class TorchCommunicator(Communicator):
         self._agree("alltoall", send)
         nbytes = per * send.element_size() * (self._size - 1)
         with self._counted(nbytes, nbytes), self._watch("alltoall"):
-            dist.all_to_all_single(out, send, group=self.group)
+            self._c10d.all_to_all_single(out, send)
         return out
 
     def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -460,7 +501,7 @@ class TorchCommunicator(Communicator):
         self._agree("allgather", send)
         nbytes = per * send.element_size() * (self._size - 1)
         with self._counted(nbytes, nbytes), self._watch("allgather"):
-            _ALLGATHER(out, send, group=self.group)
+            self._c10d.all_gather_single(out, send)
         return out
 
     def ialltoall(self, send: torch.Tensor, out: torch.Tensor, *,
@@ -474,7 +515,7 @@ class TorchCommunicator(Communicator):
             self._agree("ialltoall", send)
         nbytes = per * send.element_size() * (self._size - 1)
         with self._counted(nbytes, nbytes):
-            work = dist.all_to_all_single(out, send, group=self.group, async_op=True)
+            work = self._c10d.all_to_all_single(out, send, async_op=True)
 
         def finish(_send=send) -> torch.Tensor:       # the send buffer lives until completion
             return out
@@ -492,7 +533,7 @@ class TorchCommunicator(Communicator):
             self._agree("iallgather", send)
         nbytes = per * send.element_size() * (self._size - 1)
         with self._counted(nbytes, nbytes):
-            work = _ALLGATHER(out, send, group=self.group, async_op=True)
+            work = self._c10d.all_gather_single(out, send, async_op=True)
 
         def finish(_send=send) -> torch.Tensor:       # the send buffer lives until completion
             return out
@@ -504,7 +545,7 @@ class TorchCommunicator(Communicator):
             return [obj]
         out: list = [None] * self._size
         with self._watch("allgather_object"):
-            dist.all_gather_object(out, obj, group=self.group)
+            self._c10d.all_gather_object(out, obj)
         return out
 
     def barrier(self) -> None:
@@ -512,7 +553,7 @@ class TorchCommunicator(Communicator):
             return
         with self._watch("barrier"):
             # a one-element all-reduce on the CPU: gloo's barrier, without NCCL's device guess
-            dist.all_reduce(torch.zeros(1, dtype=torch.int32), group=self.group)
+            self._c10d.all_reduce(torch.zeros(1, dtype=torch.int32), dist.ReduceOp.SUM)
 
     def free(self) -> None:
         for child in self._children:

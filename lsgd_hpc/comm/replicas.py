@@ -1,0 +1,495 @@
+"""Lost workers survived on the torch backend: workers as torchft replica groups.
+
+``lsgd_hpc.init(backend="torch", on_failure="shrink")`` (the trainer's ``--backend torch
+--on-failure shrink``) runs every worker as one torchft replica group, started by a launcher
+of its own (one ``torchrun`` per replica group, or one plain process), with torchft's
+conventions:
+
+==========================  =================================================================
+``REPLICA_GROUP_ID``        this worker's number, 0 .. NUM_REPLICA_GROUPS - 1 (its rank as
+                            numbered at the start: its metrics file, its data shard)
+``NUM_REPLICA_GROUPS``      how many workers the job starts with (training starts once all
+                            of them are in the first quorum)
+``TORCHFT_LIGHTHOUSE``      the lighthouse, ``http://HOST:PORT`` (``python -m
+                            lsgd_hpc.lighthouse``, or torchft's own ``torchft_lighthouse``)
+==========================  =================================================================
+
+torchft is the engine: its lighthouse forms the quorum of live workers (heartbeats), its
+``Manager`` asks for a quorum and reconfigures the process group between workers
+(:class:`torchft.process_group.ProcessGroupGloo`) without a restart. The package's own
+recovery protocol runs over it, the same as under ULFM (lsgd_hpc/comm/faults.py): a
+collective that fails (a peer's connection closed, or the failure timeout) raises
+:class:`~lsgd_hpc.comm.failures.ProcessFailure`; every survivor then
+
+1. notes where its methods were cut off (``recovery_prepare``) and drops its node groups
+   (whose peers then fail too and join the recovery);
+2. asks torchft for a new quorum (``Manager.start_quorum(shrink_only=True)``: a worker that
+   is lost stays lost; the lighthouse leaves out a worker once its heartbeats have stopped
+   for the failure timeout), and the world communicator adopts the reconfigured group (its
+   rank and size are the quorum's; every survivor's initial rank is gathered);
+3. rebuilds the node groups (new process groups, rendezvous through the lowest member's
+   torchft store), restores every method (one broadcast of the shared state from the most
+   advanced survivor; an interrupted step is completed or dropped alike on every survivor)
+   and checks it by digest;
+4. votes (an allreduce of every survivor's outcome over the new quorum); a failure during
+   2-3 makes the survivors start again from 2.
+
+The timeouts come from one figure, ``failure_timeout`` (:class:`FailureTimeouts`): the
+lighthouse's heartbeat timeout and the collective timeout between workers are that figure,
+the start-up and quorum timeout several times it, so that a lost worker is always noticed by
+a collective or the lighthouse before anything waiting on it gives up.
+
+Not here yet: ``on_failure="heal"`` (a restarted replica group joining), and workers of more
+than one rank (a replica group of K ranks); both are refused with one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import List, Optional
+
+import torch
+
+from lsgd_hpc.comm.base import CommStats
+from lsgd_hpc.comm.failures import ProcessFailure, UnrecoverableFailure
+from lsgd_hpc.comm.faults import MAX_ATTEMPTS, FaultTolerance
+from lsgd_hpc.comm.torchdist import TorchCommunicator
+
+__all__ = ["FailureTimeouts", "ReplicaCommunicator", "ReplicaFaultTolerance", "replica_env",
+           "replica_problem", "join_replicas", "DEFAULT_FAILURE_TIMEOUT", "REPLICA_ENV"]
+
+#: seconds without a heartbeat (or a collective's answer) before a worker counts as lost
+DEFAULT_FAILURE_TIMEOUT = 10.0
+#: torchft's variables: this worker's number, how many the job starts with, the lighthouse
+REPLICA_ENV = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
+
+
+@dataclass(frozen=True)
+class FailureTimeouts:
+    """The timeout hierarchy torchft needs, from one figure: ``detect``, the seconds after
+    which a silent worker counts as lost. A collective between workers gives up after
+    ``detect``; the lighthouse drops a worker whose heartbeats stopped ``detect`` ago; a
+    collective inside a worker (torchrun's group) waits twice that, so that a lost worker is
+    seen between workers first; the quorum and the start-up wait ``quorum`` (six times, at
+    least a minute), so that they outlast every failure they wait on."""
+
+    detect: float = DEFAULT_FAILURE_TIMEOUT
+
+    def __post_init__(self):
+        if not self.detect > 0:
+            raise ValueError(f"failure_timeout must be > 0 seconds, got {self.detect!r}")
+
+    @property
+    def cross(self) -> float:
+        return self.detect
+
+    @property
+    def intra(self) -> float:
+        return 2 * self.detect
+
+    @property
+    def quorum(self) -> float:
+        return max(60.0, 6 * self.detect)
+
+    @property
+    def heartbeat(self) -> float:
+        """How often a worker's manager tells the lighthouse it lives."""
+        return min(1.0, max(0.05, self.detect / 20))
+
+    def describe(self) -> str:
+        return (f"failure timeout {self.detect:g} s: between workers {self.cross:g} s, inside a "
+                f"worker {self.intra:g} s, quorum and start-up {self.quorum:g} s, heartbeat "
+                f"every {self.heartbeat:g} s")
+
+
+def replica_env(env: Optional[dict] = None):
+    """``(replica_group_id, num_replica_groups, lighthouse)`` from the environment (ValueError
+    naming what is missing or wrong)."""
+    env = os.environ if env is None else env
+    missing = [n for n in REPLICA_ENV if not env.get(n, "").strip()]
+    if missing:
+        raise ValueError(f"--backend torch with --on-failure shrink runs every worker as a "
+                         f"torchft replica group: set {', '.join(missing)} (one torchrun per "
+                         "replica group; see docs/cluster.md, Fault tolerance on the torch "
+                         "backend)")
+    try:
+        rid, n = int(env["REPLICA_GROUP_ID"]), int(env["NUM_REPLICA_GROUPS"])
+    except ValueError:
+        raise ValueError("REPLICA_GROUP_ID and NUM_REPLICA_GROUPS must be integers, got "
+                         f"{env['REPLICA_GROUP_ID']!r} and {env['NUM_REPLICA_GROUPS']!r}")
+    if n < 1 or not 0 <= rid < n:
+        raise ValueError(f"REPLICA_GROUP_ID must be in 0..NUM_REPLICA_GROUPS-1, got {rid} of {n}")
+    return rid, n, env["TORCHFT_LIGHTHOUSE"].strip()
+
+
+def replica_problem(on_failure: str) -> Optional[str]:
+    """Why ``on_failure`` cannot run on the torch backend here (one line), or None."""
+    if on_failure == "heal":
+        return ("on_failure='heal' is not supported with backend='torch' yet (a restarted "
+                "replica group cannot join a running job); use on_failure='shrink' with it, "
+                "or backend='mpi' under mpirun --with-ft ulfm")
+    try:
+        import torchft.manager  # noqa: F401
+    except ImportError:
+        return ("on_failure='shrink' with backend='torch' needs torchft (pip install "
+                "'lsgd_hpc[torchft]', torchft-nightly)")
+    return None
+
+
+# -- the collectives over a torchft process group ---------------------------------------------
+class _Work:
+    """A torchft Work whose failure is a ProcessFailure (a peer lost, or the group aborted)."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, timeout=None):
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except Exception as exc:                  # noqa: BLE001 - gloo's errors are RuntimeError
+            raise _failure(exc) from exc
+
+    def is_completed(self) -> bool:
+        try:
+            return bool(self.work.is_completed())
+        except Exception as exc:                  # noqa: BLE001
+            raise _failure(exc) from exc
+
+
+def _failure(exc: BaseException) -> ProcessFailure:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ProcessFailure(f"collective between workers failed ({text[:200]})")
+
+
+class ReplicaCalls:
+    """:class:`lsgd_hpc.comm.torchdist.C10dCalls` over a torchft process group (torch's
+    functions need groups that torch.distributed knows; these call the group itself).
+
+    The groups are created with a long timeout (their set-up waits for every member); each
+    collective then sets its own: a training collective waits at most ``timeouts.cross``
+    (the failure timeout), the collectives of set-up and agreement (``all_gather_object``,
+    ``patient_all_reduce``), where members arrive far apart (one builds a group the others
+    are not in, one writes a checkpoint), up to ``timeouts.quorum``."""
+
+    def __init__(self, pg, size: int, timeouts: "FailureTimeouts"):
+        self.pg, self.size = pg, size
+        self.short = timedelta(seconds=timeouts.cross)
+        self.patience = timedelta(seconds=timeouts.quorum)
+
+    def _opts(self, opts, patient: bool = False):
+        opts.timeout = self.patience if patient else self.short
+        return opts
+
+    def _run(self, start, async_op: bool):
+        try:
+            work = _Work(start())
+        except Exception as exc:                  # noqa: BLE001 - an aborted group raises here
+            raise _failure(exc) from exc
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor, op, async_op: bool = False):
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        opts = self._opts(AllreduceOptions())
+        opts.reduceOp = op
+        return self._run(lambda: self.pg.allreduce([tensor], opts), async_op)
+
+    def patient_all_reduce(self, tensor, op) -> None:
+        """An allreduce that waits up to ``patience`` (agreements, the exit barrier)."""
+        from torch.distributed.distributed_c10d import AllreduceOptions
+        opts = self._opts(AllreduceOptions(), True)
+        opts.reduceOp = op
+        self._run(lambda: self.pg.allreduce([tensor], opts), False)
+
+    def broadcast(self, tensor, root: int, async_op: bool = False):
+        from torch.distributed.distributed_c10d import BroadcastOptions
+        opts = self._opts(BroadcastOptions())
+        opts.rootRank = root
+        return self._run(lambda: self.pg.broadcast([tensor], opts), async_op)
+
+    def all_gather(self, outs: list, send, async_op: bool = False, patient: bool = False):
+        from torch.distributed.distributed_c10d import AllgatherOptions
+        opts = self._opts(AllgatherOptions(), patient)
+        return self._run(lambda: self.pg.allgather([outs], [send], opts), async_op)
+
+    def all_gather_single(self, out, send, async_op: bool = False):
+        rows = list(out.view(self.size, -1).unbind(0))
+        return self.all_gather(rows, send.reshape(-1), async_op)
+
+    def all_to_all_single(self, out, send, async_op: bool = False):
+        from torch.distributed.distributed_c10d import AllToAllOptions
+        opts = self._opts(AllToAllOptions())
+        return self._run(lambda: self.pg.alltoall_base(out, send, [], [], opts), async_op)
+
+    def all_gather_object(self, out: list, obj) -> None:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = torch.zeros(self.size, dtype=torch.int64)
+        self.all_gather(list(sizes.unbind(0)), torch.tensor(data.numel(), dtype=torch.int64),
+                        patient=True)
+        width = int(sizes.max())
+        send = torch.zeros(width, dtype=torch.uint8)
+        send[:data.numel()] = data
+        rows = torch.empty(self.size, width, dtype=torch.uint8)
+        self.all_gather(list(rows.unbind(0)), send, patient=True)
+        for i in range(self.size):
+            out[i] = pickle.loads(rows[i, :int(sizes[i])].numpy().tobytes())
+
+    def exchange(self, send, receives, destinations) -> None:
+        works = [self._run(lambda b=buf, j=j: self.pg.recv([b], j, 0), True)
+                 for buf, j in receives]
+        works += [self._run(lambda j=j: self.pg.send([send], j, 0), True) for j in destinations]
+        for work in works:
+            work.wait()
+
+
+class ReplicaCommunicator(TorchCommunicator):
+    """The world of workers (or a group split from it) over a torchft process group: the
+    package's torch communicator (its checks, byte counts and elections) with its
+    collectives on ``pg``. ``rank``/``size`` are the current quorum's; ``store`` is this
+    process's torchft store (``host:port``), where groups split from this one meet."""
+
+    def __init__(self, pg, rank: int, size: int, key: str, timeouts: FailureTimeouts,
+                 store: str, stats: Optional[CommStats] = None, epoch: int = 0):
+        self.timeouts, self.store, self.epoch = timeouts, store, epoch
+        self._setup(pg, ReplicaCalls(pg, size, timeouts), stats, range(size), rank, key)
+        self.one_host = None
+
+    def adopt_quorum(self, rank: int, size: int, epoch: int) -> None:
+        """Rewire this object onto the reconfigured group of a new quorum (in place: every
+        method holding it sees the new rank and size); groups split from the old one are
+        dropped (the node groups are rebuilt)."""
+        self.free()
+        self._c10d = ReplicaCalls(self.group, size, self.timeouts)
+        self._rank, self._size = int(rank), int(size)
+        self.world_ranks = tuple(range(size))
+        self.key, self.epoch, self._n_derived = f"world~{epoch}", epoch, 0
+        self._graphs.clear()
+        self.one_host = None
+
+    def split(self, color: int, key: Optional[int] = None):
+        key = self._rank if key is None else key
+        self._n_derived += 1
+        color = -1 if color < 0 else int(color)
+        with self._watch("split"):
+            table = self.allgather_object((color, int(key), self.store))
+        if color < 0:
+            return None
+        members = sorted((k, r) for r, (c, k, _) in enumerate(table) if c == color)
+        ranks = [r for _, r in members]
+        name = f"{self.key}/split{self._n_derived}:{color}"
+        return self._child(ranks, table[ranks[0]][2], name)
+
+    def dup(self):
+        self._n_derived += 1
+        with self._watch("dup"):
+            stores = self.allgather_object(self.store)
+        return self._child(list(range(self._size)), stores[0],
+                           f"{self.key}/dup{self._n_derived}")
+
+    def _child(self, ranks: List[int], store: str, name: str) -> "ReplicaCommunicator":
+        """A group of these ranks of this one, its process group met through ``store``."""
+        pg = None
+        if len(ranks) > 1:
+            from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+            timeout = timedelta(seconds=self.timeouts.quorum)   # set-up; each op sets its own
+            pg = ProcessGroupGloo(timeout=timeout)
+            with self._watch("split rendezvous"):
+                try:
+                    reconfigure_with_store(pg, f"{store}/lsgd_hpc/{self.epoch}/{name}",
+                                           ranks.index(self._rank), len(ranks),
+                                           timedelta(seconds=self.timeouts.quorum))
+                except Exception as exc:          # noqa: BLE001 - a member lost meanwhile
+                    raise _failure(exc) from exc
+        child = ReplicaCommunicator(pg, ranks.index(self._rank), len(ranks), name,
+                                    self.timeouts, self.store, self.stats, self.epoch)
+        child.world_ranks = tuple(self.world_ranks[r] for r in ranks)
+        hosts = child.allgather_object(socket.gethostname())
+        child.one_host = len(set(hosts)) == 1
+        child._agreed = self._agreed
+        self._children.append(child)
+        return child
+
+    def barrier(self) -> None:
+        if self._size == 1:
+            return
+        from torch.distributed.distributed_c10d import ReduceOp
+        with self._watch("barrier"):
+            self._c10d.patient_all_reduce(torch.zeros(1, dtype=torch.int32), ReduceOp.SUM)
+
+    def free(self) -> None:
+        """Abort the groups split from this one (their peers' collectives fail at once)."""
+        for child in self._children:
+            child.free()
+            if child.group is not None:
+                try:
+                    child.group.abort(errored=False)
+                except Exception:                 # noqa: BLE001 - already broken
+                    pass
+        self._children.clear()
+        self._graphs.clear()
+
+    def abort(self, code: int = 1) -> None:
+        """End this worker now; the others go on without it (they recover)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# -- the recovery over torchft ----------------------------------------------------------------
+class ReplicaFaultTolerance(FaultTolerance):
+    """:class:`~lsgd_hpc.comm.faults.FaultTolerance` with torchft as the engine: the quorum
+    of live workers from torchft's lighthouse in place of MPI_Comm_shrink, an allreduce over
+    the new quorum in place of MPI_Comm_agree (see the module docstring)."""
+
+    def __init__(self, comm, manager, replica_id: int, min_ranks: int, ranks_per_node,
+                 policy: str = "shrink"):
+        self.manager, self.replica_id = manager, replica_id
+        super().__init__(comm, min_ranks, ranks_per_node, policy)
+
+    def _prepare_world(self, world) -> None:
+        """torchft's groups report a lost peer as an error already."""
+
+    def _alert_others(self) -> None:
+        # The node groups are aborted (their peers fail at once and recover too); the world's
+        # group is reconfigured by torchft at the next quorum, which closes its connections.
+        self.comm.world.free()
+
+    def _meet_survivors(self) -> None:
+        self.comm.world.free()
+
+    def _agree(self, ok: int) -> int:
+        flag = torch.tensor([int(ok)], dtype=torch.int64)
+        try:
+            from torch.distributed.distributed_c10d import ReduceOp
+            self.comm.world._c10d.patient_all_reduce(flag, ReduceOp.MIN)
+        except Exception:                         # noqa: BLE001 - a worker lost meanwhile
+            return 0
+        return int(flag.item())
+
+    def _shrink_world(self, attempt: int, exc: Optional[BaseException]) -> Optional[List[int]]:
+        world = self.comm.world
+        world.free()
+        manager = self.manager
+        try:
+            manager.start_quorum(allow_heal=False, shrink_only=True,
+                                 timeout=timedelta(seconds=world.timeouts.quorum))
+            manager.wait_quorum()
+            error = manager.errored()
+            if error is not None:
+                raise error.original_exception
+            rank, size = manager.participating_rank(), manager.num_participants()
+            if rank is None:
+                raise UnrecoverableFailure("lsgd_hpc: this worker is not in torchft's new "
+                                           "quorum; ending it")
+            world.adopt_quorum(rank, size, self.generation + 1)
+            ids = world.allgather_object(self.replica_id)
+        except UnrecoverableFailure:
+            raise
+        except Exception as e:                    # noqa: BLE001 - a worker lost meanwhile
+            if attempt + 1 < MAX_ATTEMPTS:
+                return None
+            raise UnrecoverableFailure(f"lsgd_hpc: torchft's quorum failed ({e}); cannot "
+                                       "recover") from exc
+        if ids != sorted(ids) or len(set(ids)) != len(ids) or \
+                not set(ids) <= set(self.initial_ranks):
+            raise UnrecoverableFailure(f"lsgd_hpc: torchft's quorum holds workers {ids}, not "
+                                       f"a subset of {self.initial_ranks} in order; ending")
+        return [int(i) for i in ids]
+
+    def final_barrier(self) -> None:
+        super().final_barrier()
+        try:
+            self.manager.shutdown(wait=False)
+        except Exception:                         # noqa: BLE001 - leaving anyway
+            pass
+
+
+# -- joining the job ---------------------------------------------------------------------------
+def _store_for_group(env: dict):
+    """The replica group's TCP store, where its manager and ranks meet: torchrun's
+    (MASTER_ADDR/MASTER_PORT), or for a worker of one process started alone, one of its own."""
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return env["MASTER_ADDR"], int(env["MASTER_PORT"]), None
+    from torch.distributed import TCPStore
+    store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
+    return socket.gethostname(), int(store.port), store
+
+
+def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
+                  failure_timeout: Optional[float] = None):
+    """``lsgd_hpc.init`` for ``backend="torch"`` with ``on_failure="shrink"``: join torchft's
+    first quorum of all NUM_REPLICA_GROUPS workers, then build the session (world of
+    workers, node groups, fault tolerance). Returns the ``Comm``. ValueError (one line) for
+    what the environment lacks; every worker that waits too long for the others ends with
+    the same line."""
+    env = os.environ
+    problem = replica_problem(policy)
+    if problem:
+        raise ValueError(problem)
+    rid, n, lighthouse = replica_env(env)
+    group_size = int(env.get("WORLD_SIZE", "1") or 1)
+    if group_size != 1:
+        raise ValueError(f"a replica group of {group_size} ranks (torchrun --nproc-per-node "
+                         f"{group_size}) is not supported with on_failure='shrink' on the torch "
+                         "backend yet: start one torchrun per rank (--nproc-per-node 1), each "
+                         "its own replica group")
+    if min_ranks > n:
+        raise ValueError(f"min_ranks={min_ranks} is more than the {n} workers of the job")
+    timeouts = FailureTimeouts(float(failure_timeout or DEFAULT_FAILURE_TIMEOUT))
+    import logging
+    logging.getLogger("torchft").setLevel(logging.WARNING)
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+    host, port, store = _store_for_group(env)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeouts.quorum))  # each op sets its own
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_ranks,
+                      use_async_quorum=False, init_sync=False,
+                      timeout=timedelta(seconds=timeouts.cross),
+                      quorum_timeout=timedelta(seconds=timeouts.quorum),
+                      connect_timeout=timedelta(seconds=timeouts.quorum),
+                      rank=0, world_size=1, store_addr=host, store_port=port,
+                      lighthouse_addr=lighthouse, replica_id=f"{rid:06d}",
+                      hostname=socket.gethostname(),
+                      heartbeat_interval=timedelta(seconds=timeouts.heartbeat))
+    manager._lsgd_store = store                  # (a store of our own lives with the manager)
+    deadline = time.monotonic() + timeouts.quorum
+    while True:                                  # the first quorum holds every worker
+        manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=timeouts.quorum))
+        if manager.errored() is None and manager.num_participants() == n:
+            break
+        if time.monotonic() > deadline:
+            have = manager.num_participants()
+            raise ValueError(f"only {have} of NUM_REPLICA_GROUPS={n} workers joined torchft's "
+                             f"lighthouse {lighthouse} within {timeouts.quorum:g} s")
+        time.sleep(min(0.5, timeouts.heartbeat * 2))
+    own_store = json.loads(pg.get_reconfigure_handle())["store"]
+    world = ReplicaCommunicator(pg, manager.participating_rank(), n, "world", timeouts,
+                                own_store)
+    ids = world.allgather_object(rid)
+    if ids != list(range(n)):
+        raise ValueError(f"torchft's first quorum numbers the workers {ids}, not 0..{n - 1}: "
+                         "is REPLICA_GROUP_ID set twice?")
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.session import Comm
+    groups = NodeGroups.build(world, ranks_per_node)
+    dev = torch.device("cpu") if device in ("auto", "cpu") else torch.device(device)
+    comm = Comm(world, groups, dev, "torch")
+    comm.fault_tolerance = ReplicaFaultTolerance(comm, manager, rid, min_ranks, ranks_per_node,
+                                                 policy)
+    comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
+    import atexit
+    atexit.register(comm.fault_tolerance.final_barrier)
+    if rid == 0:
+        print(f"[lsgd_hpc] torchft: {n} workers in quorum through lighthouse {lighthouse}; "
+              f"{timeouts.describe()}; listening: this worker's manager on all addresses "
+              f"(torchft binds [::]), its store at {own_store}", file=sys.stderr, flush=True)
+    return comm
