@@ -57,7 +57,7 @@ INTERCONNECTS: Dict[str, Tuple[float, str]] = {
     "pcie5": (512.0, "PCIe 5.0 x16, 64 GB/s a direction"),
     "pcie4": (256.0, "PCIe 4.0 x16, 32 GB/s a direction"),
     "pcie3": (128.0, "PCIe 3.0 x16, 16 GB/s a direction"),
-    "shm": (200.0, "shared memory, 25 GB/s of copies a rank (a rough figure)"),
+    "shm": (200.0, "shared memory, about 25 GB/s of copies a rank, a rough figure"),
 }
 DEFAULT_GPU = "h100"
 #: sustained share of the peak (model FLOP utilisation)
