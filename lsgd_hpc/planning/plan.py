@@ -566,10 +566,11 @@ def _add_recommend_options(p: argparse.ArgumentParser) -> None:
     """The method recommendation's options (lsgd_hpc.planning.recommend)."""
     p.add_argument("--recommend", action="store_true",
                    help="(the default without --worker-ranks) recommend a method, its period "
-                        "and its compressor: the least aggressive candidate (smallest period, then mildest compression) of "
-                        "a grid (allreduce; lsgd; diloco; streaming diloco; easgd; H/tau in "
-                        "4..500; fp32/int8/int4/int2; top-k 1, 0.03, 0.01) whose predicted "
-                        "step is within --recommend-slack of the fastest")
+                        "and its compressor: the least aggressive candidate (smallest "
+                        "period, then mildest compression) of a grid (allreduce; lsgd; "
+                        "diloco; streaming diloco; easgd; H/tau in 4..500; fp32/int8/int4/"
+                        "int2; top-k 1, 0.03, 0.01) whose predicted step is within "
+                        "--recommend-slack of the fastest")
     p.add_argument("--recommend-slack", type=float, default=0.05, metavar="S",
                    help="with --recommend: eligible candidates are within this fraction of "
                         "the fastest predicted step (default 0.05)")
