@@ -4,6 +4,7 @@ on, the one start-up agreement, and leaving together (exit status, torch's proce
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from typing import Optional, Sequence
@@ -28,6 +29,26 @@ def usage_error(message: str) -> int:
     if env_rank() == 0:
         print(f"{PROG}: error: {message}", file=sys.stderr, flush=True)
     return EXIT_USAGE
+
+
+#: ``name='value'``, ``name="value"`` or ``name=NUMBER``: an argument as the library names it
+_LIBRARY_ARGUMENT = re.compile(r"\b([a-z][a-z0-9_]*)=(?:'([^']*)'|\"([^\"]*)\"|(\d[\d.]*))")
+
+
+def option_spelling(message: str) -> str:
+    """A library message in the trainer's words: an argument of the library written as
+    ``name='value'`` that is also an option of the trainer becomes ``--name value``
+    (``on_failure='heal' needs ...`` -> ``--on-failure heal needs ...``); the rest stays."""
+    from lsgd_hpc.cli.config import cli_options
+    options = cli_options()
+
+    def flag(m):
+        o = options.get(m.group(1))
+        if o is None:
+            return m.group(0)
+        value = next(v for v in m.groups()[1:] if v is not None)
+        return f"{o.flag} {value}"
+    return _LIBRARY_ARGUMENT.sub(flag, message)
 
 
 def boot_backend(cfg, argv: Optional[Sequence[str]], env: dict) -> str:

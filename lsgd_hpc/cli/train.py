@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from lsgd_hpc.cli.startup import (EXIT_STOPPED, EXIT_USAGE, PROG, agree_on_start,
                                   boot_backend, close_torch_world, env_rank, exit_together,
-                                  usage_error)
+                                  option_spelling, usage_error)
 # The trainer's stop flag is the library's: SIGUSR1 (SLURM's warning before the time limit)
 # or SIGTERM (preemption, scancel, scontrol requeue) sets it; the loop acts on it at the next
 # step boundary, after every rank agrees: a checkpoint, then exit. It is installed first thing
@@ -115,7 +115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         comm = _init(boot_backend(cfg, argv, env), cfg)
     except (CommError, ValueError) as exc:
-        return usage_error(str(exc))
+        # the library's refusals name its arguments (on_failure='heal'): say the options
+        return usage_error(option_spelling(str(exc)))
     if comm.joined is not None:               # a replacement that joined a running job
         cfg.run_dir, cfg.resume = comm.joined["history"]["app"]["run_dir"], True
     while True:
