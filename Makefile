@@ -42,7 +42,7 @@ test-fast: $(READY)
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks
 
-# Every experiment under results/ (about 35 min on 2 cores; the network and language-model
+# Every experiment under results/ (about 70 min on 2 cores; the network and language-model
 # ones need root for the emulated cluster). RESULTS_ARGS=--quick checks that they run.
 results: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) results/run_all.py --out results $(RESULTS_ARGS)
