@@ -189,6 +189,8 @@ def test_the_trainer_names_the_option_when_the_library_refuses(monkeypatch, caps
         raise ValueError("on_failure='heal' needs a fault-tolerant MPI, and this Open MPI runs "
                          "without ULFM: start the job with mpirun --with-ft ulfm")
     monkeypatch.setattr(train, "_init", refuse)
+    # no SIGTERM/SIGUSR1 handlers of the trainer's left in the test process
+    monkeypatch.setattr(train, "StopSignals", lambda: type("NoSignals", (), {"signum": None})())
     for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", "RANK"):
         monkeypatch.delenv(var, raising=False)
     code = train.main(["--on-failure", "heal", "--max-steps", "1"])
