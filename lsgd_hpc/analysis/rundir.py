@@ -59,7 +59,8 @@ def _py(value: Any) -> Any:
 
 
 def _open_h5(path: Path):
-    # readable while a trainer still appends to it (a SWMR reader then), no HDF5 locking
+    # readable while a trainer still appends to it, no HDF5 locking (a file flagged open for
+    # write by an older writer: as a SWMR reader)
     return open_rank_file(path)
 
 
