@@ -37,7 +37,7 @@ test: $(READY)
 # is the whole suite.
 test-fast: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -q -n 2 --durations=10 \
-	    -m "fast or not (mpi or cluster or netns or slow)" tests
+	    -m "fast or not (mpi or cluster or netns or slow or replicas)" tests
 
 bench: $(READY)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) benchmarks/run_all.py --out results/benchmarks

@@ -307,27 +307,11 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     (their ``init`` returns only when one is needed, as a replacement's does; at the end of
     the job the ones never needed exit with status 0 inside ``init``).
     """
-    if backend not in _BACKENDS:
-        hint = ""
-        if str(backend).lower() in ("nccl", "gloo"):
-            hint = (f"; {backend} is reached through backend=\"torch\" (torch.distributed: "
-                    "NCCL for GPU tensors, gloo for CPU ones)")
-        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}{hint}")
-    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
-        raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
-    if on_failure not in ON_FAILURE:
-        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
-    if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
-        raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
+    _check_init_args(backend, ranks_per_node, on_failure, min_ranks, spares, failure_timeout)
     from lsgd_hpc.comm import NodeGroups, launcher, make_world
     tolerant = on_failure in ("shrink", "heal")
-    if failure_timeout is not None and not (tolerant and backend == "torch"):
-        raise ValueError("failure_timeout is for backend='torch' with on_failure='shrink' "
-                         "(torchft's timeouts); ULFM detects failures itself")
     if tolerant and backend == "torch":
-        from lsgd_hpc.comm.replicas import join_replicas
-        dev = _pick_device(device, launcher.local_rank() or 0)
-        comm = join_replicas(dev, ranks_per_node, min_ranks, on_failure, failure_timeout)
+        comm = _join_replicas(device, ranks_per_node, min_ranks, on_failure, failure_timeout)
         if abort_on_exception:
             _install_abort_hook(comm.world)
         return comm
@@ -337,10 +321,6 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     if tolerant:
         from lsgd_hpc.comm.ulfm import prepare_mpi_environment
         prepare_mpi_environment()
-    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
-        raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
-    if spares and on_failure != "heal":
-        raise ValueError("spares need on_failure='heal' (spares replace lost ranks)")
     if on_failure == "heal":
         from lsgd_hpc.comm.heal import is_replacement
         if is_replacement():                  # spawned by a heal: join the running job
@@ -369,6 +349,48 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
     comm = Comm(world, groups, dev, backend)
     if tolerant:
         _enable_fault_tolerance(comm, min_ranks, ranks_per_node, on_failure)
+    return comm
+
+
+def _check_init_args(backend, ranks_per_node, on_failure, min_ranks, spares,
+                     failure_timeout) -> None:
+    """``init``'s arguments, before anything starts (ValueError, one line)."""
+    if backend not in _BACKENDS:
+        hint = ""
+        if str(backend).lower() in ("nccl", "gloo"):
+            hint = (f"; {backend} is reached through backend=\"torch\" (torch.distributed: "
+                    "NCCL for GPU tensors, gloo for CPU ones)")
+        raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}{hint}")
+    if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+        raise ValueError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+    if on_failure not in ON_FAILURE:
+        raise ValueError(f"on_failure must be one of {', '.join(ON_FAILURE)}, got {on_failure!r}")
+    if isinstance(min_ranks, bool) or not isinstance(min_ranks, int) or min_ranks < 1:
+        raise ValueError(f"min_ranks must be an integer >= 1, got {min_ranks!r}")
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
+    if spares and on_failure != "heal":
+        raise ValueError("spares need on_failure='heal' (spares replace lost ranks)")
+    if failure_timeout is not None and not (on_failure != "abort" and backend == "torch"):
+        raise ValueError("failure_timeout is for backend='torch' with on_failure='shrink' "
+                         "(torchft's timeouts); ULFM detects failures itself")
+
+
+def _join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
+                   failure_timeout) -> Comm:
+    """The torch backend with on_failure="shrink": the world of workers that torchft's first
+    quorum gives (lsgd_hpc/comm/replicas.py), its node groups, the fault tolerance."""
+    import atexit
+    from lsgd_hpc.comm import NodeGroups, launcher
+    from lsgd_hpc.comm.replicas import ReplicaFaultTolerance, join_replicas
+    dev = _pick_device(device, launcher.local_rank() or 0)
+    world, manager, rid = join_replicas(dev, ranks_per_node, min_ranks, policy,
+                                        failure_timeout)
+    comm = Comm(world, NodeGroups.build(world, ranks_per_node), dev, "torch")
+    comm.fault_tolerance = ReplicaFaultTolerance(comm, manager, rid, min_ranks, ranks_per_node,
+                                                 policy)
+    comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
+    atexit.register(comm.fault_tolerance.final_barrier)
     return comm
 
 

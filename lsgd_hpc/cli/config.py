@@ -453,6 +453,18 @@ def validate(cfg: Config, env: dict) -> None:
     _default_run_dir(cfg, env)
     _check_run_dir(cfg, env)
     _check_ranks_per_node_env(cfg, env)
+    _check_replica_env(cfg, env)
+
+
+def _check_replica_env(cfg: Config, env: dict) -> None:
+    """--backend torch --on-failure shrink: torchft's variables, before anything starts."""
+    if cfg.backend == "torch" and cfg.on_failure == "shrink":
+        from lsgd_hpc.comm.replicas import replica_env
+        try:
+            replica_env(env)
+        except ValueError as exc:
+            raise ConfigError("--on-failure", str(exc).replace(
+                "--backend torch with --on-failure shrink", "shrink with --backend torch"))
 
 
 def _check_device(cfg: Config) -> None:

@@ -95,6 +95,13 @@ class FailureTimeouts:
         return 2 * self.detect
 
     @property
+    def setup(self) -> float:
+        """How long the members of a new group (a quorum's, a node's) wait for each other to
+        connect: they arrive together, so a member lost meanwhile is given up on soon. Each
+        collective then sets its own timeout (``cross``, or ``quorum`` for agreements)."""
+        return self.intra
+
+    @property
     def quorum(self) -> float:
         return max(60.0, 6 * self.detect)
 
@@ -300,8 +307,7 @@ class ReplicaCommunicator(TorchCommunicator):
         pg = None
         if len(ranks) > 1:
             from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
-            timeout = timedelta(seconds=self.timeouts.quorum)   # set-up; each op sets its own
-            pg = ProcessGroupGloo(timeout=timeout)
+            pg = ProcessGroupGloo(timeout=timedelta(seconds=self.timeouts.setup))
             with self._watch("split rendezvous"):
                 try:
                     reconfigure_with_store(pg, f"{store}/lsgd_hpc/{self.epoch}/{name}",
@@ -426,11 +432,11 @@ def _store_for_group(env: dict):
 
 def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
                   failure_timeout: Optional[float] = None):
-    """``lsgd_hpc.init`` for ``backend="torch"`` with ``on_failure="shrink"``: join torchft's
-    first quorum of all NUM_REPLICA_GROUPS workers, then build the session (world of
-    workers, node groups, fault tolerance). Returns the ``Comm``. ValueError (one line) for
-    what the environment lacks; every worker that waits too long for the others ends with
-    the same line."""
+    """The world of workers for ``backend="torch"`` with ``on_failure="shrink"``: join
+    torchft's first quorum of all NUM_REPLICA_GROUPS workers. Returns ``(world, manager,
+    replica_id)`` (lsgd_hpc.session builds the session over it: node groups, device,
+    :class:`ReplicaFaultTolerance`). ValueError (one line) for what the environment lacks;
+    every worker that waits too long for the others ends with the same line."""
     env = os.environ
     problem = replica_problem(policy)
     if problem:
@@ -445,22 +451,7 @@ def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
     if min_ranks > n:
         raise ValueError(f"min_ranks={min_ranks} is more than the {n} workers of the job")
     timeouts = FailureTimeouts(float(failure_timeout or DEFAULT_FAILURE_TIMEOUT))
-    import logging
-    logging.getLogger("torchft").setLevel(logging.WARNING)
-    from torchft.manager import Manager
-    from torchft.process_group import ProcessGroupGloo
-    host, port, store = _store_for_group(env)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeouts.quorum))  # each op sets its own
-    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_ranks,
-                      use_async_quorum=False, init_sync=False,
-                      timeout=timedelta(seconds=timeouts.cross),
-                      quorum_timeout=timedelta(seconds=timeouts.quorum),
-                      connect_timeout=timedelta(seconds=timeouts.quorum),
-                      rank=0, world_size=1, store_addr=host, store_port=port,
-                      lighthouse_addr=lighthouse, replica_id=f"{rid:06d}",
-                      hostname=socket.gethostname(),
-                      heartbeat_interval=timedelta(seconds=timeouts.heartbeat))
-    manager._lsgd_store = store                  # (a store of our own lives with the manager)
+    manager, pg = _manager(env, rid, lighthouse, min_ranks, timeouts)
     deadline = time.monotonic() + timeouts.quorum
     while True:                                  # the first quorum holds every worker
         manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=timeouts.quorum))
@@ -478,18 +469,29 @@ def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
     if ids != list(range(n)):
         raise ValueError(f"torchft's first quorum numbers the workers {ids}, not 0..{n - 1}: "
                          "is REPLICA_GROUP_ID set twice?")
-    from lsgd_hpc.comm import NodeGroups
-    from lsgd_hpc.session import Comm
-    groups = NodeGroups.build(world, ranks_per_node)
-    dev = torch.device("cpu") if device in ("auto", "cpu") else torch.device(device)
-    comm = Comm(world, groups, dev, "torch")
-    comm.fault_tolerance = ReplicaFaultTolerance(comm, manager, rid, min_ranks, ranks_per_node,
-                                                 policy)
-    comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
-    import atexit
-    atexit.register(comm.fault_tolerance.final_barrier)
     if rid == 0:
         print(f"[lsgd_hpc] torchft: {n} workers in quorum through lighthouse {lighthouse}; "
               f"{timeouts.describe()}; listening: this worker's manager on all addresses "
               f"(torchft binds [::]), its store at {own_store}", file=sys.stderr, flush=True)
-    return comm
+    return world, manager, rid
+
+
+def _manager(env: dict, rid: int, lighthouse: str, min_ranks: int, timeouts: FailureTimeouts):
+    """This worker's torchft Manager and the process group between workers it reconfigures."""
+    import logging
+    logging.getLogger("torchft").setLevel(logging.WARNING)
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+    host, port, store = _store_for_group(env)
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=timeouts.setup))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_ranks,
+                      use_async_quorum=False, init_sync=False,
+                      timeout=timedelta(seconds=timeouts.cross),
+                      quorum_timeout=timedelta(seconds=timeouts.quorum),
+                      connect_timeout=timedelta(seconds=timeouts.quorum),
+                      rank=0, world_size=1, store_addr=host, store_port=port,
+                      lighthouse_addr=lighthouse, replica_id=f"{rid:06d}",
+                      hostname=socket.gethostname(),
+                      heartbeat_interval=timedelta(seconds=timeouts.heartbeat))
+    manager._lsgd_store = store                  # (a store of our own lives with the manager)
+    return manager, pg

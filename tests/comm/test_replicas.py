@@ -1,0 +1,232 @@
+"""--backend torch --on-failure shrink for real: torchft's lighthouse started and stopped by
+the test, every worker a replica group of its own process (as one torchrun per replica group
+starts them), a worker SIGKILLed from outside mid-run. The survivors finish the budget, the
+shared state is checked equal by the recovery itself (a digest allgather; a mismatch ends
+the job), /faults holds one row per survivor, and the exit statuses are right. Every job runs
+under a timeout. The in-process part: the timeout hierarchy and the refusals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from mpi_util import REPO
+
+torchft = pytest.importorskip("torchft", reason="torchft is not installed (make venv installs "
+                                                "torchft-nightly)")
+
+#: the failure timeout of these jobs: short, so that a recovery costs seconds here
+FAILURE_TIMEOUT = 3.0
+JOB_TIMEOUT = 150
+ALGORITHMS = ["allreduce", "lsgd", "lsgd-async", "easgd", "local-sgd", "diloco", "slowmo",
+              "gossip"]
+
+
+class Lighthouse:
+    """``python -m lsgd_hpc.lighthouse`` on a free port, stopped (SIGTERM) by ``stop``."""
+
+    def __init__(self, folder: Path):
+        self.log = open(folder / "lighthouse.err", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lsgd_hpc.lighthouse", "--port", "0", "--failure-timeout",
+             str(FAILURE_TIMEOUT)], stdout=subprocess.PIPE, stderr=self.log, text=True,
+            cwd=REPO)
+        line = self.proc.stdout.readline()          # the first line, printed once it listens
+        assert line.startswith("TORCHFT_LIGHTHOUSE=http://"), line
+        self.address = line.strip().split("=", 1)[1]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=20)
+        finally:
+            self.log.close()
+
+
+@pytest.fixture
+def lighthouse(tmp_path):
+    lh = Lighthouse(tmp_path)
+    yield lh
+    if lh.proc.poll() is None:
+        lh.stop()
+
+
+def start_workers(tmp_path, lighthouse, n, args, launcher=()):
+    """n workers (replica groups 0..n-1) of the trainer; (processes, their output files)."""
+    procs, outs = [], []
+    for r in range(n):
+        env = dict(os.environ, REPLICA_GROUP_ID=str(r), NUM_REPLICA_GROUPS=str(n),
+                   TORCHFT_LIGHTHOUSE=lighthouse.address, OMP_NUM_THREADS="1",
+                   PYTHONUNBUFFERED="1")
+        out = tmp_path / f"worker{r}.out"
+        with open(out, "w") as f:
+            procs.append(subprocess.Popen(
+                [*launcher, *([] if launcher else [sys.executable]), "-m", "lsgd_hpc.train",
+                 "--backend", "torch", "--on-failure", "shrink", "--failure-timeout",
+                 str(FAILURE_TIMEOUT), "--ranks-per-node", "2", "--run-dir",
+                 str(tmp_path / "run"), *args],
+                stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                start_new_session=True))
+        outs.append(out)
+    return procs, outs
+
+
+def wait_all(procs, outs, timeout=JOB_TIMEOUT):
+    """Every worker's exit status; a job past ``timeout`` is killed and fails the test."""
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                if q.poll() is None:
+                    os.killpg(q.pid, signal.SIGKILL)
+            text = "\n".join(f"--- {o.name}\n{o.read_text()[-3000:]}" for o in outs)
+            pytest.fail(f"a worker hung past {timeout} s:\n{text}")
+    return codes
+
+
+def wait_for(path: Path, pattern: str, procs, timeout=90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if re.search(pattern, path.read_text()):
+            return
+        if any(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.05)
+    pytest.fail(f"{path.name} never showed {pattern!r}:\n{path.read_text()[-3000:]}")
+
+
+def faults_of(run_dir: Path, rank: int) -> dict:
+    with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as f:
+        return {k: f["faults"][k][:].tolist() for k in f["faults"]}
+
+
+def last_step(run_dir: Path, rank: int) -> int:
+    with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as f:
+        return int(f["train"]["step"][-1])
+
+
+# -- every method survives a worker SIGKILLed from outside --------------------------------------
+@pytest.mark.replicas
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_worker_killed_from_outside_and_the_survivors_finish(tmp_path, lighthouse, algorithm):
+    """3 workers as nodes {0, 1} and {2}; worker 1 SIGKILLed once worker 0 logged step 20:
+    workers 0 and 2 finish the 120 steps (exit 0), each with one /faults row naming worker 1
+    and a world of 2 after it; the killed one's status is -9."""
+    steps = 120
+    procs, outs = start_workers(tmp_path, lighthouse, 3,
+                                ["--algorithm", algorithm, "--max-steps", str(steps),
+                                 "--eval-every", "20"])
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[1].send_signal(signal.SIGKILL)
+    codes = wait_all(procs, outs)
+    text = outs[0].read_text() + outs[2].read_text()
+    assert codes == [0, -signal.SIGKILL, 0], (codes, text[-4000:])
+    assert re.search(r"lost rank\(s\) 1 \(initial numbering\); 2 of 3 ranks go on", text), text
+    run = tmp_path / "run"
+    for r in (0, 2):
+        rows = faults_of(run, r)
+        assert rows["world_size_after"] == [2] and rows["n_lost"] == [1], rows
+        if algorithm != "lsgd-async":          # (its ranks take uneven numbers of steps)
+            assert last_step(run, r) == steps
+    assert re.search(r"done: \d+ steps" if algorithm == "lsgd-async" else f"done: {steps} steps",
+                     outs[0].read_text())
+
+
+@pytest.mark.replicas
+def test_a_whole_node_lost_in_two_kills_seconds_apart(tmp_path, lighthouse):
+    """LSGD, 4 workers as 2 nodes: worker 3 killed at step 20, worker 2 two seconds later
+    (two recoveries, or one if the second death comes before the first quorum); node 0
+    finishes alone, its leader elections among the survivors only."""
+    steps = 160
+    procs, outs = start_workers(tmp_path, lighthouse, 4,
+                                ["--algorithm", "lsgd", "--max-steps", str(steps),
+                                 "--eval-every", "20"])
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[3].send_signal(signal.SIGKILL)
+    time.sleep(2.0)
+    procs[2].send_signal(signal.SIGKILL)
+    codes = wait_all(procs, outs)
+    text = outs[0].read_text()
+    assert codes == [0, 0, -signal.SIGKILL, -signal.SIGKILL], (codes, text[-4000:])
+    run = tmp_path / "run"
+    for r in (0, 1):
+        rows = faults_of(run, r)
+        assert sum(rows["n_lost"]) == 2 and rows["world_size_after"][-1] == 2, rows
+        assert last_step(run, r) == steps
+    with h5py.File(run / "metrics" / "rank00000.h5", "r") as f:
+        leaders = f["leader"]["leader_rank"][:]
+        steps_logged = f["leader"]["step"][:]
+    after = leaders[steps_logged > max(faults_of(run, 0)["step"])]
+    assert len(after) and set(after.tolist()) <= {0, 1}, after
+
+
+@pytest.mark.replicas
+def test_torchrun_per_replica_group(tmp_path, lighthouse):
+    """torchft's convention: one torchrun per replica group (its own store and agent); a clean
+    run of 2 workers ends with exit 0 on both, no /faults row."""
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "1",
+                "--standalone", "--no-python"]
+    procs, outs = start_workers(tmp_path, lighthouse, 2, ["--max-steps", "20",
+                                                          "--eval-every", "10"],
+                                launcher=[*torchrun, sys.executable])
+    codes = wait_all(procs, outs)
+    assert codes == [0, 0], [o.read_text()[-3000:] for o in outs]
+    assert "done: 20 steps" in outs[0].read_text()
+    assert "2 workers in quorum through lighthouse" in outs[0].read_text()
+    for r in (0, 1):                                  # no recovery, no /faults row
+        with h5py.File(tmp_path / "run" / "metrics" / f"rank{r:05d}.h5", "r") as f:
+            assert "faults" not in f or len(f["faults"]["step"]) == 0
+
+
+# -- in-process: the timeouts and the refusals ------------------------------------------------
+def test_the_timeout_hierarchy_follows_from_one_figure():
+    from lsgd_hpc.comm.replicas import FailureTimeouts
+    for detect in (0.5, 3.0, 10.0, 30.0):
+        t = FailureTimeouts(detect)
+        assert t.cross == detect < t.intra < t.quorum       # between < inside < start-up
+        assert t.quorum >= 60 and t.heartbeat < detect / 2
+    with pytest.raises(ValueError, match="failure_timeout must be > 0"):
+        FailureTimeouts(0)
+
+
+@pytest.mark.parametrize("args,env,message", [
+    (["--on-failure", "shrink"], {}, "set REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, "
+                                     "TORCHFT_LIGHTHOUSE"),
+    (["--on-failure", "shrink"], {"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "2",
+                                  "TORCHFT_LIGHTHOUSE": "http://h:1"},
+     "REPLICA_GROUP_ID must be in 0..NUM_REPLICA_GROUPS-1, got 2 of 2"),
+    (["--on-failure", "heal"], {}, "heal is not supported with --backend torch yet"),
+    (["--on-failure", "shrink", "--worker-ranks", "2"],
+     {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://h:1"},
+     "--worker-ranks: 2 is not supported with --backend torch --on-failure shrink yet"),
+    (["--failure-timeout", "5"], {}, "--failure-timeout: is for --backend torch with "
+                                     "--on-failure shrink"),
+])
+def test_refusals_name_the_option(tmp_path, args, env, message):
+    from lsgd_hpc.cli.config import ConfigError, parse_config
+    backend = [] if "--failure-timeout" in args else ["--backend", "torch"]
+    with pytest.raises(ConfigError) as err:
+        parse_config([*backend, *args, "--run-dir", str(tmp_path / "r")], env)
+    assert message in str(err.value), str(err.value)
+
+
+def test_the_job_rank_of_a_replica_group():
+    """The rank that prints a start-up error once, and the world size check, count every
+    replica group's ranks (torchrun's RANK and WORLD_SIZE are the group's)."""
+    from lsgd_hpc.comm.launcher import env_rank, launcher_world_size
+    env = {"REPLICA_GROUP_ID": "3", "NUM_REPLICA_GROUPS": "4"}
+    assert env_rank(env) == 3 and launcher_world_size(env) == (None, None)
+    env.update(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="h", MASTER_PORT="1",
+               TORCHELASTIC_RUN_ID="x")
+    assert env_rank(env) == 7 and launcher_world_size(env) == ("torchrun", 8)
