@@ -511,8 +511,10 @@ class Trainer:
         self.method.broadcast_initial()
 
     def _log_train(self, step: int, loss: float, out, yb, lr: float) -> None:
-        acc = float((out.argmax(1) == yb).float().mean())
-        self.metrics.log_step(step, loss, acc, lr, epoch=self.batches.epoch_of(step),
+        # the batch's hits, left on the device: the metrics writer turns them into the row's
+        # accuracy when it writes its rows (no sync per step; RunMetrics.log_step)
+        hits = out.argmax(1) == yb
+        self.metrics.log_step(step, loss, hits, lr, epoch=self.batches.epoch_of(step),
                               **({"skipped_steps": self.method.skipped_steps}
                                  if self.scaler is not None else {}))
 

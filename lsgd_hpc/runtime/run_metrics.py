@@ -66,6 +66,8 @@ class RunMetrics(MetricsWriter):
         #: the counters of the node_* columns (the float32 traffic inside the node of a
         #: hierarchical compressed allreduce, ``method.node_stats``), or None: no such columns
         self.node_stats = None
+        #: whether some /train accuracy in ``rows`` is still a tensor (``log_step``)
+        self._deferred = False
 
     # -- compute time ------------------------------------------------------------------------
     @property
@@ -188,9 +190,20 @@ class RunMetrics(MetricsWriter):
             self._in_measuring = inside
             self.eval_seconds += time.perf_counter() - t
 
-    def log_step(self, step: int, loss: float, accuracy: float = math.nan,
+    def log_step(self, step: int, loss: float, accuracy=math.nan,
                  lr: float = math.nan, epoch: float = math.nan, **extra) -> None:
+        """The /train row of ``step``. ``accuracy``: a number, or a tensor whose mean it is
+        (the batch's per-sample hits, ``out.argmax(1) == labels``), left on its device and
+        read when the rows are written (``flush``), ``column`` is read or a tracker mirrors
+        the row: no device sync and no reduction per step, one per flush for all rows."""
         s, wall = self.comm.stats, self.wall()
+        if isinstance(accuracy, torch.Tensor):
+            if self.trackers:            # the trackers mirror each row as it comes
+                accuracy = _means([accuracy])[0]
+            else:
+                self._deferred = True
+        else:
+            accuracy = float(accuracy)
         if self.method is not None:
             # the method's own /train columns (async LSGD's staleness, local SGD's T)
             extra = {**self.method.rule.train_columns(), **extra}
@@ -202,7 +215,7 @@ class RunMetrics(MetricsWriter):
         extra = {**{c: math.nan for c in self.columns["train"]
                     if c not in GROUPS["train"] and c not in extra}, **extra}
         self.log("train", step=step, epoch=epoch, wall_time=wall, loss=float(loss),
-                 accuracy=float(accuracy), lr=float(lr), comm_bytes_sent=s.bytes_sent,
+                 accuracy=accuracy, lr=float(lr), comm_bytes_sent=s.bytes_sent,
                  comm_bytes_recv=s.bytes_recv, comm_seconds=s.seconds,
                  compute_seconds=self.compute_seconds, overhead_seconds=s.overhead_seconds,
                  probe_seconds=s.probe_seconds, eval_seconds=self.eval_seconds,
@@ -212,6 +225,23 @@ class RunMetrics(MetricsWriter):
         t = time.perf_counter()
         self.maybe_flush()
         self.metrics_seconds += time.perf_counter() - t
+
+    def _materialise(self) -> None:
+        """The deferred /train accuracies (``log_step``'s tensors) as numbers, in place."""
+        if self._deferred:
+            values = self.rows["train"]["accuracy"]
+            at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+            for i, v in zip(at, _means([values[i] for i in at])):
+                values[i] = v
+            self._deferred = False
+
+    def flush(self) -> None:
+        self._materialise()
+        super().flush()
+
+    def column(self, group: str, name: str) -> list:
+        self._materialise()
+        return super().column(group, name)
 
     def log_eval(self, step: int, test_loss: float, test_accuracy: float,
                  epoch: float = math.nan, **extra) -> None:
@@ -261,6 +291,24 @@ class RunMetrics(MetricsWriter):
         if counts:
             self.load_existing(counts)
         self._load_clocks(state)
+
+
+def _means(tensors: list) -> list:
+    """Each tensor's mean (a boolean or integer one's as float32, as ``t.float().mean()``),
+    as Python floats: one stacked reduction and one device sync per shape, device and
+    dtype; the same values as the tensors' own means."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.shape, t.device, t.dtype), []).append(i)
+    out = [math.nan] * len(tensors)
+    with torch.no_grad():
+        for idx in groups.values():
+            stacked = torch.stack([tensors[i].detach() for i in idx]).reshape(len(idx), -1)
+            if not stacked.is_floating_point():
+                stacked = stacked.float()
+            for i, v in zip(idx, stacked.mean(1).tolist()):
+                out[i] = v
+    return out
 
 
 def _options_of(method) -> dict:
