@@ -98,14 +98,6 @@ class HealEvent:
         #: emulated), set once the healed world knows them
         self.nodes: List[str] = []
 
-    def as_dict(self) -> dict:
-        return {"replaced": self.replaced, "size_after": self.size_after,
-                "lost_at": self.lost_at, "step": self.step}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "HealEvent":
-        return cls(d["replaced"], d["size_after"], d["lost_at"], d.get("step", -1))
-
 
 def payload(extra_env: Optional[dict] = None) -> str:
     """What a replacement needs to start as this process did: its program (module or

@@ -45,10 +45,6 @@ def arm() -> None:
     _ARMED = True
 
 
-def armed() -> bool:
-    return _ARMED
-
-
 def free_all() -> int:
     """Free every tracked communicator, newest first (errors ignored: a revoked one, or
     one already freed); how many were freed."""

@@ -242,10 +242,6 @@ class ShardedBatches:
         return self.sampler.per_rank
 
     @property
-    def total_size(self) -> int:
-        return self.sampler.per_rank * self.sampler.size
-
-    @property
     def steps_per_epoch(self) -> int:
         per_rank, b = self.sampler.per_rank, self.batch_size
         return per_rank // b if self.drop_last else -(-per_rank // b)

@@ -412,9 +412,3 @@ class MethodSpec:
             why = c.test(options, world_size)
             if why:
                 raise OptionError(c.option, why)
-
-    def with_defaults(self, **defaults) -> "MethodSpec":
-        """This spec with other defaults (tests, experiments)."""
-        opts = tuple(replace(o, default=defaults[o.name]) if o.name in defaults else o
-                     for o in self.options)
-        return replace(self, options=opts)
