@@ -202,7 +202,22 @@ class _MaxDegreeGraph(Topology):
         return c
 
 
-class _Circulant(_MaxDegreeGraph):
+class _CyclicRows:
+    """A circulant W: every row, and every column, is a cyclic shift of row 0 (``_row0``),
+    so row 0 gives the matrix and decides symmetry and stochasticity."""
+
+    def mixing_matrix(self, step: int = 0) -> np.ndarray:
+        idx = np.arange(self.n)
+        return self._row0()[(idx[None, :] - idx[:, None]) % self.n]
+
+    def _verify(self) -> Tuple[bool, bool]:
+        c = self._row0()
+        symmetric = bool(np.allclose(c, np.roll(c[::-1], 1), rtol=0, atol=_TOL))
+        stochastic = bool(c.min() >= 0 and abs(c.sum() - 1.0) <= _TOL)
+        return symmetric, stochastic
+
+
+class _Circulant(_CyclicRows, _MaxDegreeGraph):
     """Neighbours of i: (i + o) mod n for a set of offsets closed under negation. Every rank has
     the same degree d, so w_ij = 1/(d+1) and w_ii = 1/(d+1): W is circulant, W_ij = c[(j-i) mod n],
     and its eigenvalues are the DFT of the first row c (real, because c[o] = c[-o])."""
@@ -218,10 +233,6 @@ class _Circulant(_MaxDegreeGraph):
         n = self.n
         return sorted((i + o) % n for o in self._offsets)
 
-    def mixing_matrix(self, step: int = 0) -> np.ndarray:
-        idx = np.arange(self.n)
-        return self._row0()[(idx[None, :] - idx[:, None]) % self.n]
-
     def _structured_spectrum(self) -> np.ndarray:
         return np.sort(np.fft.fft(self._row0()).real)
 
@@ -229,13 +240,6 @@ class _Circulant(_MaxDegreeGraph):
         if len(self._offsets) == self.n - 1:        # complete: skip the O(n^2) BFS
             return min(1, self.n - 1)
         return super()._diameter()
-
-    def _verify(self) -> Tuple[bool, bool]:
-        # every row is a cyclic shift of row 0, so are the columns: row 0 decides everything
-        c = self._row0()
-        symmetric = bool(np.allclose(c, np.roll(c[::-1], 1), rtol=0, atol=_TOL))
-        stochastic = bool(c.min() >= 0 and abs(c.sum() - 1.0) <= _TOL)
-        return symmetric, stochastic
 
 
 class _Torus(_MaxDegreeGraph):
@@ -555,7 +559,7 @@ class _OnePeerExponential(Topology):
         return out
 
 
-class _StaticExponential(Topology):
+class _StaticExponential(_CyclicRows, Topology):
     """The static exponential graph of Ying et al. (2021), directed.
 
     With d = ceil(log2 n) (0 when n = 1), rank i sends to (i + 2^k) mod n and receives from
@@ -599,10 +603,6 @@ class _StaticExponential(Topology):
         c[[(-o) % self.n for o in self._offsets]] = 1.0 / (self.d + 1)
         return c
 
-    def mixing_matrix(self, step: int = 0) -> np.ndarray:
-        idx = np.arange(self.n)
-        return self._row0()[(idx[None, :] - idx[:, None]) % self.n]
-
     def _moduli(self) -> np.ndarray:
         """|mu_f|, f = 0..n-1: the eigenvalue moduli and the singular values of W."""
         return np.abs(np.fft.fft(self._row0()))
@@ -613,13 +613,6 @@ class _StaticExponential(Topology):
     def _mean_variance(self, gammas: Sequence[float]) -> np.ndarray:
         # W normal: Sigma = sum_k g^k W^(k+1) W^T(k+1) = F diag(|mu|^2 / (1 - g |mu|^2)) F^*
         return _mean_variance_from_spectrum(self._moduli(), gammas)
-
-    def _verify(self) -> Tuple[bool, bool]:
-        # every row and every column is a cyclic shift of row 0
-        c = self._row0()
-        symmetric = bool(np.allclose(c, np.roll(c[::-1], 1), rtol=0, atol=_TOL))
-        stochastic = bool(c.min() >= 0 and abs(c.sum() - 1.0) <= _TOL)
-        return symmetric, stochastic
 
 
 
