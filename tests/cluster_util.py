@@ -168,7 +168,9 @@ class Cluster:
             env = dict(e.decode(errors="replace").partition("=")[::2] for e in environ if b"=" in e)
             if env.get("SLURM_JOB_ID") != str(job_id):
                 continue
-            rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMIX_RANK")
+            # (torchft's workers, one srun task each: their replica group's number)
+            rank = env.get("OMPI_COMM_WORLD_RANK") or env.get("PMIX_RANK") or \
+                env.get("REPLICA_GROUP_ID")
             if rank is not None and rank.isdigit():
                 out[int(rank)] = int(d.name)
         return out

@@ -277,7 +277,7 @@ class FaultTolerance:
             self.generation += 1
             if world.size < self.min_ranks:         # the same size on every survivor
                 raise UnrecoverableFailure(
-                    f"lsgd_hpc: {new.Get_size()} rank(s) left after losing rank(s) "
+                    f"lsgd_hpc: {world.size} rank(s) left after losing rank(s) "
                     f"{format_ranks(self.lost + lost_here)} (initial numbering), fewer than "
                     f"min_ranks={self.min_ranks}; ending the job")
             ok, problem = 1, None

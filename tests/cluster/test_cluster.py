@@ -202,6 +202,53 @@ def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
                 f"{slurm_cluster.nodes[0]}:{29500 + job % 1000}", attrs["rendezvous"]
 
 
+@pytest.mark.timeout(JOB_TIMEOUT + 60)
+def test_a_node_lost_under_the_gpu_template_with_torchft_the_job_finishes(slurm_cluster,
+                                                                         tmp_path):
+    """LSGD_ON_FAILURE=shrink sbatch --no-kill slurm/lsgd_gpu.sbatch (--device cpu: gloo):
+    the template starts torchft's lighthouse on the batch host and every task as a replica
+    group of its own; once they train, both tasks of the second node are SIGKILLed from
+    outside. The job ends COMPLETED (exit 0) on the first node; the log and the survivors'
+    /faults name the lost ranks and node."""
+    text = GPU_JOB.read_text()
+    copy = tmp_path / "lsgd_gpu.sbatch"
+    copy.write_text("".join(line for line in text.splitlines(keepends=True)
+                            if not line.startswith("#SBATCH --gpus-per-node")))
+    steps = 300
+    job = slurm_cluster.sbatch(f"--chdir={tmp_path}", *TWO_BY_TWO, "--no-kill", str(copy),
+                               *DIGITS, "--device", "cpu", "--algorithm", "lsgd",
+                               "--max-steps", str(steps), "--epochs", "1000", "--eval-every",
+                               str(steps), "--flush-every", "5",
+                               env=slurm_cluster.env({"LSGD_ON_FAILURE": "shrink",
+                                                      "LSGD_FAILURE_TIMEOUT": "5"}))
+    run_dir = tmp_path / "runs" / str(job)
+    try:
+        wait_for(lambda: all(train_rows(run_dir, r) >= 1 for r in (2, 3)), JOB_TIMEOUT,
+                 "ranks 2 and 3 training")
+        pids = slurm_cluster.rank_pids(job)
+        assert sorted(pids) == [0, 1, 2, 3], pids
+        for rank in (2, 3):
+            os.kill(pids[rank], signal.SIGKILL)
+        (rec,) = slurm_cluster.wait_end(job, JOB_TIMEOUT)
+    finally:
+        slurm_cluster.slurm_cmd("scancel", str(job), check=False)
+        wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
+    log = log_of(tmp_path, job, prefix="lsgd-gpu")
+    assert "on a dead rank: shrink (torchft lighthouse http://" in log, log
+    assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{log}"
+    ranks = read_ranks(run_dir)
+    lost_host = ranks[2][0]["hostname"]
+    assert lost_host == ranks[3][0]["hostname"] != ranks[0][0]["hostname"]
+    assert re.search(rf"lost rank\(s\) [23,\- ]+ \(initial numbering\) and node\(s\) "
+                     rf"{re.escape(lost_host)};", log), log
+    for rank in (0, 1):
+        attrs, groups = ranks[rank]
+        assert int(groups["train"]["step"][-1]) == steps
+        faults = groups["faults"]
+        assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
+        assert faults["lost_nodes"][-1].decode() == lost_host
+
+
 # ------------------------------------------------------------------------------ torch backend
 
 def failure_text(proc) -> str:

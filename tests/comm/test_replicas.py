@@ -172,6 +172,22 @@ def test_a_whole_node_lost_in_two_kills_seconds_apart(tmp_path, lighthouse):
 
 
 @pytest.mark.replicas
+def test_fewer_workers_than_min_ranks_end_every_survivor_with_one_line(tmp_path, lighthouse):
+    """--min-ranks 3 of 3 workers: one killed, and both survivors end with the same one line
+    and exit 3 (UnrecoverableFailure), no hang."""
+    procs, outs = start_workers(tmp_path, lighthouse, 3,
+                                ["--algorithm", "allreduce", "--max-steps", "400",
+                                 "--eval-every", "20", "--min-ranks", "3"])
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[2].send_signal(signal.SIGKILL)
+    codes = wait_all(procs, outs)
+    assert codes == [3, 3, -signal.SIGKILL], (codes, outs[0].read_text()[-3000:])
+    lines = [[ln for ln in o.read_text().splitlines() if "fewer than min_ranks=3" in ln]
+             for o in outs[:2]]
+    assert len(lines[0]) == len(lines[1]) == 1 and lines[0] == lines[1], lines
+
+
+@pytest.mark.replicas
 def test_torchrun_per_replica_group(tmp_path, lighthouse):
     """torchft's convention: one torchrun per replica group (its own store and agent); a clean
     run of 2 workers ends with exit 0 on both, no /faults row."""
