@@ -131,19 +131,19 @@ def cluster_job(script: str, key: str, base: dict, cluster: Dict[str, str], rate
     ``cluster["name"]`` on ``cluster["subnet"]``, brought up and down here). Returns (the
     worker's JSON result, None), or ({}, the benchmark's result) when the cluster is missing
     (skipped) or the job failed, timed out or found the wrong layout (failed)."""
-    import time_to_accuracy as tta
+    from _cluster import NODES, NP, cluster_available, emulated_cluster
     from lsgd_hpc.testing import mpi_env, mpirun_path, run_group
 
-    why_not = tta.cluster_available()
+    why_not = cluster_available()
     if why_not:
         return {}, {**base, "status": f"skipped: {why_not}",
                     "rows": [row(key, "", f"skipped: {why_not}", None, "")]}
     with tempfile.TemporaryDirectory(prefix=f"lsgd_bench_{key}_") as tmp:
         out = Path(tmp) / "out.json"
-        with tta.emulated_cluster(rate, log, cluster["name"], cluster["subnet"]) as margs:
+        with emulated_cluster(rate, log, cluster["name"], cluster["subnet"]) as margs:
             cmd = [mpirun_path(), *margs, "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                   "-x", "PATH", "-np", str(tta.NP), sys.executable, script, "--worker",
-                   "--out", str(out), "--nodes", str(tta.NODES), "--rate", rate,
+                   "-x", "PATH", "-np", str(NP), sys.executable, script, "--worker",
+                   "--out", str(out), "--nodes", str(NODES), "--rate", rate,
                    *worker_args, *(["--quick"] if quick else [])]
             env = mpi_env({})
             env.pop("LSGD_HPC_RANKS_PER_NODE", None)

@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
+from _cluster import NODES, RANKS_PER_NODE  # noqa: E402
 from _common import (LayoutError, check_layout, cluster_bench_main, cluster_job,  # noqa: E402
                      failed, rho_fields, row, spread, write_result)
 
@@ -136,7 +137,7 @@ def run(quick: bool = False, timeout: float = 600, log=print, key: str = "overla
         speedup = b["step_s"] / a["step_s"]
         # rho: one fp32 allreduce of the model between the nodes, predicted from the probed
         # link, over the blocking run's compute a step (its step less its communication)
-        rho = rho_fields(res["model_bytes"] // 4, tta.NODES, tta.RANKS_PER_NODE, res["inter"],
+        rho = rho_fields(res["model_bytes"] // 4, NODES, RANKS_PER_NODE, res["inter"],
                          b["step_s"] - b["comm_s"]) if res.get("inter") else {}
         shares[name] = {"hidden_share": hidden, "speedup": speedup, "overlap": a, "blocking": b,
                         **rho}

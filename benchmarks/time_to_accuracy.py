@@ -49,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -57,16 +56,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(REPO))
+# the emulated cluster (_cluster.py, shared with _common.cluster_job); _sh is read from here by
+# results/experiments/lm.py, which runs cluster.sh with its own ranks per node
+from _cluster import (CLUSTER_NAME, CLUSTER_SUBNET, NODES, NP, RANKS_PER_NODE,  # noqa: E402,F401
+                      _sh, cluster_available, emulated_cluster)
 from _common import LayoutError, check_layout, median, rho_fields, row, write_result  # noqa: E402
 
 from lsgd_hpc.testing import mpi_env, mpirun_path, run_group  # noqa: E402
 
-CLUSTER = REPO / "scripts" / "cluster.sh"
-CLUSTER_NAME = "lsgdtta"          # names and subnet of its own: other clusters may be up
-CLUSTER_SUBNET = "10.79.3"
 RATES = ("1gbit", "10gbit")
-NODES, RANKS_PER_NODE = 2, 2
-NP = NODES * RANKS_PER_NODE
 SEEDS = (0, 1, 2)
 TARGET = 0.93
 MAX_STEPS = 60
@@ -126,45 +124,6 @@ def consensus_off() -> List[str]:
         return ["--consensus-every", "0"]
     except (ConfigError, SystemExit):
         return ["--consensus-every", str(10 * MAX_STEPS)]
-
-
-def cluster_available() -> Optional[str]:
-    """None when the emulated cluster can be made here, else why not."""
-    if not CLUSTER.exists():
-        return "scripts/cluster.sh is missing"
-    if os.geteuid() != 0:
-        return "needs root (network namespaces and tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "needs the ip and tc commands (iproute2)"
-    return None
-
-
-def _sh(*args, timeout=120) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(CLUSTER), *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-@contextmanager
-def emulated_cluster(rate: str, log=print, name: str = CLUSTER_NAME,
-                     subnet: str = CLUSTER_SUBNET):
-    """Bring the cluster ``name`` up on ``subnet`` with ``rate`` per node link; yield its
-    mpirun options; always take it down."""
-    _sh("down", "--name", name)          # a leftover of an interrupted run
-    try:
-        t0 = time.perf_counter()
-        up = _sh("up", "--name", name, "--subnet", subnet, "--nodes", str(NODES),
-                 "--rate", rate, "--no-slurm", timeout=300)
-        if up.returncode != 0:
-            raise RuntimeError(f"cluster.sh up failed: {(up.stderr or up.stdout).strip()[-300:]}")
-        log(f"  time_to_accuracy: cluster up at {rate} in {time.perf_counter() - t0:.1f} s")
-        args = _sh("mpirun-args", "--name", name, "--ranks-per-node", str(RANKS_PER_NODE))
-        if args.returncode != 0:
-            raise RuntimeError(f"cluster.sh mpirun-args failed: {args.stderr.strip()[-300:]}")
-        yield args.stdout.split()
-    finally:
-        down = _sh("down", "--name", name)
-        if down.returncode != 0:
-            log(f"  time_to_accuracy: cluster.sh down: {down.stderr.strip()[-300:]}")
 
 
 # -- the MPI job (every rank) -------------------------------------------------------------------
