@@ -24,7 +24,7 @@ What is measured (docs/metrics.md):
 * the cost ratio c = (seconds of one averaging round) / (seconds of one local step) of each
   fixed-T run: (comm_seconds / rounds) / (compute_seconds / steps), mean over ranks.
 
-The prediction (lsgd_hpc/algorithms/local_steps.py, docs/algorithms.md "Automatic T"): fit the
+The prediction (lsgd_hpc/methods/rules/auto_period.py, docs/algorithms.md "Automatic T"): fit the
 local decay of the loss between averages, with one intercept per segment (the steps between two
 averages) and a common slope, pooled over the ranks and the fixed-T runs with T >= 2, up to the
 step each run reached the target; then
@@ -32,7 +32,7 @@ step each run reached the target; then
     geometric  L ~ rho^s    ->  T* = log c / log(1/rho)     (log(1/r) with r = 1/c)
     power      L ~ s^-beta  ->  T* = c^(1/beta)            (r^(-1/beta))
 
-with c the median measured cost ratio; ``local_steps.decide`` picks the law (the package's own
+with c the median measured cost ratio; ``auto_period.decide`` picks the law (the package's own
 estimator, with its significance tests), ``choose_local_steps`` gives T* (clipped to T_max here,
 not to one epoch as ``--local-steps auto`` clips it). The auto run's own choice is read from its
 ``/train`` columns local_steps, local_law, local_rate and local_cost_ratio.
@@ -158,7 +158,7 @@ def measure_run(run_dir: Path, target: float) -> dict:
 
 def predict(runs: List[tuple], t_max: int) -> dict:
     """The seed's T* from the pooled decay of the fixed-T runs and the median cost ratio."""
-    from lsgd_hpc.methods.rules.local_steps import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER,
+    from lsgd_hpc.methods.rules.auto_period import (LAW_GEOMETRIC, LAW_NAMES, LAW_POWER,
                                                     DecayStatistics, choose_local_steps,
                                                     decay_statistics, decide)
     total = np.zeros(7)
@@ -258,7 +258,7 @@ def best_t_per_seed(per_run: List[dict]) -> List[int]:
 
 
 def findings(table, auto, pred, target, per_run, spe) -> List[str]:
-    from lsgd_hpc.methods.rules.local_steps import LAW_NAMES
+    from lsgd_hpc.methods.rules.auto_period import LAW_NAMES
 
     out = []
     fixed = [r for r in table if r["T"] != "auto"]

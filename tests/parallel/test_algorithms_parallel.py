@@ -165,7 +165,7 @@ def test_auto_local_steps_ranks_with_different_evidence_end_on_the_same_T(world,
     timings; one allreduce of the evidence and one decision must give every rank the same T.
     With a given cost ratio c the decision is the power law of the pooled fit: the pooled
     slope of equal-step segments is the mean of the ranks' betas, T = ceil(c^(1/mean beta))."""
-    from lsgd_hpc.methods.rules.local_steps import LAW_POWER, choose_local_steps
+    from lsgd_hpc.methods.rules.auto_period import LAW_POWER, choose_local_steps
     n, c = world.size, 3.0
     beta = 0.4 + 0.1 * world.rank
     rows = Rows()

@@ -1,4 +1,4 @@
-"""Local SGD (periodic averaging) with a fixed T, or T chosen at run time (see local_steps)."""
+"""Local SGD (periodic averaging) with a fixed T, or T chosen at run time (see auto_period)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from lsgd_hpc.comm import FlatParams, NodeGroups
 from lsgd_hpc.comm.accounting import uncounted
 from lsgd_hpc.methods.rules.base import Rule
-from lsgd_hpc.methods.rules.local_steps import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE,
+from lsgd_hpc.methods.rules.auto_period import (EVIDENCE_LENGTH, LAW_FIXED, LAW_NAMES, LAW_NONE,
                                                 DecayStatistics, Decision, choose_local_steps,
                                                 decay_statistics, decide)
 
@@ -104,10 +104,10 @@ class LocalSGDRule(Rule):
     losses as segments (the steps between two averagings) and the seconds of its local steps
     and averaging rounds. At the first averaging round at least ``reestimate_steps`` after the
     last estimate, every rank adds its decay statistics and its median step and round seconds
-    (or takes the given ``cost_ratio``) into one float64 sum-allreduce, and every rank runs the same :func:`local_steps.decide`
+    (or takes the given ``cost_ratio``) into one float64 sum-allreduce, and every rank runs the same :func:`auto_period.decide`
     on the sums: the same T everywhere, without asking the ranks to agree on a law. The T in
     use is logged in /train/local_steps and the law behind it in /train/local_law (codes in
-    local_steps.LAW_NAMES; -1 for a fixed T); /train/local_rate (rho or beta) and
+    auto_period.LAW_NAMES; -1 for a fixed T); /train/local_rate (rho or beta) and
     /train/local_cost_ratio (c) are those of the last estimate (NaN before one). Timing-based, so an ``auto`` run is not
     bit-reproducible; a fixed T is. With ``topk`` < 1 on the world the average goes through
     the shared reference ``reference`` (:class:`FlatAverage`).

@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from lsgd_hpc.methods.rules.local_steps import (LAW_FIXED, LAW_GEOMETRIC, LAW_GEOMETRIC_ASSUMED,
+from lsgd_hpc.methods.rules.auto_period import (LAW_FIXED, LAW_GEOMETRIC, LAW_GEOMETRIC_ASSUMED,
                                                 LAW_NAMES, LAW_NONE, LAW_POWER, DecayStatistics,
                                                 choose_local_steps, decay_statistics, decide)
 from mpi_util import run_mpi

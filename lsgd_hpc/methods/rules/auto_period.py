@@ -1,4 +1,5 @@
-"""Local SGD's automatic T: fit the local decay law between averagings, then the seed's T*.
+"""Local SGD's automatic T (its averaging period, ``local_steps="auto"``): fit the local decay
+law between averagings, then the seed's T*.
 
 The estimator in four steps (the maths is in docs/algorithms.md, "Automatic T"):
 
