@@ -142,6 +142,9 @@ def replica_problem(on_failure: str) -> Optional[str]:
         return ("on_failure='heal' is not supported with backend='torch' yet (a restarted "
                 "replica group cannot join a running job); use on_failure='shrink' with it, "
                 "or backend='mpi' under mpirun --with-ft ulfm")
+    # torchft's Rust side logs every quorum at INFO on stderr (read when torchft loads); its
+    # warnings and errors stay
+    os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft.manager  # noqa: F401
     except ImportError:
@@ -354,23 +357,35 @@ class ReplicaCommunicator(TorchCommunicator):
 class ReplicaFaultTolerance(FaultTolerance):
     """:class:`~lsgd_hpc.comm.faults.FaultTolerance` with torchft as the engine: the quorum
     of live workers from torchft's lighthouse in place of MPI_Comm_shrink, an allreduce over
-    the new quorum in place of MPI_Comm_agree (see the module docstring)."""
+    the new quorum in place of MPI_Comm_agree (see the module docstring).
+
+    The revoke: a survivor that starts a recovery aborts its groups (the node groups and the
+    world's), so that every survivor waiting on it in a collective fails at once and joins
+    the recovery (otherwise it would wait out its collective's timeout while the lighthouse
+    waits for it). torchft rebuilds the world's group when the quorum changed; when it did
+    not (no worker was lost: a collective timed out on a slow worker), the survivors rebuild
+    it themselves, meeting at the lowest member's store."""
 
     def __init__(self, comm, manager, replica_id: int, min_ranks: int, ranks_per_node,
                  policy: str = "shrink"):
         self.manager, self.replica_id = manager, replica_id
         super().__init__(comm, min_ranks, ranks_per_node, policy)
+        #: every worker's torchft store (host:port), by initial rank
+        self.stores = dict(enumerate(comm.world.allgather_object(comm.world.store)))
 
     def _prepare_world(self, world) -> None:
         """torchft's groups report a lost peer as an error already."""
 
     def _alert_others(self) -> None:
-        # The node groups are aborted (their peers fail at once and recover too); the world's
-        # group is reconfigured by torchft at the next quorum, which closes its connections.
-        self.comm.world.free()
+        world = self.comm.world
+        world.free()
+        try:
+            world.group.abort(errored=False)
+        except Exception:                         # noqa: BLE001 - already aborted
+            pass
 
     def _meet_survivors(self) -> None:
-        self.comm.world.free()
+        self._alert_others()
 
     def _agree(self, ok: int) -> int:
         flag = torch.tensor([int(ok)], dtype=torch.int64)
@@ -383,9 +398,10 @@ class ReplicaFaultTolerance(FaultTolerance):
 
     def _shrink_world(self, attempt: int, exc: Optional[BaseException]) -> Optional[List[int]]:
         world = self.comm.world
-        world.free()
+        self._alert_others()
         manager = self.manager
         try:
+            before = manager._quorum_id           # (torchft says no other way whether it changed)
             manager.start_quorum(allow_heal=False, shrink_only=True,
                                  timeout=timedelta(seconds=world.timeouts.quorum))
             manager.wait_quorum()
@@ -396,8 +412,10 @@ class ReplicaFaultTolerance(FaultTolerance):
             if rank is None:
                 raise UnrecoverableFailure("lsgd_hpc: this worker is not in torchft's new "
                                            "quorum; ending it")
+            if manager._quorum_id == before:      # the same workers: torchft kept the group
+                self._rebuild_world_group(rank, size, attempt)
             world.adopt_quorum(rank, size, self.generation + 1)
-            ids = world.allgather_object(self.replica_id)
+            ids = world.allgather_object((self.replica_id, world.store))
         except UnrecoverableFailure:
             raise
         except Exception as e:                    # noqa: BLE001 - a worker lost meanwhile
@@ -405,11 +423,26 @@ class ReplicaFaultTolerance(FaultTolerance):
                 return None
             raise UnrecoverableFailure(f"lsgd_hpc: torchft's quorum failed ({e}); cannot "
                                        "recover") from exc
+        self.stores.update(ids)
+        ids = [i for i, _ in ids]
         if ids != sorted(ids) or len(set(ids)) != len(ids) or \
                 not set(ids) <= set(self.initial_ranks):
             raise UnrecoverableFailure(f"lsgd_hpc: torchft's quorum holds workers {ids}, not "
                                        f"a subset of {self.initial_ranks} in order; ending")
         return [int(i) for i in ids]
+
+    def _rebuild_world_group(self, rank: int, size: int, attempt: int) -> None:
+        """The world's group again, over the same members (every survivor aborted it and
+        torchft saw no change of quorum): they meet at the lowest member's store."""
+        from torchft.process_group import reconfigure_with_store
+        members = self.initial_ranks
+        if size != len(members):
+            raise RuntimeError(f"torchft's quorum has {size} workers where {len(members)} "
+                               "were, under the same quorum id")
+        store = self.stores[members[0]]
+        reconfigure_with_store(self.comm.world.group,
+                               f"{store}/lsgd_hpc/rebuild/{self.generation}-{attempt}", rank,
+                               size, timedelta(seconds=self.comm.world.timeouts.setup))
 
     def final_barrier(self) -> None:
         super().final_barrier()

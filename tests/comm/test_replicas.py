@@ -172,6 +172,30 @@ def test_a_whole_node_lost_in_two_kills_seconds_apart(tmp_path, lighthouse):
 
 
 @pytest.mark.replicas
+def test_the_survivors_checkpoint_resumes_at_full_size(tmp_path, lighthouse):
+    """Allreduce SGD, 3 workers, checkpoints every 20 steps: worker 2 killed, the survivors
+    save their sets (a transaction over torchft's quorum) to step 60; the job started again
+    with all 3 workers and --resume goes on from step 60 to 80, worker 2 rejoining with the
+    replica; the replicas are checked bit-identical every 10 steps on the way."""
+    args = ["--algorithm", "allreduce", "--eval-every", "20", "--checkpoint-every", "20",
+            "--check-replicas-every", "10"]
+    procs, outs = start_workers(tmp_path, lighthouse, 3, [*args, "--max-steps", "60"])
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[2].send_signal(signal.SIGKILL)
+    assert wait_all(procs, outs) == [0, 0, -signal.SIGKILL], outs[0].read_text()[-3000:]
+    procs, outs = start_workers(tmp_path, lighthouse, 3, [*args, "--max-steps", "80",
+                                                          "--resume"])
+    codes = wait_all(procs, outs)
+    text = outs[0].read_text()
+    assert codes == [0, 0, 0], (codes, text[-3000:])
+    assert re.search(r"resumed the survivors' checkpoint of step 60 at the full 3 ranks: "
+                     r"rank\(s\) 2 rejoin", text), text
+    assert "done: 80 steps" in text
+    for r in range(3):
+        assert last_step(tmp_path / "run", r) == 80
+
+
+@pytest.mark.replicas
 def test_fewer_workers_than_min_ranks_end_every_survivor_with_one_line(tmp_path, lighthouse):
     """--min-ranks 3 of 3 workers: one killed, and both survivors end with the same one line
     and exit 3 (UnrecoverableFailure), no hang."""
