@@ -92,6 +92,11 @@ BENCHES = [
     Bench("overlap_compressed", "overlap_compressed", timeout=600, driver=True),
     # one rank lost at 30 % of the budget: shrink vs abort + resume vs no failure (ULFM)
     Bench("goodput_under_failure", "goodput_under_failure", timeout=300, driver=True),
+    # --backend torch --on-failure shrink (torchft replica groups, 3 workers, no mpirun):
+    # the survivors' stall after a worker is SIGKILLed against torchft's own DDP (target
+    # <= 1.0), and the managed groups' steps/s against plain torch.distributed (>= 0.95)
+    Bench("torch_ft_recovery", "torch_ft_recovery", np=3, timeout=120, driver=True),
+    Bench("torch_ft_overhead", "torch_ft_overhead", np=3, timeout=120, driver=True),
     # 20 seeded failure scenarios at 16 ranks and 20 at 8 (about 30 min here; --quick: 3)
     Bench("ft_soak", "ft_soak", timeout=300, driver=True),
     Bench("time_to_accuracy", "time_to_accuracy", timeout=600, driver=True),

@@ -162,3 +162,19 @@ def steady_steps_per_s(rows: dict, skip: int) -> float:
     steps, t = rows["step"], rows["training_time"]
     i = next(k for k, s in enumerate(steps) if s >= skip)
     return (steps[-1] - steps[i]) / (t[-1] - t[i])
+
+
+def typical_steps_per_s(rows: dict, skip: int, block: int) -> float:
+    """The median over blocks of ``block`` steps (from step ``skip`` on, training_time
+    clock) of each block's steps per second: what the steady state runs at, which the other
+    jobs of a shared machine disturb less than the whole span's mean (they stretch some
+    blocks, not the median). ``block`` a multiple of the method's period (LSGD's tau_G)."""
+    import statistics
+    at = dict(zip(rows["step"], rows["training_time"]))
+    rates = []
+    s = skip
+    while s + block <= rows["step"][-1]:
+        if s in at and s + block in at:
+            rates.append(block / (at[s + block] - at[s]))
+        s += block
+    return statistics.median(rates)
