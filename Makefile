@@ -12,7 +12,7 @@ MPIRUN  = $(shell [ -x $(VENV)/bin/mpirun ] && echo $(VENV)/bin/mpirun || echo m
 MPIFLAGS ?= --oversubscribe
 DEMO_DIR ?= runs/demo
 # Two pytest workers: the emulated-cluster tests (one worker, mostly waiting on SLURM) beside
-# the CPU-bound rest. PYTEST_PAR= runs the suite in one process. The 25 slowest tests are
+# the CPU-bound rest. PYTEST_PAR= runs the suite in one process. The 30 slowest tests are
 # listed at the end, to keep the suite's time in view.
 PYTEST_PAR ?= -n 2 --dist loadgroup
 
@@ -30,7 +30,7 @@ demo: $(READY)
 	$(PY) -m lsgd_hpc.summary $(DEMO_DIR)
 
 test: $(READY)
-	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra --durations=25 $(PYTEST_PAR) tests
+	PATH=$(abspath $(VENV))/bin:$$PATH $(PY) -m pytest -ra --durations=30 $(PYTEST_PAR) tests
 
 # For development (under 3 minutes here): the in-process tests, and the few short mpirun tests
 # marked fast (the parallel test bodies at 2 ranks per backend, the fail-fast check). make test
