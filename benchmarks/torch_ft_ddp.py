@@ -19,7 +19,11 @@ The same model and data as lsgd_hpc's trainer run of the benchmark: the zoo's di
 (``init_sync=False``, as lsgd_hpc's workers). The replica groups wait until all N are in one
 quorum before the first timed step (as lsgd_hpc's do).
 
-Prints ``step K`` (K = torchft's committed step count) after every step, for the harness
+``--device cuda --pg baby-nccl`` (or ``nccl``) runs the same over NCCL on the GPUs
+(scripts/gpu_check.sh, through benchmarks/torch_ft_kill_check.py).
+
+Prints ``step K of P`` (K = torchft's committed step count, P the participants of the step's
+quorum) after every step, for the harness
 that kills a worker at a given step, and writes ``--out``: JSON with ``times`` (the
 perf_counter seconds at the end of every loop iteration, relative to the first),
 ``steps`` (manager.current_step() after it), ``committed``, ``participants``.
@@ -39,6 +43,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+#: --pg: torchft's process groups between replica groups
+PGS = {"gloo": "ProcessGroupGloo", "baby-gloo": "ProcessGroupBabyGloo",
+       "nccl": "ProcessGroupNCCL", "baby-nccl": "ProcessGroupBabyNCCL"}
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -50,7 +58,14 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: GPU REPLICA_GROUP_ID modulo the GPUs of this machine")
+    p.add_argument("--pg", choices=tuple(PGS), default="gloo",
+                   help="torchft's process group between the replica groups (baby-*: run in "
+                        "a subprocess of torchft's; nccl needs --device cuda)")
     args = p.parse_args(argv)
+    if "nccl" in args.pg and args.device != "cuda":
+        p.error(f"--pg {args.pg} needs --device cuda")
 
     import logging
 
@@ -60,7 +75,7 @@ def main(argv=None) -> int:
     from torchft.ddp import DistributedDataParallel
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
-    from torchft.process_group import ProcessGroupGloo
+    import torchft.process_group as tpg
 
     from lsgd_hpc.data import ShardedBatches, load_dataset
     from lsgd_hpc.models.zoo import build_model
@@ -70,10 +85,14 @@ def main(argv=None) -> int:
     rid, n = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
     timeout = timedelta(seconds=args.failure_timeout)
 
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", rid % torch.cuda.device_count())
+        torch.cuda.set_device(device)
     ds = load_dataset("digits", None, args.seed)
     sampler = ShardedBatches(ds, rid, n, args.batch_size, args.seed)
     torch.manual_seed(args.seed)
-    model = build_model(args.model, ds.num_classes, ds.input_shape)
+    model = build_model(args.model, ds.num_classes, ds.input_shape).to(device)
     inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
 
     def state_dict():
@@ -85,7 +104,7 @@ def main(argv=None) -> int:
 
     # the replica group's store (torchrun's, when there is one; here one of its own)
     store = TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False)
-    pg = ProcessGroupGloo(timeout=timeout)
+    pg = getattr(tpg, PGS[args.pg])(timeout=timeout)
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict,
                       min_replica_size=1, timeout=timeout, rank=0, world_size=1,
                       store_addr=socket.gethostname(), store_port=store.port,
@@ -112,6 +131,7 @@ def main(argv=None) -> int:
     model.train()
     while manager.current_step() < args.steps:
         for xb, yb in sampler.batches(epoch):
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             opt.zero_grad()                      # the step's quorum (async)
             loss = loss_fn(ddp(xb), yb)
             loss.backward()                      # allreduce through the managed group
@@ -122,7 +142,7 @@ def main(argv=None) -> int:
             steps.append(now)
             committed.append(now > before)
             participants.append(manager.num_participants())
-            print(f"step {now}", flush=True)
+            print(f"step {now} of {participants[-1]}", flush=True)
             if now >= args.steps:
                 break
         epoch += 1
@@ -132,6 +152,10 @@ def main(argv=None) -> int:
                    "participants": participants}, fh)
     os.replace(tmp, args.out)
     manager.shutdown(wait=False)
+    try:
+        pg.shutdown()                            # (a baby group's subprocess)
+    except Exception:                            # noqa: BLE001 - leaving anyway
+        pass
     return 0
 
 

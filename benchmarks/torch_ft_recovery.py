@@ -16,7 +16,7 @@ lsgd_hpc.lighthouse --failure-timeout T``, a fresh one per job), T = 3 s on both
   timeout T.
 
 Worker 1 is SIGKILLed from outside once worker 0 has reported step KILL_AT (lsgd_hpc's
-progress line ``step 100/``, printed every 100 steps; the driver's ``step 100`` line), and
+progress line ``step 100/``, printed every 100 steps; the driver's ``step 100 of 3`` line), and
 both survivors finish the budget. The stall of a survivor = the largest gap between two
 consecutive completed steps from KILL_AT - 10 on: for lsgd_hpc on /train's
 ``training_time`` (the per-rank HDF5 metrics: evaluations, checkpoints and metric flushes left
@@ -88,7 +88,7 @@ def _torchft(folder: Path, steps: int, timeout: float, log) -> dict:
         w = Workers(folder, lh.address, N, lambda r: [
             PY, str(HERE / "torch_ft_ddp.py"), "--steps", str(steps), "--failure-timeout",
             str(FAILURE_TIMEOUT), "--out", str(outs[r])])
-        seen = w.wait_for(0, rf"^step {KILL_AT}$", timeout)
+        seen = w.wait_for(0, rf"^step {KILL_AT} of", timeout)
         if seen:
             w.kill(KILLED)
         codes = w.wait(timeout)
