@@ -19,8 +19,10 @@ The same model and data as lsgd_hpc's trainer run of the benchmark: the zoo's di
 (``init_sync=False``, as lsgd_hpc's workers). The replica groups wait until all N are in one
 quorum before the first timed step (as lsgd_hpc's do).
 
-``--device cuda --pg baby-nccl`` (or ``nccl``) runs the same over NCCL on the GPUs
-(scripts/gpu_check.sh, through benchmarks/torch_ft_kill_check.py).
+``--device cuda --pg baby-nccl`` (or ``nccl``) runs the same over NCCL on the GPUs, replica
+group r on GPU r modulo the GPUs (with fewer GPUs than replica groups, each its own
+NCCL_HOSTID: NCCL refuses two ranks on one GPU otherwise); scripts/gpu_check.sh runs it
+through benchmarks/torch_ft_kill_check.py.
 
 Prints ``step K of P`` (K = torchft's committed step count, P the participants of the step's
 quorum) after every step, for the harness
@@ -89,6 +91,11 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         device = torch.device("cuda", rid % torch.cuda.device_count())
         torch.cuda.set_device(device)
+        if "nccl" in args.pg and torch.cuda.device_count() < n:
+            # NCCL refuses two ranks of one communicator on one GPU ("Duplicate GPU
+            # detected"); a host id of each replica group's own makes them separate hosts to
+            # NCCL (its network transport between them), as on a machine of one GPU
+            os.environ.setdefault("NCCL_HOSTID", f"lsgd-torchft-replica-{rid}")
     ds = load_dataset("digits", None, args.seed)
     sampler = ShardedBatches(ds, rid, n, args.batch_size, args.seed)
     torch.manual_seed(args.seed)

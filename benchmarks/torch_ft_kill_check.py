@@ -16,7 +16,10 @@ participants, a reason when not ok) and exits 0 when ok, 1 when not.
 This is kill-and-shrink only: lsgd_hpc's torch backend does not heal yet (no restarted
 worker joins; ``--on-failure heal`` is refused with ``--backend torch``), so neither does
 this check. torchft's process groups between workers are checked here with torchft's own
-training loop; lsgd_hpc's own trainer talks between workers over torchft's ProcessGroupGloo.
+training loop; lsgd_hpc's own trainer talks between workers over torchft's ProcessGroupGloo
+(``--trainer ALGORITHM``: the same kill with ``python -m lsgd_hpc.train --backend torch
+--on-failure shrink --device DEVICE``; the survivors must reach ``--max-steps`` and record the
+recovery in /faults).
 """
 
 from __future__ import annotations
@@ -31,7 +34,47 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import write_result  # noqa: E402
-from torch_ft_common import PY, Lighthouse, Workers, torchft_missing  # noqa: E402
+from torch_ft_common import (PY, Lighthouse, Workers, torchft_missing,  # noqa: E402
+                             train_argv, train_rows)
+
+
+def check_trainer(device: str, algorithm: str, workers: int, steps: int, kill_at: int,
+                  failure_timeout: float, timeout: float, folder: Path) -> dict:
+    """The same with lsgd_hpc's own trainer (``--backend torch --on-failure shrink``, its
+    groups between workers torchft's ProcessGroupGloo, the model on ``device``)."""
+    run_dir = folder / "run"
+    killed = workers - 1
+    res = {"device": device, "trainer": algorithm, "workers": workers, "steps": steps,
+           "kill_at": kill_at, "failure_timeout_s": failure_timeout, "killed": killed}
+    t0 = time.perf_counter()
+    with Lighthouse(folder, failure_timeout) as lh:
+        w = Workers(folder, lh.address, workers, lambda r: train_argv(run_dir, [
+            "--on-failure", "shrink", "--failure-timeout", str(failure_timeout),
+            "--device", device, "--algorithm", algorithm, "--ranks-per-node", "1",
+            "--max-steps", str(steps), "--eval-every", str(kill_at)]))
+        seen = w.wait_for(0, rf"step\s+{kill_at}/", timeout)
+        if seen:
+            w.kill(killed)
+        codes = w.wait(max(1.0, timeout - (time.perf_counter() - t0)))
+    res.update(exit_statuses=codes, killed_at_step=kill_at if seen else None,
+               seconds=time.perf_counter() - t0)
+    why = [] if seen else [f"worker 0 never reported step {kill_at}"]
+    if seen and codes[killed] != -9:
+        why.append(f"the killed worker's status is {codes[killed]}, not -9")
+    survivors = [r for r in range(workers) if r != killed]
+    recovery = []
+    for r in survivors:
+        if codes[r] != 0:
+            why.append(f"survivor {r} exited {codes[r]}: {w.tail(r)}")
+            continue
+        rows = train_rows(run_dir, r)
+        if rows["step"][-1] != steps:
+            why.append(f"survivor {r} ended at step {rows['step'][-1]} of {steps}")
+        if not rows["fault_steps"]:
+            why.append(f"survivor {r} recorded no recovery in /faults")
+        recovery += rows["recovery_seconds"]
+    res.update(ok=not why, why="; ".join(why), recovery_seconds=recovery)
+    return res
 
 
 def check(device: str, pg: str, workers: int, steps: int, kill_at: int, failure_timeout: float,
@@ -86,6 +129,9 @@ def main(argv=None) -> int:
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--failure-timeout", type=float, default=5.0)
     p.add_argument("--timeout", type=float, default=240.0, help="seconds for the whole check")
+    p.add_argument("--trainer", metavar="ALGORITHM", default=None,
+                   help="run lsgd_hpc's trainer with this --algorithm (--backend torch "
+                        "--on-failure shrink) in place of torchft's DDP; --pg is then unused")
     p.add_argument("--out", default=None, help="JSON result (default: stdout only)")
     args = p.parse_args(argv)
     if args.workers < 2 or not 0 < args.kill_at < args.steps:
@@ -95,8 +141,12 @@ def main(argv=None) -> int:
         res = {"ok": False, "why": why}
     else:
         with tempfile.TemporaryDirectory(prefix="torch_ft_kill_check_") as tmp:
-            res = check(args.device, args.pg, args.workers, args.steps, args.kill_at,
-                        args.failure_timeout, args.timeout, Path(tmp))
+            if args.trainer:
+                res = check_trainer(args.device, args.trainer, args.workers, args.steps,
+                                    args.kill_at, args.failure_timeout, args.timeout, Path(tmp))
+            else:
+                res = check(args.device, args.pg, args.workers, args.steps, args.kill_at,
+                            args.failure_timeout, args.timeout, Path(tmp))
     if args.out:
         write_result(args.out, res)
     print(json.dumps(res, sort_keys=True))

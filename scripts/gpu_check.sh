@@ -1,7 +1,8 @@
 #!/bin/bash
 # One GPU machine, one prepared check: every method on 2 and 4 ranks sharing the GPU, per
-# backend, bf16, the collective benchmark on GPU tensors and a ResNet-20 step time per method;
-# ONE JSON report. Uses only the working tree and its .venv (no network).
+# backend, bf16, the collective benchmark on GPU tensors and a ResNet-20 step time per method,
+# a worker killed and the survivor going on through torchft's NCCL process groups; ONE JSON
+# report. Uses only the working tree and its .venv (no network).
 #
 #   scripts/gpu_check.sh [--out FILE] [--steps N] [--timeout S] [--budget S] [--dry-run]
 #
@@ -17,9 +18,11 @@
 # not available, skipped: ..., dry-run), exit code, seconds, step time and final test
 # accuracy (from the run's HDF5 files) and its last log lines. --backend torch, bf16
 # (--precision bf16) and diloco/slowmo run only when `python -m lsgd_hpc.train --help` lists
-# them ("not available" otherwise). The MPI backend is run whether or not the MPI is
-# CUDA-aware (ompi_info and mpi4py's MPIX_Query_cuda_support are recorded): without it the
-# failure is what the report shows. Exit status: 0 report written, 2 bad arguments.
+# them ("not available" otherwise); the torchft-* runs (benchmarks/torch_ft_kill_check.py: 2
+# workers, one SIGKILLed, kill and shrink only, at most 90 s each, run first) only when torchft
+# is installed. The MPI backend is run whether or not the MPI is CUDA-aware (ompi_info and
+# mpi4py's MPIX_Query_cuda_support are recorded): without it the failure is what the report
+# shows. Exit status: 0 report written, 2 bad arguments.
 set -uo pipefail
 
 die() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
@@ -115,6 +118,28 @@ train() {  # NAME NP BACKEND [trainer options...]
 # ---- facts: the GPU, torch, the MPI and whether it is CUDA-aware
 run facts "$PY" "$HELPER" facts
 run ompi_cuda_support sh -c "ompi_info --parsable --all 2>&1 | grep mpi_built_with_cuda_support:value || echo 'no ompi_info or no such line'"
+
+# ---- torchft's process groups over NCCL (the engine of --backend torch --on-failure shrink):
+# a lighthouse, 2 replica groups of torchft's own DDP on the GPU(s) (one GPU: each its own
+# NCCL_HOSTID), the second SIGKILLed from outside at step 100, the survivor finishing its 300
+# steps in a quorum of 1; through ProcessGroupBabyNCCL and ProcessGroupNCCL. Then the same kill
+# with lsgd_hpc's trainer on the GPU (--backend torch --on-failure shrink, allreduce). Kill and
+# shrink only: heal is not implemented on the torch backend (--on-failure heal is refused with
+# --backend torch; no restarted worker can join), so nothing is healed here. At most 3 x 90 s.
+ft_timeout=90
+ft_runs="torchft-baby-nccl-kill torchft-nccl-kill torchft-trainer-kill"
+if "$PY" -c "import torchft.manager" > /dev/null 2>&1; then
+    for pg in baby-nccl nccl; do
+        timeout_s=$ft_timeout run "torchft-$pg-kill" "$PY" "$ROOT/benchmarks/torch_ft_kill_check.py" \
+            --device cuda --pg "$pg" --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
+            --timeout $((ft_timeout - 15))
+    done
+    timeout_s=$ft_timeout run torchft-trainer-kill "$PY" "$ROOT/benchmarks/torch_ft_kill_check.py" \
+        --device cuda --trainer allreduce --workers 2 --steps 300 --kill-at 100 \
+        --failure-timeout 5 --timeout $((ft_timeout - 15))
+else
+    for name in $ft_runs; do unavailable "$name" "torchft is not installed in $PY"; done
+fi
 
 # ---- every method x ranks x backend, digits
 for backend in torch mpi; do
