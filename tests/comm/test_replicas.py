@@ -172,6 +172,30 @@ def test_a_whole_node_lost_in_two_kills_seconds_apart(tmp_path, lighthouse):
 
 
 @pytest.mark.replicas
+def test_a_silent_worker_counts_as_lost_after_the_failure_timeout(tmp_path, lighthouse):
+    """Worker 1 stopped (SIGSTOP: alive, but silent, its heartbeats too): the others' next
+    collective times out after the failure timeout, the lighthouse leaves worker 1 out, and
+    workers 0 and 2 finish without it. (Woken, worker 1 would find itself out of the quorum
+    and end after its quorum timeout, 60 s: it is killed instead.)"""
+    steps = 150
+    procs, outs = start_workers(tmp_path, lighthouse, 3,
+                                ["--algorithm", "allreduce", "--max-steps", str(steps),
+                                 "--eval-every", "20"])
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[1].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    wait_for(outs[0], r"lost rank\(s\) 1 \(initial numbering\)", procs)
+    noticed = time.monotonic() - t0
+    for p in (procs[0], procs[2]):
+        p.wait(timeout=JOB_TIMEOUT)
+    procs[1].send_signal(signal.SIGKILL)
+    codes = wait_all(procs, outs)
+    assert codes == [0, -signal.SIGKILL, 0], (codes, outs[0].read_text()[-2000:])
+    assert FAILURE_TIMEOUT <= noticed < 6 * FAILURE_TIMEOUT + 10, noticed
+    assert last_step(tmp_path / "run", 0) == steps
+
+
+@pytest.mark.replicas
 def test_the_survivors_checkpoint_resumes_at_full_size(tmp_path, lighthouse):
     """Allreduce SGD, 3 workers, checkpoints every 20 steps: worker 2 killed, the survivors
     save their sets (a transaction over torchft's quorum) to step 60; the job started again
