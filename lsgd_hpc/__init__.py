@@ -28,6 +28,7 @@ _EXPORTS = {
     "StopSignals": "runtime", "Watchdog": "runtime", "ShardedSampler": "data.sampler",
     "requeue": "runtime", "start_watchdog": "runtime", "RunMetrics": "runtime",
     "make_run_dir": "runtime", "write_completion": "runtime", "read_completion": "runtime",
+    "check_config": "cli.preflight",
 }
 
 __all__ = ["__version__", *_EXPORTS]

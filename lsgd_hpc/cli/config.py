@@ -154,6 +154,22 @@ TRAINER_OPTIONS = (
            "SIGKILLs itself at that step; leader:STEP kills the global leader elected then, "
            "before its broadcast; RANK:STEP:save, in the save of that step's checkpoint",
            section="cluster and backend", none="none"),
+    # -- the pre-flight check (lsgd_hpc.cli.preflight): the command line only --
+    Option("dry_run", False, "bool",
+           "the pre-flight check, on a login node, before sbatch: no MPI, no GPU; runs every "
+           "check the job would run (for --world-size ranks), prints the resolved "
+           "configuration, what each rank sends and rho, and exits 0, or 2 with the job's "
+           "error line", section="cluster and backend"),
+    Option("world_size", None, "int", "with --dry-run: the ranks the job will start",
+           section="cluster and backend", low=1, none="none (required with --dry-run)"),
+    Option("inter_gbps", None, "float",
+           "with --dry-run: the link between nodes, Gbit/s a node, for the planner's rho and "
+           "seconds of communication", section="cluster and backend", low=0, low_open=True,
+           none="none (rho only on one node)"),
+    Option("step_ms", None, "float",
+           "with --dry-run: the compute of one local step, ms, for rho",
+           section="cluster and backend", low=0, low_open=True,
+           none="the planner's estimate from the model's multiply-adds"),
     # -- output and checkpoints --
     Option("run_dir", None, "str", "output folder", section="output and checkpoints",
            none="runs/<job id> under SLURM, else runs/<algorithm>-<time>"),
@@ -399,12 +415,16 @@ def resolve_method_options(algorithm: str, dataset: str, given: Mapping[str, Any
     return {k: v for k, v in options.items() if k in mine}, preset
 
 
-def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None) -> Config:
-    """Defaults < data-set defaults and preset < YAML file < command line; then validated."""
+def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = None, *,
+                 dry_run: bool = False) -> Config:
+    """Defaults < data-set defaults and preset < YAML file < command line; then validated.
+    ``dry_run``: for the pre-flight check (lsgd_hpc.cli.preflight), which alone takes its
+    options (PREFLIGHT_OPTIONS) and checks the device on the job's nodes, not here."""
     args = vars(_parser().parse_args(argv))
     values: Dict[str, Any] = {}
     if "config" in args:
         values.update(load_yaml(args.pop("config")))
+    _check_preflight_options(args, values, dry_run)
     values.update(args)
     algorithm = values.get("algorithm", "lsgd")
     if algorithm not in SPECS:
@@ -435,16 +455,37 @@ def parse_config(argv: Optional[Sequence[str]] = None, env: Optional[dict] = Non
                                              bool(values.get("no_preset")))
     values.update(options)
     cfg = Config(**{k: v for k, v in values.items()}, method_options=options, preset=preset)
-    validate(cfg, env if env is not None else os.environ)
+    validate(cfg, env if env is not None else os.environ, device_here=not dry_run)
     return cfg
 
 
-def validate(cfg: Config, env: dict) -> None:
+#: the pre-flight check's options (python -m lsgd_hpc.train --dry-run; lsgd_hpc.cli.preflight)
+PREFLIGHT_OPTIONS = ("dry_run", "world_size", "inter_gbps", "step_ms")
+
+
+def _check_preflight_options(args: Mapping[str, Any], from_file: Mapping[str, Any],
+                             dry_run: bool) -> None:
+    """The pre-flight check's options: on the command line, and with --dry-run only."""
+    in_file = [n for n in PREFLIGHT_OPTIONS if n in from_file]
+    if in_file:
+        raise ConfigError("--config", f"{in_file[0]} is an option of the pre-flight check, "
+                                      "for the command line only")
+    given = [n for n in PREFLIGHT_OPTIONS if n in args and args[n] not in (None, False)]
+    if given and not dry_run:
+        raise ConfigError(_OPTIONS[given[0]].flag,
+                          "is for the pre-flight check: python -m lsgd_hpc.train --dry-run "
+                          "--world-size N [options]")
+
+
+def validate(cfg: Config, env: dict, device_here: bool = True) -> None:
     """Checks that need no MPI and go across options: files, folders, combinations.
     (Single values were checked as they were parsed, method options by their spec.)
     The first problem found is raised (ConfigError); ``cfg.run_dir`` may be set (a SLURM
-    job's default) and ``cfg.resume`` turned on (a requeued or restarted job)."""
-    _check_device(cfg)
+    job's default) and ``cfg.resume`` turned on (a requeued or restarted job).
+    ``device_here``: False on a login node (the pre-flight check), where --device cuda
+    cannot be checked."""
+    if device_here:
+        _check_device(cfg)
     _check_combinations(cfg)
     _check_failure_options(cfg)
     _check_data_set_and_method(cfg)

@@ -94,6 +94,10 @@ def _init(backend: str, cfg):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The trainer: options, the world, the start every rank agrees on, then the run; the
     exit status."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if "--dry-run" in words:    # the pre-flight check: no MPI, no world (cli/preflight.py)
+        from lsgd_hpc.cli.preflight import dry_run
+        return dry_run(words, dict(os.environ))
     # First, before the heavy imports (torch, MPI): a warning signal is a request from now on.
     stop = StopSignals()
     started = time.monotonic()

@@ -59,22 +59,22 @@ def _check_count(name: str, value, low: int) -> int:
     return value
 
 
-def _check_common(comm, model, name: str, *, max_steps, checkpoint_every, consensus_every,
+def _check_common(backend, model, name: str, *, max_steps, checkpoint_every, consensus_every,
                   stop_check_every, comm_dtype, error_feedback, topk=1.0,
                   error_feedback_decay=1.0) -> None:
     """The options every method takes (the same checks on every rank, before any
-    collective)."""
+    collective); ``backend`` is the comm's (None: not known)."""
     if max_steps is not None:
         _check_count("max_steps", max_steps, 1)
     _check_count("checkpoint_every", checkpoint_every, 0)
     _check_count("consensus_every", consensus_every, 0)
     _COMMON["stop_check_every"].check(stop_check_every)
     _COMMON["comm_dtype"].check(comm_dtype)
-    problem = comm_dtype_problem(comm_dtype, getattr(comm, "backend", None), name)
+    problem = comm_dtype_problem(comm_dtype, backend, name)
     if problem:
         raise OptionError("comm_dtype", problem)
     topk = _COMMON["topk"].check(topk)
-    problem = topk_problem(topk, comm_dtype, getattr(comm, "backend", None), name)
+    problem = topk_problem(topk, comm_dtype, backend, name)
     if problem:
         raise OptionError("topk", problem)
     _check_topk_model(model, name, topk)
@@ -120,6 +120,15 @@ def _agree_on_model(world, model, optimizer, where: str) -> None:
         raise ValueError(f"{where}: the ranks' models differ in size "
                          f"({sorted({s for _, s in shapes})} parameters); every rank must "
                          "build the same model")
+
+
+class _Alone:
+    """A world of one for the checks that agree over the ranks (Method.check): every rank
+    says what this one says."""
+
+    @staticmethod
+    def allgather_object(obj):
+        return [obj]
 
 
 def _model_problem(model, optimizer) -> Optional[str]:
@@ -217,15 +226,13 @@ class Method(Recoverable):
                  error_feedback_decay: float = 1.0, worker_ranks: WorkerRanks = 1,
                  broadcast_initial: bool = True, **options):
         # The same checks on every rank, before any collective: every rank refuses alike.
-        layout = self._worker_layout(comm, worker_ranks)
-        opts = self.spec.resolve(options, world_size=comm.size if layout is None
-                                 else layout.n_workers, where=type(self).__name__)
-        _check_common(comm, model, self.spec.name, max_steps=max_steps,
-                      checkpoint_every=checkpoint_every, consensus_every=consensus_every,
-                      stop_check_every=stop_check_every, comm_dtype=comm_dtype,
-                      error_feedback=error_feedback, topk=topk,
-                      error_feedback_decay=error_feedback_decay)
-        self.check_usage(opts, model, optimizer)
+        layout, opts = self._check_before_collectives(
+            model, optimizer, world_size=comm.size, backend=getattr(comm, "backend", None),
+            node_of=getattr(getattr(comm, "groups", None), "node_of", None),
+            max_steps=max_steps, checkpoint_every=checkpoint_every,
+            consensus_every=consensus_every, stop_check_every=stop_check_every,
+            comm_dtype=comm_dtype, error_feedback=error_feedback, topk=topk,
+            error_feedback_decay=error_feedback_decay, worker_ranks=worker_ranks, **options)
         self._fault_tolerance = getattr(comm, "fault_tolerance", None)
         _agree_on_model(comm.world, model, optimizer, type(self).__name__)
         self.model, self.optimizer, self.comm, self.options = model, optimizer, comm, opts
@@ -307,21 +314,59 @@ class Method(Recoverable):
     def build(self, opts: Dict[str, Any]):
         raise NotImplementedError
 
-    def _worker_layout(self, comm, worker_ranks):
+    def _worker_layout(self, node_of, worker_ranks):
         """The workers' layout when the method runs between workers that span ranks, else
-        None; ValueError (the same on every rank, from the node layout every rank holds)
-        for a grouping that does not fit or a method that cannot run between workers."""
+        None; ValueError (the same on every rank, from the node layout every rank holds:
+        ``node_of``, the node of every rank) for a grouping that does not fit or a method
+        that cannot run between workers."""
         _COMMON["worker_ranks"].check(worker_ranks)
         if worker_ranks == 1:
             return None
         if self.spec.workers_refused:
             raise OptionError("worker_ranks", self.spec.workers_refused)
-        problem = worker_layout_problem(comm.groups.node_of, worker_ranks)
+        problem = worker_layout_problem(node_of, worker_ranks)
         if problem:
             raise OptionError("worker_ranks", problem)
         if not self.spec.worker_grouping:      # one replica over all ranks already
             return None
-        return worker_layout(comm.groups.node_of, worker_ranks)
+        return worker_layout(node_of, worker_ranks)
+
+    def _check_before_collectives(self, model, optimizer, *, world_size: int, backend,
+                                  node_of, worker_ranks, max_steps=None, checkpoint_every=0,
+                                  consensus_every=0, stop_check_every=10, comm_dtype="fp32",
+                                  error_feedback=False, topk=1.0, error_feedback_decay=1.0,
+                                  **options):
+        """What ``__init__`` checks before its first collective, from numbers every rank
+        holds (no communication): the workers' layout, the method's options, the common
+        options on this model, the method's own use of the model (``check_usage``).
+        Returns ``(layout, options)``; raises ValueError (OptionError) naming the argument."""
+        layout = self._worker_layout(node_of, worker_ranks)
+        opts = self.spec.resolve(options, world_size=world_size if layout is None
+                                 else layout.n_workers, where=type(self).__name__)
+        _check_common(backend, model, self.spec.name, max_steps=max_steps,
+                      checkpoint_every=checkpoint_every, consensus_every=consensus_every,
+                      stop_check_every=stop_check_every, comm_dtype=comm_dtype,
+                      error_feedback=error_feedback, topk=topk,
+                      error_feedback_decay=error_feedback_decay)
+        self.check_usage(opts, model, optimizer)
+        return layout, opts
+
+    @classmethod
+    def check(cls, model, optimizer, *, world_size: int, node_of=None, backend=None,
+              worker_ranks: WorkerRanks = 1, **kwargs) -> Dict[str, Any]:
+        """Every check that ``cls(model, optimizer, comm, **kwargs)`` runs before it
+        communicates, without a world (a login node's pre-flight check,
+        ``lsgd_hpc.check_config``): the same ValueError (OptionError) with the same words.
+        ``world_size`` ranks, ``node_of`` the node of each (None: one node), ``backend``
+        the comm's. Also the model check that ``__init__`` agrees on across the ranks,
+        as a world where every rank has this model. Returns the resolved options."""
+        node_of = list(node_of) if node_of is not None else [0] * world_size
+        bare = object.__new__(cls)              # check_usage is an instance's method
+        _, opts = bare._check_before_collectives(
+            model, optimizer, world_size=world_size, backend=backend, node_of=node_of,
+            worker_ranks=worker_ranks, **kwargs)
+        _agree_on_model(_Alone(), model, optimizer, cls.__name__)
+        return opts
 
     @property
     def worker_stats(self):
