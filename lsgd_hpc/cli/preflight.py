@@ -279,7 +279,10 @@ def _resolved(cfg, out: Preflight) -> Dict[str, Any]:
 def _plan(cfg, model, training: int, out: Preflight) -> None:
     """The planner's bytes per step and per round of this method, and rho (when the link
     between nodes is given, or the job is on one node)."""
-    rpn = out.ranks_per_node or training
+    rpn = out.ranks_per_node
+    if rpn is None:
+        out.notes.append("not priced: the planner needs the node layout (--ranks-per-node K)")
+        return
     if training % rpn:
         out.notes.append(f"not priced: {training} ranks are not whole nodes of {rpn}")
         return
