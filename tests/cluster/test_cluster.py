@@ -80,6 +80,22 @@ def assert_two_nodes_by_hostname(cluster, run_dir: Path, world: int = 4) -> None
         assert json.loads(attrs["config"])["ranks_per_node"] is None   # grouped by host name
 
 
+def assert_second_node_lost(run_dir: Path, log: str, steps: int) -> None:
+    """Ranks 2 and 3 (the second node) were lost: the log line names them and their node,
+    and ranks 0 and 1 finished the budget with /faults rows saying so."""
+    ranks = read_ranks(run_dir)
+    lost_host = ranks[2][0]["hostname"]
+    assert lost_host == ranks[3][0]["hostname"] != ranks[0][0]["hostname"]
+    assert re.search(rf"lost rank\(s\) [23,\- ]+ \(initial numbering\) and node\(s\) "
+                     rf"{re.escape(lost_host)};", log), log
+    for rank in (0, 1):
+        attrs, groups = ranks[rank]
+        assert int(groups["train"]["step"][-1]) == steps
+        faults = groups["faults"]
+        assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
+        assert faults["lost_nodes"][-1].decode() == lost_host
+
+
 def submit_template(cluster, tmp_path: Path, *trainer_args: str, sbatch_args=(),
                     env: dict | None = None) -> int:
     """sbatch slurm/lsgd_cifar.sbatch from the repository, the job running in tmp_path."""
@@ -236,17 +252,7 @@ def test_a_node_lost_under_the_gpu_template_with_torchft_the_job_finishes(slurm_
     log = log_of(tmp_path, job, prefix="lsgd-gpu")
     assert "on a dead rank: shrink (torchft lighthouse http://" in log, log
     assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{log}"
-    ranks = read_ranks(run_dir)
-    lost_host = ranks[2][0]["hostname"]
-    assert lost_host == ranks[3][0]["hostname"] != ranks[0][0]["hostname"]
-    assert re.search(rf"lost rank\(s\) [23,\- ]+ \(initial numbering\) and node\(s\) "
-                     rf"{re.escape(lost_host)};", log), log
-    for rank in (0, 1):
-        attrs, groups = ranks[rank]
-        assert int(groups["train"]["step"][-1]) == steps
-        faults = groups["faults"]
-        assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
-        assert faults["lost_nodes"][-1].decode() == lost_host
+    assert_second_node_lost(run_dir, log, steps)
 
 
 # ------------------------------------------------------------------------------ torch backend
@@ -580,18 +586,8 @@ def test_a_node_lost_under_the_shrink_template_the_job_finishes_on_the_other(slu
     job, run_dir, recs, text = _shrink_job_losing(slurm_cluster, tmp_path, steps, (2, 3))
     assert "mpirun --with-ft ulfm" in text and "on a dead rank: shrink" in text, text
     assert recs[0]["JobState"] == "COMPLETED" and recs[0]["ExitCode"] == "0:0", f"{recs}\n{text}"
-    ranks = read_ranks(run_dir)
-    lost_host = ranks[2][0]["hostname"]
-    assert lost_host == ranks[3][0]["hostname"] != ranks[0][0]["hostname"]
-    assert re.search(rf"lost rank\(s\) [23,\- ]+ \(initial numbering\) and node\(s\) "
-                     rf"{re.escape(lost_host)};", text), text
     assert f"done: {steps} steps" in text, text
-    for rank in (0, 1):
-        attrs, groups = ranks[rank]
-        assert int(groups["train"]["step"][-1]) == steps
-        faults = groups["faults"]
-        assert sum(faults["n_lost"]) == 2 and faults["world_size_after"][-1] == 2
-        assert faults["lost_nodes"][-1].decode() == lost_host
+    assert_second_node_lost(run_dir, text, steps)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)

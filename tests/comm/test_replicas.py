@@ -51,12 +51,13 @@ class Lighthouse:
             self.log.close()
 
 
-@pytest.fixture
-def lighthouse(tmp_path):
-    lh = Lighthouse(tmp_path)
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory):
+    """One lighthouse for the module's jobs (each job's workers have replica ids of their
+    own; a job whose workers are gone leaves no quorum behind that the next one waits on)."""
+    lh = Lighthouse(tmp_path_factory.mktemp("lighthouse"))
     yield lh
-    if lh.proc.poll() is None:
-        lh.stop()
+    assert lh.stop() == 0                      # it ends cleanly on SIGTERM
 
 
 def start_workers(tmp_path, lighthouse, n, args, launcher=()):
@@ -76,6 +77,16 @@ def start_workers(tmp_path, lighthouse, n, args, launcher=()):
                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
                 start_new_session=True))
         outs.append(out)
+    return procs, outs
+
+
+def start_training(tmp_path, lighthouse, n, algorithm, steps, *args):
+    """n workers training ``algorithm`` for ``steps`` steps, returned once worker 0 logged
+    step 20 (mid-run: a kill from here on lands in training)."""
+    procs, outs = start_workers(tmp_path, lighthouse, n,
+                                ["--algorithm", algorithm, "--max-steps", str(steps),
+                                 "--eval-every", "20", *args])
+    wait_for(outs[0], r"step\s+20/", procs)
     return procs, outs
 
 
@@ -121,13 +132,10 @@ def last_step(run_dir: Path, rank: int) -> int:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_worker_killed_from_outside_and_the_survivors_finish(tmp_path, lighthouse, algorithm):
     """3 workers as nodes {0, 1} and {2}; worker 1 SIGKILLed once worker 0 logged step 20:
-    workers 0 and 2 finish the 120 steps (exit 0), each with one /faults row naming worker 1
+    workers 0 and 2 finish the 100 steps (exit 0), each with one /faults row naming worker 1
     and a world of 2 after it; the killed one's status is -9."""
-    steps = 120
-    procs, outs = start_workers(tmp_path, lighthouse, 3,
-                                ["--algorithm", algorithm, "--max-steps", str(steps),
-                                 "--eval-every", "20"])
-    wait_for(outs[0], r"step\s+20/", procs)
+    steps = 100
+    procs, outs = start_training(tmp_path, lighthouse, 3, algorithm, steps)
     procs[1].send_signal(signal.SIGKILL)
     codes = wait_all(procs, outs)
     text = outs[0].read_text() + outs[2].read_text()
@@ -149,10 +157,7 @@ def test_a_whole_node_lost_in_two_kills_seconds_apart(tmp_path, lighthouse):
     (two recoveries, or one if the second death comes before the first quorum); node 0
     finishes alone, its leader elections among the survivors only."""
     steps = 160
-    procs, outs = start_workers(tmp_path, lighthouse, 4,
-                                ["--algorithm", "lsgd", "--max-steps", str(steps),
-                                 "--eval-every", "20"])
-    wait_for(outs[0], r"step\s+20/", procs)
+    procs, outs = start_training(tmp_path, lighthouse, 4, "lsgd", steps)
     procs[3].send_signal(signal.SIGKILL)
     time.sleep(2.0)
     procs[2].send_signal(signal.SIGKILL)
@@ -178,10 +183,7 @@ def test_a_silent_worker_counts_as_lost_after_the_failure_timeout(tmp_path, ligh
     workers 0 and 2 finish without it. (Woken, worker 1 would find itself out of the quorum
     and end after its quorum timeout, 60 s: it is killed instead.)"""
     steps = 150
-    procs, outs = start_workers(tmp_path, lighthouse, 3,
-                                ["--algorithm", "allreduce", "--max-steps", str(steps),
-                                 "--eval-every", "20"])
-    wait_for(outs[0], r"step\s+20/", procs)
+    procs, outs = start_training(tmp_path, lighthouse, 3, "allreduce", steps)
     procs[1].send_signal(signal.SIGSTOP)
     t0 = time.monotonic()
     wait_for(outs[0], r"lost rank\(s\) 1 \(initial numbering\)", procs)
@@ -201,14 +203,13 @@ def test_the_survivors_checkpoint_resumes_at_full_size(tmp_path, lighthouse):
     save their sets (a transaction over torchft's quorum) to step 60; the job started again
     with all 3 workers and --resume goes on from step 60 to 80, worker 2 rejoining with the
     replica; the replicas are checked bit-identical every 10 steps on the way."""
-    args = ["--algorithm", "allreduce", "--eval-every", "20", "--checkpoint-every", "20",
-            "--check-replicas-every", "10"]
-    procs, outs = start_workers(tmp_path, lighthouse, 3, [*args, "--max-steps", "60"])
-    wait_for(outs[0], r"step\s+20/", procs)
+    args = ["--checkpoint-every", "20", "--check-replicas-every", "10"]
+    procs, outs = start_training(tmp_path, lighthouse, 3, "allreduce", 60, *args)
     procs[2].send_signal(signal.SIGKILL)
     assert wait_all(procs, outs) == [0, 0, -signal.SIGKILL], outs[0].read_text()[-3000:]
-    procs, outs = start_workers(tmp_path, lighthouse, 3, [*args, "--max-steps", "80",
-                                                          "--resume"])
+    procs, outs = start_workers(tmp_path, lighthouse, 3, ["--algorithm", "allreduce",
+                                                          "--max-steps", "80", "--resume",
+                                                          *args])
     codes = wait_all(procs, outs)
     text = outs[0].read_text()
     assert codes == [0, 0, 0], (codes, text[-3000:])
@@ -223,10 +224,8 @@ def test_the_survivors_checkpoint_resumes_at_full_size(tmp_path, lighthouse):
 def test_fewer_workers_than_min_ranks_end_every_survivor_with_one_line(tmp_path, lighthouse):
     """--min-ranks 3 of 3 workers: one killed, and both survivors end with the same one line
     and exit 3 (UnrecoverableFailure), no hang."""
-    procs, outs = start_workers(tmp_path, lighthouse, 3,
-                                ["--algorithm", "allreduce", "--max-steps", "400",
-                                 "--eval-every", "20", "--min-ranks", "3"])
-    wait_for(outs[0], r"step\s+20/", procs)
+    procs, outs = start_training(tmp_path, lighthouse, 3, "allreduce", 400,
+                                 "--min-ranks", "3")
     procs[2].send_signal(signal.SIGKILL)
     codes = wait_all(procs, outs)
     assert codes == [3, 3, -signal.SIGKILL], (codes, outs[0].read_text()[-3000:])
