@@ -68,8 +68,8 @@ def _ours(folder: Path, steps: int, timeout: float, log) -> dict:
             w.kill(KILLED)
         codes = w.wait(timeout)
     if not seen or codes[0] != 0 or codes[2] != 0:
-        raise RuntimeError(f"lsgd_hpc job: exit statuses {codes}, kill {'done' if seen else 'not done'}: "
-                           f"{w.tail(0)}")
+        raise RuntimeError(f"lsgd_hpc job: exit statuses {codes}, kill "
+                           f"{'done' if seen else 'not done'}: {w.tail(0)}")
     stalls, fault_steps, recovery = [], [], []
     for r in (0, 2):
         rows = train_rows(run_dir, r)

@@ -126,17 +126,20 @@ run ompi_cuda_support sh -c "ompi_info --parsable --all 2>&1 | grep mpi_built_wi
 # with lsgd_hpc's trainer on the GPU (--backend torch --on-failure shrink, allreduce). Kill and
 # shrink only: heal is not implemented on the torch backend (--on-failure heal is refused with
 # --backend torch; no restarted worker can join), so nothing is healed here. At most 3 x 90 s.
+# (The check's own --timeout ends its workers, whose sessions are their own, before timeout
+# ends the check.)
 ft_timeout=90
+ft_check=$ROOT/benchmarks/torch_ft_kill_check.py
 ft_runs="torchft-baby-nccl-kill torchft-nccl-kill torchft-trainer-kill"
 if "$PY" -c "import torchft.manager" > /dev/null 2>&1; then
     for pg in baby-nccl nccl; do
-        timeout_s=$ft_timeout run "torchft-$pg-kill" "$PY" "$ROOT/benchmarks/torch_ft_kill_check.py" \
-            --device cuda --pg "$pg" --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
-            --timeout $((ft_timeout - 15))
+        timeout_s=$ft_timeout run "torchft-$pg-kill" "$PY" "$ft_check" --device cuda --pg "$pg" \
+            --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
+            --timeout $((ft_timeout - 25))
     done
-    timeout_s=$ft_timeout run torchft-trainer-kill "$PY" "$ROOT/benchmarks/torch_ft_kill_check.py" \
-        --device cuda --trainer allreduce --workers 2 --steps 300 --kill-at 100 \
-        --failure-timeout 5 --timeout $((ft_timeout - 15))
+    timeout_s=$ft_timeout run torchft-trainer-kill "$PY" "$ft_check" --device cuda \
+        --trainer allreduce --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
+        --timeout $((ft_timeout - 25))
 else
     for name in $ft_runs; do unavailable "$name" "torchft is not installed in $PY"; done
 fi
