@@ -165,19 +165,28 @@ def test_the_dry_run_starts_no_mpi_and_no_process_group_and_answers_in_time(tmp_
             "sys.exit(rc)\n")
     for words, status in ((DRY + ["--algorithm", "slowmo"], 0),
                           (DRY + ["--min-ranks", "2"], 2)):
-        started = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", code] + words, cwd=tmp_path,
-                              env=mpi_env(), capture_output=True, text=True, timeout=120)
-        seconds = time.monotonic() - started
-        assert proc.returncode == status, proc.stderr
-        assert seconds < 10, f"the dry run took {seconds:.1f} s"
+        times = []
+        for _ in range(2):      # (the second try only when the first was slow: 2 shared cores)
+            started = time.monotonic()
+            proc = subprocess.run([sys.executable, "-c", code] + words, cwd=tmp_path,
+                                  env=mpi_env(), capture_output=True, text=True, timeout=120)
+            times.append(time.monotonic() - started)
+            assert proc.returncode == status, proc.stderr
+            if times[-1] < 10:
+                break
+        assert min(times) < 10, f"the dry run took {times} s"
     assert proc.stderr.strip() == PREFIX + "--min-ranks: needs --on-failure shrink or heal " \
                                            "(with abort the first dead rank ends the job)"
-    # the entry point itself: exit status and stream
-    proc = subprocess.run([sys.executable, "-m", "lsgd_hpc.train"] + DRY + ["--epochs", "0"],
+    # the entry point itself (python -m lsgd_hpc.train: run_as_main, its exit handlers and
+    # os._exit): exit status, stream, and still no MPI when the process ends
+    entry = ("import atexit, runpy, sys\n"
+             "atexit.register(lambda: print('MPI at exit:', 'mpi4py.MPI' in sys.modules))\n"
+             "sys.argv = ['lsgd_hpc.train'] + sys.argv[1:]\n"
+             "runpy.run_module('lsgd_hpc.train', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", entry] + DRY + ["--epochs", "0"],
                           cwd=tmp_path, env=mpi_env(), capture_output=True, text=True,
                           timeout=120)
-    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.returncode == 2 and proc.stdout == "MPI at exit: False\n", proc.stderr
     assert proc.stderr.startswith(PREFIX + "--epochs: ")
 
 
