@@ -37,10 +37,9 @@ def ulfm_problem(backend: str) -> Optional[str]:
     if backend == "horovod":
         return ("on_failure='shrink' is not supported with backend='horovod' (Horovod cannot "
                 "shrink its world); use backend='mpi' under mpirun --with-ft ulfm")
-    if backend == "torch":
-        return ("on_failure='shrink' is not supported with backend='torch': torch.distributed "
-                "can shrink only NCCL groups (gloo has no shrink_group support); use "
-                "backend='mpi' under mpirun --with-ft ulfm, or torchrun restarts")
+    if backend == "torch":                # (the torch backend shrinks with torchft instead)
+        return ("on_failure='shrink' with backend='torch' runs over torchft, not ULFM "
+                "(lsgd_hpc/comm/replicas.py)")
     from mpi4py import MPI
     if not all(hasattr(MPI.Comm, n) for n in ("Revoke", "Shrink", "Agree")):
         return ("on_failure='shrink' needs mpi4py >= 4 (Comm.Revoke/Shrink/Agree); this "
