@@ -25,6 +25,7 @@ is 0).
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
@@ -166,9 +167,8 @@ class _MethodRefusal(Exception):
 def _parse(argv: List[str], env: Dict[str, str]):
     """parse_config as the job runs it, with --world-size standing in for what the job's
     tasks get from their launcher (torchft's replica group variables)."""
-    from lsgd_hpc.cli.config import ConfigError, _parser, parse_config
-    raw = vars(_parser().parse_args(argv))          # a bad word: the job's own line
-    world = str(raw.get("world_size", ""))
+    from lsgd_hpc.cli.config import ConfigError, parse_config
+    world = _last_value(argv, "--world-size") or ""     # (parse_config checks it)
     if world.isdigit() and int(world) > 0:
         env.setdefault("NUM_REPLICA_GROUPS", world)
         env.setdefault("REPLICA_GROUP_ID", "0")
@@ -178,6 +178,17 @@ def _parse(argv: List[str], env: Dict[str, str]):
         raise ConfigError("--world-size", "is required with --dry-run (the ranks the job will "
                                           "start, e.g. $SLURM_NTASKS)")
     return cfg
+
+
+def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``argv`` (argparse's)."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(flag + "="):
+            value = word.split("=", 1)[1]
+    return value
 
 
 def _ranks_per_node(cfg, env: Mapping[str, str]) -> Optional[int]:
@@ -318,12 +329,18 @@ def _planner(cfg, nodes: int, rpn: int):
              "--batch-size", str(cfg.batch_size)]
     if cfg.step_ms is not None:
         words += ["--step-ms", repr(float(cfg.step_ms))]
-    args = planner._parser().parse_args(words)
+    args = _planner_parser().parse_args(words)
     args.worker_ranks = cfg.worker_ranks
     inp = planner._inputs(args, facts)
     costing = planner._Costing(inp, facts)
     cost = costing(cfg.algorithm, **cfg.method_options)
     return facts, inp, cost, planner._rho(costing.cluster, facts, inp.step_s)
+
+
+@functools.lru_cache(maxsize=1)
+def _planner_parser():
+    from lsgd_hpc.planning import plan as planner
+    return planner._parser()
 
 
 def _default_model(dataset: str) -> str:
