@@ -131,6 +131,37 @@ def test_the_dry_run_refuses_as_method_init_does(name, kwargs, argv, tmp_path):
         assert (answer.error is None) == (init_error is None), (answer.error, init_error)
 
 
+def test_over_a_grid_the_dry_run_and_method_init_agree(tmp_path):
+    """Every method x what it sends (dtype, top-k, error feedback) on a BatchNorm model, at
+    the library's defaults (--no-preset): where the dry run accepts, the constructor gets to
+    its first collective; where the method refuses, the constructor raises the same words."""
+    import itertools
+    model = build_model("digits_cnn", 10, (1, 8, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {"accepted": 0, "method": 0, "options": 0}
+    for name, dtype, topk, ef in itertools.product(
+            lsgd_hpc.METHODS, ("fp32", "bf16", "int8", "int2"), (1.0, 0.01), (False, True)):
+        answer = lsgd_hpc.check_config(
+            {"algorithm": name, "comm_dtype": dtype, "topk": topk, "error_feedback": ef,
+             "model": "digits_cnn", "no_preset": True, "max_steps": 10,
+             "run_dir": str(tmp_path / "run")}, world_size=4, ranks_per_node=2)
+        if answer.error is not None and answer.error.startswith("-"):
+            seen["options"] += 1            # the trainer's own check, before any method
+            continue
+        try:
+            lsgd_hpc.METHODS[name](model, opt, fake_comm(), max_steps=10, comm_dtype=dtype,
+                                   topk=topk, error_feedback=ef)
+        except ValueError as exc:
+            assert answer.error == str(exc), (name, dtype, topk, ef)
+            seen["method"] += 1
+        except AttributeError:
+            assert answer.accepted, (name, dtype, topk, ef, answer.error)
+            seen["accepted"] += 1
+        else:
+            raise AssertionError("the fake comm's first collective did not fail")
+    assert seen["accepted"] > 10 and seen["options"] > 10, seen
+
+
 def test_world_size_is_an_option_of_the_dry_run_only(capsys):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError, match=r"^--world-size: is for the pre-flight check"):
