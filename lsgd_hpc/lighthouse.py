@@ -5,9 +5,9 @@
 starts torchft's own lighthouse server (the quorum service that every worker's manager
 reports to) bound to this host's address, prints ``TORCHFT_LIGHTHOUSE=http://HOST:PORT`` (the
 value the workers need) and serves until SIGTERM or SIGINT. ``--failure-timeout`` must be the
-workers' (``python -m lsgd_hpc.train --failure-timeout``): it is the lighthouse's heartbeat
-timeout, after which a silent worker is left out of the next quorum. torchft's own
-``torchft_lighthouse --min_replicas 1 --heartbeat_timeout_ms T`` serves as well.
+workers' (``python -m lsgd_hpc.train --failure-timeout``): half of it is the lighthouse's
+heartbeat timeout, after which a silent worker is left out of the next quorum. torchft's own
+``torchft_lighthouse --min_replicas 1 --heartbeat_timeout_ms T/2`` (in ms) serves as well.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def start_lighthouse(host: str, port: int, failure_timeout: float, min_replicas:
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     return LighthouseServer(bind=bind, min_replicas=min_replicas,
                             join_timeout_ms=int(timeouts.quorum * 1000),
-                            heartbeat_timeout_ms=int(timeouts.detect * 1000))
+                            heartbeat_timeout_ms=int(timeouts.heartbeat_timeout * 1000))
 
 
 def _own_address() -> str:
@@ -72,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     address = server.address()
     print(f"TORCHFT_LIGHTHOUSE={address}", flush=True)
     print(f"[lsgd_hpc] lighthouse listening on {host} (from {address}); heartbeat timeout "
-          f"{timeout:g} s; no authentication: reachable by anyone who can reach this host",
+          f"{timeout / 2:g} s (half the failure timeout); no authentication: reachable by anyone who can reach this host",
           file=sys.stderr, flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -25,7 +25,7 @@ collective that fails (a peer's connection closed, or the failure timeout) raise
    (whose peers then fail too and join the recovery);
 2. asks torchft for a new quorum (``Manager.start_quorum(shrink_only=True)``: a worker that
    is lost stays lost; the lighthouse leaves out a worker once its heartbeats have stopped
-   for the failure timeout), and the world communicator adopts the reconfigured group (its
+   for half the failure timeout), and the world communicator adopts the reconfigured group (its
    rank and size are the quorum's; every survivor's initial rank is gathered);
 3. rebuilds the node groups (new process groups, rendezvous through the lowest member's
    torchft store), restores every method (one broadcast of the shared state from the most
@@ -35,7 +35,7 @@ collective that fails (a peer's connection closed, or the failure timeout) raise
    2-3 makes the survivors start again from 2.
 
 The timeouts come from one figure, ``failure_timeout`` (:class:`FailureTimeouts`): the
-lighthouse's heartbeat timeout and the collective timeout between workers are that figure,
+collective timeout between workers is that figure, the lighthouse's heartbeat timeout half of it,
 the start-up and quorum timeout several times it, so that a lost worker is always noticed by
 a collective or the lighthouse before anything waiting on it gives up.
 
@@ -75,7 +75,10 @@ REPLICA_ENV = ("REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE")
 class FailureTimeouts:
     """The timeout hierarchy torchft needs, from one figure: ``detect``, the seconds after
     which a silent worker counts as lost. A collective between workers gives up after
-    ``detect``; the lighthouse drops a worker whose heartbeats stopped ``detect`` ago; a
+    ``detect``; the lighthouse drops a worker whose heartbeats stopped ``detect / 2`` ago
+    (heartbeats come from a thread of their own, ten or more per timeout: a worker busy in a
+    long step still sends them; a dead or stopped one does not, and the quorum without it
+    forms in half the time a collective would wait for it); a
     collective inside a worker (torchrun's group) waits twice that, so that a lost worker is
     seen between workers first; the quorum and the start-up wait ``quorum`` (six times, at
     least a minute), so that they outlast every failure they wait on."""
@@ -106,14 +109,19 @@ class FailureTimeouts:
         return max(60.0, 6 * self.detect)
 
     @property
+    def heartbeat_timeout(self) -> float:
+        """The lighthouse's: a worker silent this long is left out of the next quorum."""
+        return self.detect / 2
+
+    @property
     def heartbeat(self) -> float:
         """How often a worker's manager tells the lighthouse it lives."""
-        return min(1.0, max(0.05, self.detect / 20))
+        return min(1.0, max(0.02, self.detect / 20))
 
     def describe(self) -> str:
         return (f"failure timeout {self.detect:g} s: between workers {self.cross:g} s, inside a "
                 f"worker {self.intra:g} s, quorum and start-up {self.quorum:g} s, heartbeat "
-                f"every {self.heartbeat:g} s")
+                f"every {self.heartbeat:g} s, silent for {self.heartbeat_timeout:g} s: lost")
 
 
 def replica_env(env: Optional[dict] = None):
