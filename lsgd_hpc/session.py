@@ -342,9 +342,9 @@ def init(backend: str = "mpi", ranks_per_node: Optional[int] = None, device="aut
         _install_abort_hook(world)
     if tolerant:
         _check_fault_tolerance(world, min_ranks, on_failure)
-    from lsgd_hpc.comm.groups import RANKS_PER_NODE_ENV
-    if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
-        ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
+    from lsgd_hpc.envvars import RANKS_PER_NODE
+    if ranks_per_node is None:
+        ranks_per_node = RANKS_PER_NODE.read()
     groups = NodeGroups.build(world, ranks_per_node)
     comm = Comm(world, groups, dev, backend)
     if tolerant:
@@ -427,7 +427,9 @@ def _join_as_replacement(device, ranks_per_node, min_ranks: int) -> Comm:
     import time
     import torch  # noqa: F401 - the slow import before the join, not during it
     from lsgd_hpc.comm.heal import join
-    started = float(os.environ.get("LSGD_HPC_REPLACEMENT_STARTED", time.time()))
+    from lsgd_hpc.envvars import REPLACEMENT_STARTED
+    started = REPLACEMENT_STARTED.read()
+    started = time.time() if started is None else started
     healed, sent = join(started)
     return _session_over(healed, "mpi", device, min_ranks, ranks_per_node, "heal",
                          sent["history"], joined=sent)

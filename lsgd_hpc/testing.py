@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lsgd_hpc.envvars import RANKS_PER_NODE
+
 __all__ = ["SOURCE_ROOT", "mpirun_path", "mpi_env", "mpirun_cmd", "run_group", "session_pids",
            "kill_session", "rank_pids", "run_mpi"]
 
@@ -50,7 +52,7 @@ def mpi_env(extra: dict | None = None) -> dict:
     # a job has more ranks than slots (2 ranks, mpirun of the parallel bodies under a loaded
     # machine: 40-42 s against 54-55 s busy-polling). Left as it is when already set.
     env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.pop("LSGD_HPC_RANKS_PER_NODE", None)
+    env.pop(RANKS_PER_NODE.name, None)
     env.update(extra or {})
     return env
 

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import yaml
 
 from lsgd_hpc.data.specs import DATASETS, PLUGIN, TRAINER_DEFAULT_KEYS, dataset_spec
+from lsgd_hpc.envvars import RANKS_PER_NODE, REPLACEMENT_STARTED
 from lsgd_hpc.methods.registry import SPECS
 from lsgd_hpc.methods.spec import COMMON_OPTIONS, SECTIONS, Option, OptionError, \
     comm_dtype_problem, error_feedback_decay_problem, error_feedback_problem, topk_problem
@@ -638,7 +639,7 @@ def _check_run_dir(cfg: Config, env: dict) -> None:
     """The run directory: a requeued or restarted job resumes from its latest complete
     checkpoint; a fresh one must not write over another run; --resume needs a checkpoint."""
     from lsgd_hpc.runtime.checkpoint import latest_checkpoint
-    if env.get("LSGD_HPC_REPLACEMENT_STARTED"):
+    if REPLACEMENT_STARTED.raw(env):
         return      # a heal's replacement: the survivors give it the run folder to resume
     if cfg.run_dir and not cfg.resume:
         # A requeued SLURM job (same id) or a group that torchrun --max-restarts restarted
@@ -662,14 +663,14 @@ def _check_run_dir(cfg: Config, env: dict) -> None:
 
 def _check_ranks_per_node_env(cfg: Config, env: dict) -> None:
     """LSGD_HPC_RANKS_PER_NODE (read when --ranks-per-node is not given): a positive integer."""
-    rpn = env.get("LSGD_HPC_RANKS_PER_NODE")
+    rpn = RANKS_PER_NODE.raw(env)
     if cfg.ranks_per_node is None and rpn:
         try:
             if int(rpn) < 1:
                 raise ValueError
         except ValueError:
-            raise ConfigError("LSGD_HPC_RANKS_PER_NODE", f"must be a positive integer, "
-                                                         f"got {rpn!r}") from None
+            raise ConfigError(RANKS_PER_NODE.name, f"must be a positive integer, "
+                                                   f"got {rpn!r}") from None
 
 
 def straggler_of(cfg: Config) -> Optional[tuple]:
@@ -748,8 +749,7 @@ def check_world(cfg: Config, world_size: int, env: dict, rebuilt: bool = False) 
     n_workers = world_size
     if cfg.worker_ranks != 1:
         from lsgd_hpc.comm.workers import worker_layout, worker_layout_problem
-        rpn = cfg.ranks_per_node or (int(env["LSGD_HPC_RANKS_PER_NODE"])
-                                     if env.get("LSGD_HPC_RANKS_PER_NODE") else None)
+        rpn = cfg.ranks_per_node or RANKS_PER_NODE.read(env)
         node_of = [r // rpn for r in range(world_size)] if rpn else None
         problem = worker_layout_problem(node_of or [0] * world_size,
                                         cfg.worker_ranks if cfg.worker_ranks != "node" or

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from lsgd_hpc.cli.startup import EXIT_USAGE, PROG
+from lsgd_hpc.envvars import RANKS_PER_NODE
 
 __all__ = ["Preflight", "check_config", "dry_run", "options_argv"]
 
@@ -192,8 +193,7 @@ def _last_value(argv: Sequence[str], flag: str) -> Optional[str]:
 
 
 def _ranks_per_node(cfg, env: Mapping[str, str]) -> Optional[int]:
-    rpn = cfg.ranks_per_node or env.get("LSGD_HPC_RANKS_PER_NODE")
-    return int(rpn) if rpn else None
+    return cfg.ranks_per_node or RANKS_PER_NODE.read(env)
 
 
 def _check_world(cfg, env: Mapping[str, str]) -> int:
@@ -205,7 +205,7 @@ def _check_world(cfg, env: Mapping[str, str]) -> int:
     if training < 1:
         raise ConfigError("--spares", f"{cfg.spares} spares leave no rank to train in a job "
                                       f"of {cfg.world_size} ranks")
-    world_env = {k: env[k] for k in ("LSGD_HPC_RANKS_PER_NODE",) if env.get(k)}
+    world_env = {k: env[k] for k in (RANKS_PER_NODE.name,) if env.get(k)}
     check_world(cfg, training, world_env)
     if cfg.backend == "horovod":
         import importlib.util

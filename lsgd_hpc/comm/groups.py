@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 from lsgd_hpc.comm.base import CommError, Communicator
+from lsgd_hpc.envvars import RANKS_PER_NODE
 
 __all__ = ["NodeGroups", "node_layout", "RANKS_PER_NODE_ENV"]
 
 #: Same as --ranks-per-node: group K consecutive ranks as one node (multi-node layouts on one host).
-RANKS_PER_NODE_ENV = "LSGD_HPC_RANKS_PER_NODE"
+RANKS_PER_NODE_ENV = RANKS_PER_NODE.name
 
 
 def node_layout(hostnames: Sequence[str], ranks_per_node: Optional[int] = None) -> List[int]:
@@ -48,8 +48,8 @@ class NodeGroups:
 
     @classmethod
     def build(cls, world: Communicator, ranks_per_node: Optional[int] = None) -> "NodeGroups":
-        if ranks_per_node is None and os.environ.get(RANKS_PER_NODE_ENV):
-            ranks_per_node = int(os.environ[RANKS_PER_NODE_ENV])
+        if ranks_per_node is None:
+            ranks_per_node = RANKS_PER_NODE.read()
         hostname = socket.gethostname()
         hosts = world.allgather_object(hostname)
         node_of = node_layout(hosts, ranks_per_node)

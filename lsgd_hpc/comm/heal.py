@@ -35,6 +35,7 @@ import time
 from typing import List, Optional
 
 from lsgd_hpc.comm.lifetime import arm, track
+from lsgd_hpc.envvars import HEAL_BLOCKING, HEAL_JOIN_TIMEOUT, HEAL_TIMEOUT
 
 __all__ = ["Healer", "HealEvent", "Spares", "SPARES", "wait_as_spare", "join",
            "is_replacement", "payload", "MAX_SPAWNS",
@@ -57,32 +58,23 @@ _BRIDGE_TAG = 7104
 #: set to 1 to make the survivors wait for their replacements at the first step boundary
 #: after a spawn instead of training on (tests; a machine with no core to spare for the
 #: replacement's start-up)
-BLOCKING_ENV = "LSGD_HPC_HEAL_BLOCKING"
+BLOCKING_ENV = HEAL_BLOCKING.name
 #: seconds a replacement may take from its spawn to "ready" before the survivors take it for
 #: dead and spawn another (the environment variable overrides the default)
-TIMEOUT_ENV = "LSGD_HPC_HEAL_TIMEOUT"
-READY_TIMEOUT = 600.0
+TIMEOUT_ENV = HEAL_TIMEOUT.name
 #: seconds the join itself (merge, split, first messages) may take before every process in
 #: it ends itself (the environment variable overrides the default)
-JOIN_TIMEOUT_ENV = "LSGD_HPC_HEAL_JOIN_TIMEOUT"
-JOIN_TIMEOUT = 120.0
+JOIN_TIMEOUT_ENV = HEAL_JOIN_TIMEOUT.name
 #: exit status of a process that ended itself because the join did not end
 EXIT_JOIN_FAILED = 3
 
 
 def ready_timeout() -> float:
-    return _seconds(TIMEOUT_ENV, READY_TIMEOUT)
+    return HEAL_TIMEOUT.read()
 
 
 def join_timeout() -> float:
-    return _seconds(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT)
-
-
-def _seconds(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
+    return HEAL_JOIN_TIMEOUT.read()
 
 
 class HealEvent:
@@ -200,7 +192,7 @@ class Healer:
             return False
         state = 0
         if self.request is not None:
-            blocking = os.environ.get(BLOCKING_ENV, "").strip() == "1"
+            blocking = HEAL_BLOCKING.read()
             try:
                 done, _ = self.request.test()
                 while blocking and not done and not self._late():

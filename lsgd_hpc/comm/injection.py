@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Optional, Sequence, Tuple
 
+from lsgd_hpc.envvars import TEST_REPLACEMENT_DIES
+
 __all__ = ["inject_failures", "failure_plan", "injection_point", "FailureInjector",
            "replacement_env", "replacement_dies_here"]
 
@@ -128,7 +130,7 @@ def injection_point(point: str, step: int, comm=None, leader: bool = False) -> N
 
 
 #: set in a replacement's environment by the survivors' spawn when the plan says it dies
-REPLACEMENT_DIES_ENV = "LSGD_HPC_TEST_REPLACEMENT_DIES"
+REPLACEMENT_DIES_ENV = TEST_REPLACEMENT_DIES.name
 
 
 def replacement_env(replacing: Sequence[int], step: int, spawns: int) -> dict:
@@ -152,7 +154,7 @@ def replacement_dies_here(point: str = "join", rank: Optional[int] = None) -> No
     """Called by a replacement as it joins (``"join"``, before it says it is ready) and by
     the Checkpointer's restore (``"resume"``, ``rank`` this process's initial rank): SIGKILL
     itself there when the survivors' spawn said so (``replacement_env``); else a no-op."""
-    want = os.environ.get(REPLACEMENT_DIES_ENV)
+    want = TEST_REPLACEMENT_DIES.read()
     if not want or want != (point if point == "join" else f"{point}:{rank}"):
         return
     where = "while joining" if point == "join" else f"in its {point}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -11,6 +10,7 @@ import torch
 from mpi4py import MPI
 
 from lsgd_hpc.comm.lifetime import track
+from lsgd_hpc.envvars import COMM_VALIDATE
 from lsgd_hpc.comm.monitor import MONITOR, _Inside
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 check_tensor, sanitize_score)
@@ -34,9 +34,6 @@ _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(_MPI_TYPES)}
 #: MPICommunicator._start_iallreduce); below, in place (latency-bound, and Open MPI takes the
 #: same algorithm either way under 64 KiB).
 NB_SEND_COPY_MIN_BYTES = 64 * 1024
-
-#: Set to 0 to skip the agreement check that precedes every collective (one 32-byte reduction).
-VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 
 # MPI.DOUBLE_INT is C's struct {double; int;}: 8 + 4 bytes padded to 16.
 _DOUBLE_INT = np.dtype([("score", np.float64), ("rank", np.int32)], align=True)
@@ -166,7 +163,7 @@ class MPICommunicator(Communicator):
         self._children: list = []
         self.key = key
         self._n_derived = 0       # children made so far: the same count on every member
-        self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
+        self.validate = COMM_VALIDATE.read()   # the agreement check before every collective
         # fixed buffers agreed on once at set-up (agree_buffers), key -> (the tensor, its MPI
         # buffer or None on GPU): shared with every communicator derived from this one, whose
         # members are a subset of ours

@@ -16,6 +16,8 @@ import runpy
 import sys
 import time
 
+from lsgd_hpc.envvars import REPLACEMENT_STARTED
+
 
 def main(argv=None) -> None:
     started = time.time()
@@ -23,7 +25,7 @@ def main(argv=None) -> None:
     data = json.loads(base64.b64decode(argv[0]).decode())
     for key, value in data["env"].items():
         os.environ.setdefault(key, value)
-    os.environ["LSGD_HPC_REPLACEMENT_STARTED"] = repr(started)
+    os.environ[REPLACEMENT_STARTED.name] = repr(started)
     os.chdir(data["cwd"])
     from lsgd_hpc.comm.ulfm import prepare_mpi_environment
     prepare_mpi_environment()

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from lsgd_hpc.comm.launcher import RENDEZVOUS
+from lsgd_hpc.envvars import COMM_VALIDATE
 from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.base import (CommError, CommStats, Communicator, Election, Pending, Request,
                                 SUPPORTED_DTYPES, check_tensor, sanitize_score)
@@ -54,8 +55,6 @@ REDUCIBLE_DTYPES_TORCH = (torch.float32, torch.float64, torch.int32, torch.int64
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 #: the payload of one election as the MPI backend counts it (MPI.DOUBLE_INT, padded)
 ELECT_BYTES = 16
-#: Set to 0 to skip the agreement check that precedes every collective (as for MPI).
-VALIDATE_ENV = "LSGD_HPC_COMM_VALIDATE"
 #: an allgather into one flat tensor (gloo and NCCL have it; all_gather_single is its newer
 #: name, all_gather_into_tensor the older one that torch 2.14 deprecates)
 _ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -236,7 +235,7 @@ class TorchCommunicator(Communicator):
         self.key = key
         self._n_derived = 0
         self._children: list = []
-        self.validate = os.environ.get(VALIDATE_ENV, "1") != "0"
+        self.validate = COMM_VALIDATE.read()   # the agreement check before every collective
         self._agreed: Dict[tuple, torch.Tensor] = {}
         # (key, edges) -> (src, dst, serial): graphs whose edges were checked, see _graph
         self._graphs: Dict[tuple, Tuple[tuple, tuple, int]] = {}

@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Optional
 
+from lsgd_hpc.envvars import FT_SETTLE_SECONDS, ULFM
+
 __all__ = ["ulfm_problem", "ULFM_ENV", "FINALIZE_ENV", "prepare_mpi_environment",
            "settle_failures", "settle_seconds", "SETTLE_ENV", "RECOVERABLE_SPAWNS"]
 
@@ -28,7 +30,7 @@ RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
 
 #: set to 1 to assert that an MPI other than Open MPI has ULFM active (MPICH:
 #: ``mpiexec -disable-auto-cleanup``); Open MPI is checked by its own setting
-ULFM_ENV = "LSGD_HPC_ULFM"
+ULFM_ENV = ULFM.name
 
 
 # -- is fault tolerance there? ---------------------------------------------------------------
@@ -44,7 +46,7 @@ def ulfm_problem(backend: str) -> Optional[str]:
     if not all(hasattr(MPI.Comm, n) for n in ("Revoke", "Shrink", "Agree")):
         return ("on_failure='shrink' needs mpi4py >= 4 (Comm.Revoke/Shrink/Agree); this "
                 f"mpi4py is {getattr(sys.modules.get('mpi4py'), '__version__', '?')}")
-    if os.environ.get(ULFM_ENV, "").strip() == "1":
+    if ULFM.read():
         return None
     lib = MPI.Get_library_version()
     if "Open MPI" in lib:
@@ -78,19 +80,14 @@ def prepare_mpi_environment() -> bool:
 
 #: seconds of quiet (no new failure noticed) that a recovery waits for before it shrinks;
 #: the environment variable overrides the default (0 turns the wait off)
-SETTLE_ENV = "LSGD_HPC_FT_SETTLE_SECONDS"
-SETTLE_SECONDS = 0.5
+SETTLE_ENV = FT_SETTLE_SECONDS.name
 #: the longest a recovery waits for failure notices to settle (ranks that keep dying)
 SETTLE_LIMIT_SECONDS = 10.0
 
 
 def settle_seconds() -> float:
     """The quiet period of :func:`settle_failures`: ``$LSGD_HPC_FT_SETTLE_SECONDS`` or 0.5."""
-    raw = os.environ.get(SETTLE_ENV, "").strip()
-    try:
-        return max(0.0, float(raw)) if raw else SETTLE_SECONDS
-    except ValueError:
-        return SETTLE_SECONDS
+    return FT_SETTLE_SECONDS.read()
 
 
 def _failed_count(comm) -> int:
