@@ -251,11 +251,6 @@ class TorchCommunicator(Communicator):
     def size(self) -> int:
         return self._size
 
-    @property
-    def device_backend(self) -> str:
-        """The backend string of the default group ('cpu:gloo,cuda:nccl' or 'gloo')."""
-        return str(dist.get_backend_config())
-
     # -- helpers -------------------------------------------------------------------------
     def _watch(self, name: str):
         return MONITOR.blocking(self.key, self.world_ranks, name)

@@ -194,15 +194,6 @@ def _per_step_gap(name: str, p: int, node_of: Sequence[int]) -> float:
     return 1.0 - max(0.0, 1.0 - gap) ** (1.0 / period)
 
 
-def _valid_topology(name: str, p: int) -> bool:
-    from lsgd_hpc.topology import build_topology
-    try:
-        build_topology(name, min(p, 16) if name != "hypercube" else p, node_of=None)
-    except ValueError:
-        return False
-    return True
-
-
 class _Costing:
     """``cost(method, **options)``: a method's predicted cost on the plan's cluster, with what
     it sends (``inp.comm_dtype``; fp32 for a method that cannot send it: int8 and fp8 are
