@@ -74,13 +74,15 @@ class Stack:
         groups.node_of = base.node_of
 
 
-def _workers_of(comm, worker_ranks):
-    """Collective over ``comm.world`` the first time (every rank builds a method alike)."""
+def _workers_of(comm, layout, worker_ranks):
+    """The workers of ``layout`` (the method's, ``worker_layout(comm.groups.node_of,
+    worker_ranks)``): collective over ``comm.world`` the first time (every rank builds a
+    method alike)."""
     from lsgd_hpc.comm.workers import build_workers
     per_world = _WORKERS.setdefault(comm.world, {})
     key = (tuple(comm.groups.node_of), worker_ranks)
     if key not in per_world:
-        workers = build_workers(comm.world, comm.groups, worker_ranks)
+        workers = build_workers(comm.world, comm.groups, worker_ranks, layout=layout)
         initial = getattr(comm, "initial_ranks", range(comm.world.size))
         workers.initial_worker_of = {i: workers.layout.worker_of[r]
                                      for r, i in enumerate(initial)}
@@ -89,17 +91,18 @@ def _workers_of(comm, worker_ranks):
     return per_world[key]
 
 
-def compose(comm, *, workers: bool = False, worker_ranks=1, comm_dtype: str = "fp32",
+def compose(comm, *, layout=None, worker_ranks=1, comm_dtype: str = "fp32",
             error_feedback: bool = False, topk: float = 1.0,
             error_feedback_decay: float = 1.0) -> Stack:
-    """The stack of a method on the session ``comm``: between workers of ``worker_ranks``
-    ranks when ``workers``, sending ``comm_dtype`` (with ``topk`` < 1: each allreduce's
-    top-k entries, values as ``comm_dtype``; residuals decayed by ``error_feedback_decay``
-    before each use). Collective over ``comm.world`` the first time a
+    """The stack of a method on the session ``comm``: between the workers of ``layout``
+    (a :class:`~lsgd_hpc.comm.workers.WorkerLayout` of ``worker_ranks`` ranks each, as the
+    method computed it from ``comm.groups.node_of``; None: every rank a worker), sending
+    ``comm_dtype`` (with ``topk`` < 1: each allreduce's top-k entries, values as
+    ``comm_dtype``; residuals decayed by ``error_feedback_decay`` before each use). Collective over ``comm.world`` the first time a
     grouping is used (every rank composes alike); options arrive checked."""
     stack = Stack(comm.world, comm.groups, comm.groups)
-    if workers:
-        stack.workers = _workers_of(comm, worker_ranks)
+    if layout is not None:
+        stack.workers = _workers_of(comm, layout, worker_ranks)
         stack.groups = stack.base = stack.workers.groups
     if comm_dtype in QUANTIZED or topk < 1:
         from lsgd_hpc.comm.quantized import quantized_groups

@@ -240,7 +240,7 @@ class Method(Recoverable):
         self.error_feedback, self.topk = error_feedback, float(topk)
         self.error_feedback_decay = float(error_feedback_decay)
         #: the communicators: workers, wire format, failure policy (lsgd_hpc.comm.stack)
-        self.stack = compose(comm, workers=layout is not None, worker_ranks=worker_ranks,
+        self.stack = compose(comm, layout=layout, worker_ranks=worker_ranks,
                              comm_dtype=comm_dtype, error_feedback=error_feedback,
                              topk=float(topk), error_feedback_decay=float(error_feedback_decay))
         self.world, self.groups = self.stack.world, self.stack.groups
