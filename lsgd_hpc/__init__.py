@@ -13,6 +13,7 @@ Names are imported on first use, so ``import lsgd_hpc`` (and the offline tools,
 ``python -m lsgd_hpc.aggregate``) load neither torch nor mpi4py.
 """
 
+from lsgd_hpc._exports import lazy_getattr as _lazy_getattr, listed_dir as _listed_dir
 from lsgd_hpc._version import __version__
 
 #: public name -> module that defines it
@@ -33,15 +34,6 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lsgd_hpc' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__ = _lazy_getattr(globals(), _EXPORTS)
+__dir__ = _listed_dir(globals())
+del _lazy_getattr, _listed_dir

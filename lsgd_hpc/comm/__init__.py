@@ -8,6 +8,8 @@ Names are imported on first use, so that the launcher's environment
 
 from __future__ import annotations
 
+from lsgd_hpc._exports import lazy_getattr as _lazy_getattr, listed_dir as _listed_dir
+
 #: public name -> module of this package that defines it
 _EXPORTS = {
     "CommError": "base", "CommStats": "base", "Communicator": "base", "Election": "base",
@@ -21,18 +23,9 @@ __all__ = ["CommError", "CommStats", "Communicator", "Election", "FlatParams", "
            "NodeGroups", "Pending", "RANKS_PER_NODE_ENV", "Request", "check_tensor",
            "make_world", "node_layout", "sanitize_score", "uncounted"]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lsgd_hpc.comm' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__ = _lazy_getattr(globals(), _EXPORTS)
+__dir__ = _listed_dir(globals())
+del _lazy_getattr, _listed_dir
 
 
 def make_world(backend: str = "mpi", *, device=None):

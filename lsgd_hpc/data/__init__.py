@@ -8,6 +8,8 @@ them (cli).
 are imported on first use.
 """
 
+from lsgd_hpc._exports import lazy_getattr as _lazy_getattr, listed_dir as _listed_dir
+
 #: public name -> module of this package that defines it
 _EXPORTS = {
     "DATASETS": "loaders", "Dataset": "dataset", "load_dataset": "loaders",
@@ -17,15 +19,6 @@ _EXPORTS = {
 __all__ = ["DATASETS", "Dataset", "DataError", "ShardedBatches", "load_dataset",
            "with_label_noise"]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lsgd_hpc.data' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(__all__)
+__getattr__ = _lazy_getattr(globals(), _EXPORTS)
+__dir__ = _listed_dir(globals())
+del _lazy_getattr, _listed_dir

@@ -11,6 +11,8 @@ Names are imported on first use, so that the offline tools can read the metrics 
 without loading torch.
 """
 
+from lsgd_hpc._exports import lazy_getattr as _lazy_getattr
+
 #: public name -> module that defines it (relative: of this package)
 _EXPORTS = {
     "MetricsWriter": "metrics", "RunMetrics": "run_metrics", "open_metrics": "run_metrics",
@@ -24,13 +26,5 @@ __all__ = ["MetricsWriter", "RunMetrics", "open_metrics", "Checkpointer", "StopS
            "requeue", "Watchdog", "start_watchdog", "ShardedSampler", "make_run_dir",
            "write_completion", "read_completion"]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        import importlib
-        where = _EXPORTS[name]
-        where = where if where.startswith("lsgd_hpc.") else f".{where}"
-        value = getattr(importlib.import_module(where, __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lsgd_hpc.runtime' has no attribute {name!r}")
+__getattr__ = _lazy_getattr(globals(), _EXPORTS)
+del _lazy_getattr
