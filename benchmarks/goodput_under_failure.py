@@ -12,10 +12,17 @@ budget, each its own job, interleaved per method:
   today's behaviour): the job ends; a second job at full size resumes from the last complete
   checkpoint (``--resume``) and finishes. The queue wait of a real requeue is left out;
 * ``heal`` (when ``python -m lsgd_hpc.train --help`` lists it; "not available" otherwise):
-  as shrink with ``--on-failure heal``: a replacement is spawned and joins.
+  as shrink with ``--on-failure heal``: a replacement is spawned and joins;
+* ``torch shrink``: the shrink run on the torch backend (``--backend torch --on-failure
+  shrink``, torchft as the engine): a lighthouse (``python -m lsgd_hpc.lighthouse``) and one
+  process per replica group (benchmarks/torch_ft_common.py), the same model, budget,
+  checkpoints, ``--ranks-per-node`` and ``--inject-failure 1:K``, failure timeout
+  3 s; its goodput beside MPI's shrink (skipped without torchft). Heal is
+  not implemented on the torch backend: its row says so.
 
-Checkpoints every 10 % of the budget in all three. Time to finish = wall seconds of the
-mpirun job(s), start-up included (a restart pays it again). Recovery seconds = the largest
+Checkpoints every 10 % of the budget in all of them. Time to finish = wall seconds of the
+mpirun job(s), start-up included (a restart pays it again; torch: the workers' launch to
+their last exit, the lighthouse started before). Recovery seconds = the largest
 ``recovery_seconds`` of the survivors' ``/faults`` rows.
 
 ``ratio`` = shrink's time to finish over abort + resume's (target < 1: shrink finishes
@@ -46,7 +53,8 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from _common import driver_main, row
+import torch_ft_common as tfc
+from _common import row, write_result
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -65,6 +73,10 @@ FULL_STEPS, QUICK_STEPS = 4000, 60
 METHODS = [("lsgd", ["--algorithm", "lsgd"]), ("allreduce", ["--algorithm", "allreduce"])]
 ULFM = ["--with-ft", "ulfm", *RECOVERABLE_SPAWNS]   # (replacements: docs/cluster.md)
 RECOVERY_TARGET_S = 5.0
+#: the torch rows' --failure-timeout (and the lighthouse's): as tests/comm/test_replicas.py and
+#: torch_ft_recovery use it, short so that a recovery costs seconds here
+TORCH_FAILURE_TIMEOUT_S = 3.0
+TORCH_HEAL_WHY = "heal is not implemented on the torch backend"
 
 
 def _one_kill(policy: str, run_dir: Path, steps: int, opts, inject, survivors, log,
@@ -96,6 +108,67 @@ def _one_kill(policy: str, run_dir: Path, steps: int, opts, inject, survivors, l
         tail = " ".join("".join(job.lines).split())[-400:]
         return {f"{policy}_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: "
                                    f"{tail}"}
+
+
+def _torch_one_kill(run_dir: Path, steps: int, opts, inject, survivors, log, label: str,
+                    timeout: float) -> dict:
+    """The shrink run on the torch backend: a lighthouse, NP workers (replica groups of one
+    process each) with the MPI shrink run's options and --inject-failure. Its seconds (the
+    workers' launch to the last exit, or to the done line when a survivor hangs after it:
+    ``torch_shrink_exit_hung``), its time to do the budget's work, its recovery (the
+    survivors' /faults rows) and goodput (_measure, as for the MPI runs); or
+    ``torch_shrink_error`` (a run is cut off at ``timeout``)."""
+    why = tfc.torchft_missing()
+    if why:
+        return {"torch_shrink_error": f"not run: {why}"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = _argv(steps, run_dir / "run",
+                 [*opts, "--backend", "torch", "--on-failure", "shrink", "--failure-timeout",
+                  f"{TORCH_FAILURE_TIMEOUT_S:g}", *inject])
+    start_rx = re.compile(START_LINE.pattern, re.M)
+    done_rx = re.compile(DONE_LINE.pattern, re.M)
+    rc, hung, seconds, started, done, done_at = None, False, 0.0, None, None, None
+    try:
+        with tfc.Lighthouse(run_dir, TORCH_FAILURE_TIMEOUT_S) as lh:
+            launched = time.perf_counter()
+            w = tfc.Workers(run_dir, lh.address, NP, lambda r: argv)
+            deadline = launched + timeout
+            # the start and done lines of worker 0 (a survivor), timestamped when they appear
+            while time.perf_counter() < deadline:
+                text = w.outs[0].read_text(errors="replace")
+                now = time.perf_counter()
+                if started is None and start_rx.search(text):
+                    started = now
+                m = done_rx.search(text)
+                if m:
+                    done, done_at = now, float(m.group(1))
+                    break
+                if all(p.poll() is not None for p in w.procs):
+                    break
+                time.sleep(0.02)
+            codes = w.wait(EXIT_GRACE_S if done is not None else 1.0)
+            end = time.perf_counter()
+            rc = [codes[r] for r in survivors]
+            hung = done is not None and any(c is None for c in rc)
+            seconds = (done if hung else end) - launched
+            log(f"  goodput_under_failure: {label} torch shrink: {seconds:.1f} s, "
+                f"{'hung after its done line' if hung else f'exit {codes}'}")
+            if (any(c != 0 for c in rc) and not hung) or done is None or started is None \
+                    or _last_step(run_dir / "run", survivors) != steps:
+                raise RuntimeError(f"exit {codes}, the survivors did not finish")
+            res = {"span_s": done - started, "done_at_s": done_at, "kills": 1}
+            meas = _measure("shrink", res, steps, run_dir / "run")
+            return {"torch_shrink_s": seconds, "torch_shrink_exit_hung": hung,
+                    "torch_shrink_work_s": _work_time(run_dir / "run", steps, seconds)[0],
+                    "torch_shrink_goodput": meas["measured"],
+                    "torch_recovery_s": _recovery(run_dir / "run", survivors)}
+    except Exception as exc:
+        tail = ""
+        if (run_dir / "worker0.out").exists():
+            tail = " ".join(line for line in (run_dir / "worker0.out").read_text(
+                errors="replace").splitlines() if not line.startswith("step "))[-400:]
+        return {"torch_shrink_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: "
+                                      f"{tail}"}
 
 
 def _argv(steps: int, run_dir: Path, opts) -> list:
@@ -134,7 +207,8 @@ def _recovery(run_dir: Path, ranks) -> float:
     return worst
 
 
-def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
+def run(quick: bool = False, timeout: float = 300, log=print, poisson_part: bool = True
+        ) -> dict:
     steps = QUICK_STEPS if quick else FULL_STEPS
     kill_at = max(2, round(0.3 * steps))
     inject = ["--inject-failure", f"{KILLED}:{kill_at}"]
@@ -177,9 +251,14 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
                 if heal:          # its own failure leaves the others' figures standing
                     res.update(_one_kill("heal", d / "heal", steps, opts, inject, survivors,
                                          log, label, min(timeout, 3 * res["no_failure_s"] + 60)))
+                # the torch backend's shrink (torchft); its failure leaves the others standing
+                res.update(_torch_one_kill(d / "torch", steps, opts, inject, survivors, log,
+                                           label, timeout))
             except Exception as exc:              # report it, go on with the next method
                 errors[label] = f"{type(exc).__name__}: {exc}"
-        pois = poisson(quick, tmp, timeout, log, heal)
+        pois = poisson(quick, tmp, timeout, log, heal) if poisson_part else \
+            {"steps": POISSON_QUICK_STEPS if quick else POISSON_STEPS, "reference": None,
+             "runs": {}, "errors": {}, "skipped": True}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     errors.update({f"poisson {k}": v for k, v in pois["errors"].items()})
@@ -210,6 +289,12 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
             f"{heal_s}abort + resume {r['abort_s']:.1f} + "
             f"{r['resume_s']:.1f} = {r['abort_resume_s']:.1f} s",
             ratio, "shrink / (abort + resume) seconds", **r))
+        rows.append(_torch_row(label, r, steps, kill_at))
+    rows.append(row("goodput_under_failure: torch heal", "",
+                    f"not available: {TORCH_HEAL_WHY}", None, ""))
+    # the torch backend's shrink goodput over MPI's, the lower of the methods (informational)
+    torch_vs_mpi = min((r["torch_shrink_goodput"] / r["shrink_goodput"] for r in runs.values()
+                        if "torch_shrink_goodput" in r), default=None)
     # heal's time to do the budget's work over shrink's, at one speed: shrink's goodput over
     # heal's (runs here are minutes apart on a shared machine: their speeds differ)
     heal_ratio = max((r["shrink_goodput"] / r["heal_goodput"] for r in runs.values()
@@ -222,12 +307,15 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
         "ranks_per_node": RANKS_PER_NODE, "steps": steps, "kill_at": kill_at,
         "killed_rank": KILLED, "runs": runs, "errors": errors, "rows": rows,
         "ratio": worst_ratio, "target": "< 1", "recovery_s": worst_recovery,
-        "poisson": pois, "heal_available": heal,
+        "poisson": pois, "heal_available": heal, "torch_heal_available": False,
+        "torch_failure_timeout_s": TORCH_FAILURE_TIMEOUT_S,
         "extra_targets": {"goodput_recovery_s": {"value": worst_recovery,
                                                  "target": f"<= {RECOVERY_TARGET_S:g}"},
                           "goodput_heal_vs_shrink": {"value": heal_ratio, "target": "<= 1"},
                           "goodput_model_error": {"value": model_error,
-                                                  "target": f"<= {MODEL_ERROR_TARGET:g}"}},
+                                                  "target": f"<= {MODEL_ERROR_TARGET:g}"},
+                          "goodput_torch_shrink_vs_mpi": {"value": torch_vs_mpi,
+                                                          "target": "none (informational)"}},
         "notes": [
             f"digits, {NP} ranks = {NP // RANKS_PER_NODE} nodes x {RANKS_PER_NODE} "
             f"(--ranks-per-node), {steps} steps, checkpoints every {max(1, steps // 10)} "
@@ -253,8 +341,40 @@ def run(quick: bool = False, timeout: float = 300, log=print) -> dict:
             "seconds do not compare), target <= 1 ('not available' without --on-failure "
             "heal). On these 2 cores a replacement's start-up (Python, torch, data) takes CPU "
             "from the training ranks, which a replacement on its own node would not.",
+            "torch rows: the same runs' shrink on --backend torch --on-failure shrink "
+            "(torchft: a lighthouse of python -m lsgd_hpc.lighthouse, started before the "
+            f"workers and not counted, and {NP} processes, one replica group each, "
+            f"--ranks-per-node {RANKS_PER_NODE}), --failure-timeout "
+            f"{TORCH_FAILURE_TIMEOUT_S:g} s, the same --inject-failure; seconds from the "
+            "workers' launch to their last exit. Its recovery (the survivors' /faults "
+            "recovery_seconds) includes waiting for the quorum to leave the lost worker out "
+            f"(the lighthouse drops it after {TORCH_FAILURE_TIMEOUT_S / 2:g} s without "
+            "heartbeats), which MPI's recovery figure leaves out (its detector's second "
+            "comes before it); it is not in goodput_recovery_s. goodput_torch_shrink_vs_mpi "
+            "(targets table, informational, no target) = the lower over the methods of torch "
+            "shrink goodput / MPI shrink goodput (separate runs on a shared machine). "
+            f"torch heal: not available ({TORCH_HEAL_WHY}: the trainer refuses "
+            "--backend torch --on-failure heal). The one-kill rows have no planner "
+            "prediction (MPI's neither); the Poisson runs are MPI only.",
         ] + _poisson_notes(pois),
     }
+
+
+def _torch_row(label: str, r: dict, steps: int, kill_at: int) -> dict:
+    """The torch backend's one-kill shrink row of a method: its figures beside MPI's shrink."""
+    name = f"goodput_under_failure: {label} torch shrink"
+    if "torch_shrink_error" in r:
+        return row(name, "", f"failed: {r['torch_shrink_error']}", None, "")
+    return row(
+        name, f"rank {KILLED} killed at step {kill_at} of {steps}: --backend torch "
+        "--on-failure shrink (torchft) vs MPI's shrink",
+        f"recovery {r['torch_recovery_s']:.2f} s (quorum wait included); to finish: "
+        f"{r['torch_shrink_s']:.1f} s"
+        f"{' (to its done line: a survivor hung after it)' if r['torch_shrink_exit_hung'] else ''}"
+        f" (the budget's work: {r['torch_shrink_work_s']:.1f} s; goodput "
+        f"{_pct(r['torch_shrink_goodput'])}); MPI shrink {r['shrink_s']:.1f} s (goodput "
+        f"{_pct(r['shrink_goodput'])})",
+        r["torch_shrink_goodput"] / r["shrink_goodput"], "torch / MPI shrink goodput")
 
 
 def _pct(x: Optional[float]) -> str:
@@ -265,6 +385,9 @@ def _poisson_rows(pois: dict) -> list:
     """One row per policy of the Poisson runs: measured goodput / predicted at the run's own
     failure rate (the ratio), the prediction at the drawn rate beside it."""
     ref, rows = pois["reference"], []
+    if pois.get("skipped"):
+        return [row("goodput_under_failure: poisson", "", "not run (--one-kill-only)", None,
+                    "")]
     if ref is None:
         return [row("goodput_under_failure: poisson", "", "failed: the clean reference: "
                     f"{pois['errors']['reference']}", None, "")]
@@ -864,7 +987,20 @@ def poisson(quick: bool, tmp: Path, timeout: float, log, heal: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    return driver_main(run, __doc__.splitlines()[0], argv)
+    """``--out FILE [--quick] [--one-kill-only]``: as _common.driver_main, and
+    ``--one-kill-only`` leaves the Poisson part out."""
+    import argparse
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--quick", action="store_true", help="a smaller budget")
+    p.add_argument("--one-kill-only", action="store_true",
+                   help="the one-kill part only (MPI and torch rows), no Poisson runs")
+    args = p.parse_args(argv)
+    result = run(args.quick, poisson_part=not args.one_kill_only)
+    write_result(args.out, result)
+    for r in result["rows"]:
+        print(f"{r['label']}: {r['figures']}  ratio {r['ratio']}")
+    return 0 if not result.get("errors") else 1
 
 
 if __name__ == "__main__":
