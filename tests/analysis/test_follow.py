@@ -237,7 +237,12 @@ def test_follow_a_real_training_run(tmp_path):
     job = subprocess.Popen(
         mpirun_cmd(2, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", "150",
                        "--eval-every", "25", "--run-dir", str(run_dir), "--flush-every", "5",
-                       "--flush-seconds", "0.5"]),
+                       "--flush-seconds", "0.5",
+                       # 30 ms a step on rank 0 (so on both: they average every step): the run
+                       # lasts 4.5 s or more, several of the follower's polls even when it
+                       # starts late on a loaded machine (at full speed 150 steps took about
+                       # as long as the follower's start-up, and CI saw one poll once)
+                       "--straggler", "0:0.03"]),
         cwd=tmp_path, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, start_new_session=True)
     try:
