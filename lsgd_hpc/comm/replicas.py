@@ -329,11 +329,7 @@ class ReplicaCommunicator(TorchCommunicator):
         child = ReplicaCommunicator(pg, ranks.index(self._rank), len(ranks), name,
                                     self.timeouts, self.store, self.stats, self.epoch)
         child.world_ranks = tuple(self.world_ranks[r] for r in ranks)
-        hosts = child.allgather_object(socket.gethostname())
-        child.one_host = len(set(hosts)) == 1
-        child._agreed = self._agreed
-        self._children.append(child)
-        return child
+        return self._register_child(child)
 
     def barrier(self) -> None:
         if self._size == 1:

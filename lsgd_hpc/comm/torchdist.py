@@ -468,7 +468,11 @@ class TorchCommunicator(Communicator):
             return dist.new_group(world_ranks, use_local_synchronization=True, sort_ranks=False)
 
     def _adopt(self, pg, world_ranks: list, key: str) -> "TorchCommunicator":
-        child = TorchCommunicator(pg, self.stats, world_ranks, key=key)
+        return self._register_child(TorchCommunicator(pg, self.stats, world_ranks, key=key))
+
+    def _register_child(self, child: "TorchCommunicator") -> "TorchCommunicator":
+        """Collective over ``child``'s members: a group split from this one learns whether
+        it is on one host, shares the buffers agreed on here, and is freed with this one."""
         if child.size > 1:
             hosts = child.allgather_object(_hostname())
             child.one_host = len(set(hosts)) == 1
