@@ -331,6 +331,13 @@ class ReplicaCommunicator(TorchCommunicator):
         child.world_ranks = tuple(self.world_ranks[r] for r in ranks)
         return self._register_child(child)
 
+    def agree_min(self, flag: torch.Tensor) -> torch.Tensor:
+        """An allreduce (min) that waits up to the quorum timeout: the recovery's vote."""
+        from torch.distributed.distributed_c10d import ReduceOp
+        with self._watch("agreement"):
+            self._c10d.patient_all_reduce(flag, ReduceOp.MIN)
+        return flag
+
     def barrier(self) -> None:
         if self._size == 1:
             return
@@ -394,8 +401,7 @@ class ReplicaFaultTolerance(FaultTolerance):
     def _agree(self, ok: int) -> int:
         flag = torch.tensor([int(ok)], dtype=torch.int64)
         try:
-            from torch.distributed.distributed_c10d import ReduceOp
-            self.comm.world._c10d.patient_all_reduce(flag, ReduceOp.MIN)
+            self.comm.world.agree_min(flag)
         except Exception:                         # noqa: BLE001 - a worker lost meanwhile
             return 0
         return int(flag.item())
