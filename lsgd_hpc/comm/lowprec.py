@@ -13,23 +13,90 @@ bfloat16 -- 8 bits of mantissa, so updates below about 2^-8 of a weight's size b
 averages are lost. Methods that send differences (DiLoCo's pseudo-gradient, EASGD's elastic
 difference, allreduce's gradients) lose relatively less. docs/algorithms.md has the measured
 effect.
+
+Error feedback (``LowPrecision(comm, error_feedback=True)``; ``--comm-dtype bf16
+--error-feedback``): each rank keeps a residual e per buffer it allreduces, sends
+bf16(v + beta e) and sets e <- (v + beta e) - bf16(v + beta e) (beta: ``decay``, 1 by
+default), so what the rounding of its own input dropped is sent in later rounds instead of
+lost. The backend's roundings inside the bfloat16 sum are not fed back (as the quantized
+allreduce's phase 2), nor are broadcasts (a leader's copy is a new vector each time). The
+residuals are keyed and saved as the quantized ones (lsgd_hpc.comm.quantized: the registered
+buffer, offset and length; ``LowPrecisionGroups.state_dict``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import dataclasses
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from lsgd_hpc.comm.base import Communicator
 from lsgd_hpc.comm.groups import NodeGroups
 
-__all__ = ["LowPrecision", "low_precision_groups", "WIRE_DTYPES", "MIN_ELEMENTS"]
+__all__ = ["LowPrecision", "LowPrecisionGroups", "Residuals", "low_precision_groups",
+           "through_low", "WIRE_DTYPES", "MIN_ELEMENTS"]
 
 #: the wire dtype of each low-precision comm_dtype (the names: lsgd_hpc.methods.spec.COMM_DTYPES)
 WIRE_DTYPES = {"bf16": torch.bfloat16}
 #: smaller float32 tensors are control values, not models: they pass through
 MIN_ELEMENTS = 256
+
+
+def through_low(tensor: torch.Tensor, move, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``move`` (an in-place collective) on ``tensor`` rounded to ``dtype``, widened back into
+    ``tensor`` (every rank, the sender too, ends with the same bits)."""
+    low = tensor.to(dtype)
+    move(low)
+    tensor.copy_(low.view_as(tensor))
+    return tensor
+
+
+class Residuals:
+    """The error-feedback residuals of one method's low-precision communicators (the world's,
+    the node's and the roots', shared), keyed by the buffer registered with
+    ``agree_buffers`` that holds the allreduced tensor, its offset and its length (the keys
+    of lsgd_hpc.comm.quantized), so a resumed run finds them; ``decay`` beta: the input is
+    v + beta e."""
+
+    def __init__(self, decay: float = 1.0):
+        self.decay = float(decay)
+        self.agreed: List[torch.Tensor] = []
+        self.residuals: Dict[str, torch.Tensor] = {}
+
+    def key(self, comm_key: str, t: torch.Tensor) -> str:
+        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        for i, a in enumerate(self.agreed):
+            lo = a.data_ptr()
+            if (a.device == t.device and a.dtype == t.dtype and lo <= ptr
+                    and end <= lo + a.numel() * a.element_size()):
+                return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
+        return f"{comm_key}/numel{t.numel()}"
+
+    def rounded(self, comm_key: str, t: torch.Tensor, dtype: torch.dtype,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """w = v + beta e rounded to ``dtype`` (into ``out``), and e <- w - rounded(w)."""
+        key = self.key(comm_key, t)
+        e = self.residuals.get(key)
+        if e is None or e.numel() != t.numel() or e.device != t.device:
+            e = self.residuals[key] = torch.zeros(t.numel(), dtype=torch.float32,
+                                                  device=t.device)
+        w = t.reshape(-1).to(torch.float32, copy=True)
+        if self.decay == 1:
+            w.add_(e)
+        else:
+            w.add_(e, alpha=self.decay)
+        low = w.to(dtype) if out is None else out.copy_(w)
+        torch.sub(w, low.to(torch.float32), out=e)
+        return low
+
+    def state_dict(self, comm_dtype: str) -> dict:
+        return {"comm_dtype": comm_dtype, "topk": 1.0, "error_feedback_decay": self.decay,
+                "residuals": {k: v.detach().clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = {k: v.detach().clone().to(torch.float32)
+                          for k, v in state.get("residuals", {}).items()}
 
 
 class _Widen:
@@ -68,27 +135,55 @@ class _Widen:
 
 
 class LowPrecision:
-    """A communicator whose model-sized float32 traffic moves in ``dtype`` (bfloat16)."""
+    """A communicator whose model-sized float32 traffic moves in ``dtype`` (bfloat16); with
+    ``error_feedback`` its allreduces carry each buffer's residual (``decay``: beta)."""
 
-    def __init__(self, inner: Communicator, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, inner: Communicator, dtype: torch.dtype = torch.bfloat16,
+                 error_feedback: bool = False, decay: float = 1.0,
+                 _residuals: Optional[Residuals] = None):
         self.inner, self.dtype = inner, dtype
         self._buffers = {}
+        #: the error-feedback residuals (shared by a method's communicators), or None
+        self.residuals = _residuals if _residuals is not None else (
+            Residuals(decay) if error_feedback else None)
+
+    @property
+    def error_feedback(self) -> bool:
+        return self.residuals is not None
+
+    def hierarchy(self):
+        """None: a low-precision allreduce is the backend's own, over this communicator."""
+        return None
+
+    def _fed(self, tensor: torch.Tensor, reuse: bool = True) -> Optional[torch.Tensor]:
+        """With error feedback, bf16(v + beta e) of a model-sized float32 ``tensor`` (in the
+        communicator's buffer of its size when ``reuse``; the residual updated); None
+        otherwise."""
+        if (self.residuals is None or tensor.dtype != torch.float32
+                or tensor.numel() < MIN_ELEMENTS):
+            return None
+        return self.residuals.rounded(self.inner.key, tensor, self.dtype,
+                                      self._buffer(tensor) if reuse else None)
 
     def __getattr__(self, name):          # everything not overridden: the inner communicator
         return getattr(self.inner, name)
 
-    def _low(self, t: torch.Tensor) -> Optional[torch.Tensor]:
-        if t.dtype != torch.float32 or t.numel() < MIN_ELEMENTS:
-            return None
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
         key = (t.numel(), t.device)
         buf = self._buffers.get(key)
         if buf is None:
             buf = self._buffers[key] = torch.empty(t.numel(), dtype=self.dtype, device=t.device)
-        buf.copy_(t.reshape(-1))
         return buf
+
+    def _low(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        if t.dtype != torch.float32 or t.numel() < MIN_ELEMENTS:
+            return None
+        return self._buffer(t).copy_(t.reshape(-1))
 
     def agree_buffers(self, *tensors: torch.Tensor) -> None:
         self.inner.agree_buffers(*tensors)
+        if self.residuals is not None:
+            self.residuals.agreed.extend(tensors)
 
     def _through_low(self, tensor: torch.Tensor, call) -> torch.Tensor:
         """``call`` (an in-place collective) on the low-precision copy of ``tensor``, widened
@@ -101,13 +196,20 @@ class LowPrecision:
         return tensor
 
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        low = self._fed(tensor)
+        if low is not None:
+            self.inner.allreduce_(low, op)
+            tensor.copy_(low.view_as(tensor))
+            return tensor
         return self._through_low(tensor, lambda t: self.inner.allreduce_(t, op))
 
     def iallreduce_(self, tensor: torch.Tensor, op: str = "sum", *, agreed: bool = False):
         if tensor.dtype != torch.float32 or tensor.numel() < MIN_ELEMENTS:
             return self.inner.iallreduce_(tensor, op, agreed=agreed)
         # its own buffer: several buckets of one size may be in flight at once
-        low = tensor.to(self.dtype)
+        low = self._fed(tensor, reuse=False)
+        if low is None:
+            low = tensor.to(self.dtype)
         return _Widen(self.inner.iallreduce_(low, op), low, tensor)
 
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
@@ -132,15 +234,44 @@ class LowPrecision:
         return out
 
     def dup(self) -> "LowPrecision":
-        return LowPrecision(self.inner.dup(), self.dtype)
+        return LowPrecision(self.inner.dup(), self.dtype, _residuals=self.residuals)
 
     def split(self, color: int, key: Optional[int] = None) -> Optional["LowPrecision"]:
         sub = self.inner.split(color, key)
-        return None if sub is None else LowPrecision(sub, self.dtype)
+        return None if sub is None else LowPrecision(sub, self.dtype,
+                                                     _residuals=self.residuals)
 
 
-def low_precision_groups(groups: NodeGroups, dtype: torch.dtype = torch.bfloat16) -> NodeGroups:
-    """The same node hierarchy with every communicator sending model tensors in ``dtype``."""
-    return NodeGroups(LowPrecision(groups.world, dtype), LowPrecision(groups.node, dtype),
-                      None if groups.roots is None else LowPrecision(groups.roots, dtype),
-                      groups.node_of, groups.hostname)
+@dataclasses.dataclass
+class LowPrecisionGroups(NodeGroups):
+    """NodeGroups over LowPrecision communicators; with error feedback, the holder of their
+    residuals (``state_dict``: the quantized wire's format, lsgd_hpc.comm.quantized)."""
+
+    @property
+    def node_stats(self):
+        """None: nothing of a low-precision allreduce is counted apart."""
+        return None
+
+    def state_dict(self) -> dict:
+        res = self.world.residuals
+        if res is None:
+            return {}
+        name = next(k for k, v in WIRE_DTYPES.items() if v == self.world.dtype)
+        return res.state_dict(name)
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.world.residuals is not None:
+            self.world.residuals.load_state_dict(state)
+
+
+def low_precision_groups(groups: NodeGroups, dtype: torch.dtype = torch.bfloat16,
+                         error_feedback: bool = False,
+                         decay: float = 1.0) -> LowPrecisionGroups:
+    """The same node hierarchy with every communicator sending model tensors in ``dtype``
+    (with ``error_feedback``: their allreduces carry residuals, shared by the three, decayed
+    by ``decay`` before each use)."""
+    world = LowPrecision(groups.world, dtype, error_feedback, decay)
+    wrap = lambda c: None if c is None else LowPrecision(  # noqa: E731
+        c, dtype, _residuals=world.residuals)
+    return LowPrecisionGroups(world, wrap(groups.node), wrap(groups.roots), groups.node_of,
+                              groups.hostname)

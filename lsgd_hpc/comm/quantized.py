@@ -81,11 +81,13 @@ same order on every rank and in every run) and its offset and length there, so a
 run finds its residuals (``state_dict``). A tensor outside every registered buffer is keyed
 by its length.
 
-Top-k (``topk`` < 1; ``kind`` may then be fp32): every allreduce of a model tensor sends, of
-each chunk of ``block`` elements, its top-k entries as (index, value) records, exchanged by an
-allgather and summed in rank order by every rank (the maths, the records and their bytes:
-:mod:`lsgd_hpc.comm.sparse`); with error feedback e <- (v + e) - sent(v + e), keyed and saved
-as above. Broadcasts stay dense (quantized by ``kind``, or fp32 as they are).
+Top-k (``topk`` < 1; ``kind`` may then be fp32 or bf16): every allreduce of a model tensor
+sends, of each chunk of ``block`` elements, its top-k entries as (index, value) records,
+exchanged by an allgather and summed in rank order by every rank (the maths, the records
+and their bytes: :mod:`lsgd_hpc.comm.sparse`); with error feedback
+e <- (v + e) - sent(v + e), keyed and saved as above. Broadcasts stay dense (quantized by
+``kind``, rounded to bfloat16 as :mod:`lsgd_hpc.comm.lowprec` sends them for bf16, or fp32 as
+they are).
 
 Non-blocking allreduce (``iallreduce_``; Streaming DiLoCo's overlapped fragments): the same
 operation in stages, each exchange posted non-blocking (the backend's ``ialltoall`` and
@@ -120,10 +122,10 @@ from lsgd_hpc.comm.base import CommError, CommStats, Communicator, Pending
 from lsgd_hpc.comm.codec import (BITS, BLOCK, KINDS, QMAX, SCALE_BYTES, dequantize,
                                  kind_problem, pack, quantize, unpack)
 from lsgd_hpc.comm.groups import NodeGroups
-from lsgd_hpc.comm.lowprec import MIN_ELEMENTS
+from lsgd_hpc.comm.lowprec import MIN_ELEMENTS, WIRE_DTYPES, through_low
 from lsgd_hpc.comm.monitor import MONITOR
-from lsgd_hpc.comm.sparse import (Sparse, decode, encode, reduce_records, select, sent_vector,
-                                  sparse_layout)
+from lsgd_hpc.comm.sparse import (FLOAT_VALUES, Sparse, decode, encode, reduce_records, select,
+                                  sent_vector, sparse_layout)
 
 __all__ = ["Quantized", "QuantizedGroups", "quantized_groups", "KINDS", "BLOCK", "QMAX", "BITS",
            "MIN_ELEMENTS", "kind_problem", "quantize", "dequantize", "pack", "unpack", "layout",
@@ -301,7 +303,8 @@ class Quantized:
             topk = _shared.topk
         if isinstance(topk, bool) or not isinstance(topk, (int, float)) or not 0 < topk <= 1:
             raise CommError(f"topk must be in (0, 1], got {topk!r}")
-        problem = None if (kind == "fp32" and topk < 1) else kind_problem(kind)
+        # top-k values may also go as fp32 or bf16 (lsgd_hpc.comm.sparse)
+        problem = None if (kind in FLOAT_VALUES and topk < 1) else kind_problem(kind)
         if problem:
             raise CommError(problem)
         if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
@@ -644,6 +647,9 @@ class Quantized:
     def broadcast_(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         if not self.quantizes(tensor) or self.kind == "fp32":
             return self.inner.broadcast_(tensor, root)
+        if self.kind in WIRE_DTYPES:          # bf16 (with top-k): the dense bf16 broadcast
+            return through_low(tensor, lambda t: self.inner.broadcast_(t, root),
+                               WIRE_DTYPES[self.kind])
         self.inner._check_root(root)
         self._agree("broadcast_", tensor)
         return self._broadcast(tensor, self.inner.rank == root,
@@ -787,6 +793,9 @@ class QuantizedGroups(NodeGroups):
         q: Quantized = self.world
         if not q.quantizes(tensor) or q.kind == "fp32":
             return self.plain.broadcast_from_(tensor, world_root)
+        if q.kind in WIRE_DTYPES:             # bf16 (with top-k): the dense bf16 broadcast
+            return through_low(tensor, lambda t: self.plain.broadcast_from_(t, world_root),
+                               WIRE_DTYPES[q.kind])
         return q._broadcast(tensor, q.world_rank == world_root,
                             lambda b: self.plain.broadcast_from_(b, world_root))
 

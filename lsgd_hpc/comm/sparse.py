@@ -1,7 +1,8 @@
 """Top-k sparsification of an allreduce, with error feedback (``topk=F``, 0 < F < 1).
 
 The maths, without communication; :class:`lsgd_hpc.comm.quantized.Quantized` runs it
-(``Quantized(comm, kind, error_feedback, topk=F)``, ``kind`` fp32, int8, fp8, int4 or int2).
+(``Quantized(comm, kind, error_feedback, topk=F)``, ``kind`` fp32, bf16, int8, fp8, int4 or
+int2).
 
 An n-element vector w (the allreduce input v, plus the residual e with error feedback) is cut
 into m = ceil(n / c) chunks of c = min(``CHUNK``, n) elements (the last padded with zeros).
@@ -9,7 +10,9 @@ Of each chunk a rank sends the k = ceil(F c) entries of largest magnitude (ties:
 choice, the same on every run), as (index in the chunk, value), indices ascending. Values go
 as float32 (``kind`` fp32), or quantized by ``kind`` with one scale per chunk over the k
 selected values: s = max |selected| / QMAX, q = round(value / s) (int8, int4, int2) or e4m3
-(fp8), sent q s. sent(w) is the vector holding those values at those indices, zero elsewhere.
+(fp8), sent q s; or as bfloat16 (``kind`` bf16: each value rounded to nearest even, 8 bits of
+mantissa, no scale). sent(w) is the vector holding those values at those indices, zero
+elsewhere.
 Error feedback: e <- w - sent(w).
 
 Exchange: every rank's m records (``Sparse.record`` bytes each: scale, indices, values,
@@ -42,7 +45,9 @@ __all__ = ["CHUNK", "Sparse", "sparse_layout", "select", "sent_vector", "encode"
 #: elements per chunk (as the quantizer's BLOCK): its k entries are chosen within it
 CHUNK = 4096
 #: bits of each value kind on the wire (fp32: uncompressed values)
-VALUE_BITS = {"fp32": 32, "int8": 8, "fp8": 8, "int4": 4, "int2": 2}
+VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "fp8": 8, "int4": 4, "int2": 2}
+#: the value kinds that go as floats of their own (no scale): their torch dtype
+FLOAT_VALUES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,7 @@ class Sparse:
 
     @property
     def scale_bytes(self) -> int:
-        return 0 if self.kind == "fp32" else 4
+        return 0 if self.kind in FLOAT_VALUES else 4
 
     @property
     def value_bytes(self) -> int:
@@ -139,8 +144,9 @@ def encode(idx: torch.Tensor, values: torch.Tensor, lay: Sparse, buf: torch.Tens
     """This rank's records into ``buf`` (m * record bytes)."""
     scales, ib, vb = _views(buf, lay)
     ib.copy_(idx)
-    if lay.kind == "fp32":
-        vb.copy_(values.contiguous().view(torch.uint8).view(lay.m, -1))
+    if lay.kind in FLOAT_VALUES:               # fp32 as they are, bf16 rounded to nearest even
+        low = values.to(FLOAT_VALUES[lay.kind]).contiguous()
+        vb.copy_(low.view(torch.uint8).view(lay.m, -1))
         return
     q, s = _quantized_values(values, lay)
     vb.copy_(q)
@@ -150,8 +156,8 @@ def encode(idx: torch.Tensor, values: torch.Tensor, lay: Sparse, buf: torch.Tens
 def decode(buf: torch.Tensor, lay: Sparse) -> Tuple[torch.Tensor, torch.Tensor]:
     """(indices (m, k) int64, values (m, k) float32, dequantized) of records ``buf``."""
     scales, ib, vb = _views(buf, lay)
-    if lay.kind == "fp32":
-        values = vb.clone().view(torch.float32)             # (aligned: a copy)
+    if lay.kind in FLOAT_VALUES:
+        values = vb.clone().view(FLOAT_VALUES[lay.kind]).to(torch.float32)   # (aligned: a copy)
     else:
         values = dequantize(vb.contiguous(), scales, lay.kind)[:, :lay.k]
     return ib.to(torch.int64), values

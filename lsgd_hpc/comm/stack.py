@@ -40,8 +40,8 @@ _WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 class Stack:
     """What a method communicates over: ``world`` and ``groups`` (the method's, after every
     layer), ``workers`` (this rank's worker; None when every rank is one), ``wire`` (the
-    quantized groups holding the error-feedback residuals; None otherwise) and ``base``,
-    the session's node groups under them."""
+    quantized or low-precision groups holding the error-feedback residuals; None otherwise)
+    and ``base``, the session's node groups under them."""
 
     world: Any
     groups: Any
@@ -98,7 +98,8 @@ def compose(comm, *, layout=None, worker_ranks=1, comm_dtype: str = "fp32",
     (a :class:`~lsgd_hpc.comm.workers.WorkerLayout` of ``worker_ranks`` ranks each, as the
     method computed it from ``comm.groups.node_of``; None: every rank a worker), sending
     ``comm_dtype`` (with ``topk`` < 1: each allreduce's top-k entries, values as
-    ``comm_dtype``; residuals decayed by ``error_feedback_decay`` before each use). Collective over ``comm.world`` the first time a
+    ``comm_dtype``, bf16 too; with ``error_feedback``, bf16 alone included, residuals decayed
+    by ``error_feedback_decay`` before each use). Collective over ``comm.world`` the first time a
     grouping is used (every rank composes alike); options arrive checked."""
     stack = Stack(comm.world, comm.groups, comm.groups)
     if layout is not None:
@@ -110,6 +111,9 @@ def compose(comm, *, layout=None, worker_ranks=1, comm_dtype: str = "fp32",
                                                      topk=topk, decay=error_feedback_decay)
     elif comm_dtype in LOW_PRECISION:
         from lsgd_hpc.comm.lowprec import WIRE_DTYPES, low_precision_groups
-        stack.groups = low_precision_groups(stack.groups, WIRE_DTYPES[comm_dtype])
+        stack.groups = low_precision_groups(stack.groups, WIRE_DTYPES[comm_dtype],
+                                            error_feedback, error_feedback_decay)
+        if error_feedback:              # the residuals' holder, as the quantized groups
+            stack.wire = stack.groups
     stack.world = stack.groups.world
     return stack

@@ -79,7 +79,7 @@ def _check_common(backend, model, name: str, *, max_steps, checkpoint_every, con
         raise OptionError("topk", problem)
     _check_topk_model(model, name, topk)
     _COMMON["error_feedback"].check(error_feedback)
-    problem = error_feedback_problem(error_feedback, comm_dtype, topk)
+    problem = error_feedback_problem(error_feedback, comm_dtype, topk, name)
     if problem:
         raise OptionError("error_feedback", problem)
     decay = _COMMON["error_feedback_decay"].check(error_feedback_decay)

@@ -263,9 +263,6 @@ def topk_problem(topk: float, comm_dtype: str, backend: Optional[str],
         return None
     if method in _NOT_TOPK:
         return f"{topk:g} is not for {method}: {_NOT_TOPK[method]}"
-    if comm_dtype == "bf16":
-        return (f"{topk:g} sends its values as fp32, int8, fp8, int4 or int2, not bf16 "
-                "(set --comm-dtype)")
     if backend == "horovod":
         return (f"{topk:g} needs the mpi or torch backend (its allgather of byte records is "
                 "not a Horovod collective here)")
@@ -295,13 +292,30 @@ def error_feedback_decay_problem(decay: float, error_feedback: bool,
     return None
 
 
-def error_feedback_problem(error_feedback: bool, comm_dtype: str,
-                           topk: float = 1.0) -> Optional[str]:
-    """Why ``error_feedback`` cannot go with ``comm_dtype`` and ``topk``, or None."""
-    if error_feedback and comm_dtype not in QUANTIZED_COMM_DTYPES and topk >= 1:
-        return (f"needs --comm-dtype int8, fp8, int4 or int2, or --topk < 1 (it feeds back "
-                f"their rounding or what top-k left out; comm_dtype is {comm_dtype})")
-    return None
+#: methods whose bf16 traffic holds no allreduce for error feedback to act on, and why
+_NO_BF16_FEEDBACK = {
+    "lsgd": "lsgd sends a leader's copy by broadcast, a new vector each time, not a term of "
+            "a sum over rounds: there is no allreduce whose bf16 rounding could be fed back",
+    "lsgd-async": "lsgd-async only broadcasts parameters: there is no allreduce whose bf16 "
+                  "rounding could be fed back",
+    "gossip": "bf16 gossip sends parameters to its neighbours: there is no allreduce whose "
+              "bf16 rounding could be fed back",
+}
+
+
+def error_feedback_problem(error_feedback: bool, comm_dtype: str, topk: float = 1.0,
+                           method: Optional[str] = None) -> Optional[str]:
+    """Why ``error_feedback`` cannot go with ``comm_dtype``, ``topk`` and ``method`` (a spec
+    name; None: not known), or None. It needs something dropped: bf16's rounding
+    (e <- (v + e) - bf16(v + e), lsgd_hpc.comm.lowprec), int8/fp8/int4/int2's, or what top-k
+    left out."""
+    if not error_feedback or topk < 1 or comm_dtype in QUANTIZED_COMM_DTYPES:
+        return None
+    if comm_dtype == "bf16":
+        return f"is not for {method}: {_NO_BF16_FEEDBACK[method]}" \
+            if method in _NO_BF16_FEEDBACK else None
+    return ("needs --comm-dtype bf16, int8, fp8, int4 or int2, or --topk < 1 (it feeds back "
+            f"their rounding or what top-k left out; comm_dtype is {comm_dtype})")
 
 
 #: Options every method takes (besides its own), with the library's defaults.
@@ -313,7 +327,7 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "slowmo (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
     Option("error_feedback", False, "bool",
-           "with comm_dtype int8, fp8, int4 or int2, or topk < 1: each rank adds what "
+           "with comm_dtype bf16, int8, fp8, int4 or int2, or topk < 1: each rank adds what "
            "rounding dropped (or top-k left out) from its allreduce input to the next one "
            "(residuals kept in the checkpoint)",
            section="cluster and backend"),
@@ -327,8 +341,8 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "F in (0, 1]: with F < 1 the periodic allreduce of easgd, diloco (Streaming "
            "DiLoCo too), local-sgd and slowmo (these two send the change since the last "
            "average) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
-           "largest magnitude as (index, value), values as --comm-dtype (fp32, int8, fp8, "
-           "int4, int2); with --error-feedback what was left out is sent later; lsgd's "
+           "largest magnitude as (index, value), values as --comm-dtype (fp32, bf16, int8, "
+           "fp8, int4, int2); with --error-feedback what was left out is sent later; lsgd's "
            "global pull sends the top-k of the leader's change since the last pull (its own "
            "error feedback; with --pull-delay, not under --on-failure shrink or heal) (see "
            "docs/algorithms.md); 1: dense",

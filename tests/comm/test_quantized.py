@@ -191,7 +191,12 @@ def test_options_and_their_refusals():
     assert error_feedback_problem(False, "fp32") is None
     for kind in ("int8", "int4", "int2"):
         assert error_feedback_problem(True, kind) is None
-    assert "needs --comm-dtype int8, fp8, int4 or int2" in error_feedback_problem(True, "bf16")
+    assert "needs --comm-dtype bf16, int8, fp8, int4 or int2" in error_feedback_problem(
+        True, "fp32")
+    # bf16 rounds: its rounding is fed back where the method allreduces (issue 47)
+    assert error_feedback_problem(True, "bf16") is None
+    assert error_feedback_problem(True, "bf16", 1.0, "diloco") is None
+    assert error_feedback_problem(True, "bf16", 1.0, "gossip").startswith("is not for gossip")
 
 
 # -- top-k (lsgd_hpc.comm.sparse) ------------------------------------------------------------
@@ -251,13 +256,13 @@ def test_topk_select_encode_decode_by_hand():
 def test_topk_options_and_refusals():
     assert topk_problem(1.0, "bf16", "horovod", "allreduce") is None     # dense: as before
     for ok in ("easgd", "diloco", "lsgd", "local-sgd", "slowmo"):
-        for kind in ("fp32", "int8", "fp8", "int4", "int2"):
+        for kind in ("fp32", "bf16", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.01, kind, "mpi", ok) is None
     for bad in ("allreduce", "gossip", "lsgd-async"):
         why = topk_problem(0.1, "fp32", "mpi", bad)
         assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
     assert "no periodic average" in topk_problem(0.1, "fp32", "mpi", "gossip")
-    assert "not bf16" in topk_problem(0.1, "bf16", "mpi", "diloco")
+    assert topk_problem(0.1, "bf16", "mpi", "diloco") is None     # bf16 values (issue 47)
     assert "mpi or torch backend" in topk_problem(0.1, "fp32", "horovod", "diloco")
     assert error_feedback_problem(True, "fp32", 0.1) is None
     assert "--topk < 1" in error_feedback_problem(True, "fp32", 1.0)
@@ -268,8 +273,7 @@ def test_topk_options_and_refusals():
     ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
     ["--algorithm", "allreduce", "--topk", "0.1"], ["--algorithm", "gossip", "--topk", "0.1"],
     ["--algorithm", "lsgd-async", "--topk", "0.1"],
-    ["--algorithm", "diloco", "--topk", "0.1", "--comm-dtype", "bf16"],
-], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async", "bf16"])
+], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async"])
 def test_config_refuses_topk(argv):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -296,8 +300,8 @@ def test_config_accepts_topk():
     (["--algorithm", "allreduce", "--comm-dtype", "int2"], "--comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
-    (["--algorithm", "diloco", "--comm-dtype", "bf16", "--error-feedback"], "--error-feedback"),
-], ids=["allreduce", "gossip", "allreduce-int2", "hvd-backend", "ef-alone", "ef-bf16"])
+    (["--algorithm", "diloco", "--comm-dtype", "fp32", "--error-feedback"], "--error-feedback"),
+], ids=["allreduce", "gossip", "allreduce-int2", "hvd-backend", "ef-alone", "ef-fp32"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -315,6 +319,9 @@ def test_config_accepts():
                            env={})
         assert (cfg.comm_dtype, cfg.error_feedback) == (kind, True)
     assert parse_config(["--algorithm", "easgd"], env={}).error_feedback is False
+    cfg = parse_config(["--algorithm", "diloco", "--comm-dtype", "bf16", "--error-feedback",
+                        "--topk", "0.01"], env={})                  # issue 47: bf16 lifted
+    assert (cfg.comm_dtype, cfg.error_feedback, cfg.topk) == ("bf16", True, 0.01)
 
 
 def test_hierarchy_only_across_nodes_with_a_node_of_several():
