@@ -829,14 +829,26 @@ class SlowMo(Method):
 class GossipSGD(Method):
     """Decentralised SGD: after each step ``x_i <- sum_j W_ij x_j`` over the neighbours of
     ``topology`` (a name of ``python -m lsgd_hpc.topology``), parameters sent to the
-    neighbours only, never an allreduce."""
+    neighbours only, never an allreduce. With ``comm_dtype`` int8, fp8, int4 or int2 or
+    ``topk`` < 1: CHOCO-SGD, compressed differences to public copies and the consensus step
+    ``gossip_gamma`` (lsgd_hpc.methods.rules.gossip)."""
 
     spec = SPECS["gossip"]
+
+    def _check_before_collectives(self, model, optimizer, **kwargs):
+        layout, opts = super()._check_before_collectives(model, optimizer, **kwargs)
+        if opts["gossip_gamma"] is not None and kwargs.get("topk", 1.0) >= 1 \
+                and kwargs.get("comm_dtype", "fp32") not in QUANTIZED_COMM_DTYPES:
+            raise OptionError("gossip_gamma", "is CHOCO-SGD's consensus step: it needs "
+                              "--comm-dtype int8, fp8, int4 or int2 or --topk < 1 (fp32 and "
+                              "bf16 gossip mix with W as it is)")
+        return layout, opts
 
     def build(self, o):
         from lsgd_hpc.topology import build_topology
         topo = build_topology(o["topology"], self.world.size, node_of=self.groups.node_of)
-        return GossipRule(self.groups, self.flat, topo, log=self.log)
+        return GossipRule(self.groups, self.flat, topo, log=self.log, comm_dtype=self.comm_dtype,
+                          topk=self.topk, gamma=o["gossip_gamma"])
 
 
 #: every method's class by its name (``--algorithm``), in the registry's order

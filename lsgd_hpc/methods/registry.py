@@ -226,6 +226,13 @@ GOSSIP = MethodSpec(
     options=(
         Option("topology", "ring", "choice",
                "gossip graph (see python -m lsgd_hpc.topology)", choices=_topologies()),
+        Option("gossip_gamma", None, "float",
+               "gamma in (0, 1]: with --comm-dtype int8, fp8, int4 or int2 or --topk < 1 "
+               "(compressed gossip, CHOCO-SGD), the consensus step x_i += gamma sum_j W_ij "
+               "(x^_j - x^_i) over the public copies x^ (see docs/algorithms.md)",
+               low=0, low_open=True, high=1,
+               none="1 for int8 and fp8, 0.8 int4, 0.4 int2 (1 fp32 values), times "
+                    "min(1, 4 topk) with topk < 1"),
     ),
     world_checks=(Check("topology", _topology_fits),),
     cost=lambda cm, w, c, o, coll, overlap=0.0: cm.gossip(w, c, o["topology"]))

@@ -36,8 +36,6 @@ _PERIODIC = "the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)"
 _NOT_QUANTIZED = {
     "allreduce": "allreduce SGD averages gradients in non-blocking buckets every step; "
                  f"int8/fp8/int4/int2 are for {_PERIODIC}",
-    "gossip": "gossip exchanges parameters with neighbours, not a sum; int8/fp8/int4/int2 "
-              f"are for {_PERIODIC}",
     "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8/int4/int2 are for "
                   f"{_PERIODIC}",
 }
@@ -51,8 +49,6 @@ TOPK_METHODS = ("easgd", "diloco", "local-sgd", "slowmo")
 _NOT_TOPK = {
     "allreduce": "allreduce SGD averages every step's gradient in non-blocking buckets; it "
                  "has no periodic average to sparsify",
-    "gossip": "gossip exchanges parameters with neighbours; it has no periodic average to "
-              "sparsify",
     "lsgd-async": "lsgd-async broadcasts a leader's parameters; it has no periodic average "
                   "to sparsify (synchronous lsgd's global pull takes topk)",
 }
@@ -275,7 +271,8 @@ _NO_RESIDUAL = {
             "reference every rank keeps; see docs/algorithms.md)",
     "lsgd-async": "lsgd-async broadcasts parameters and keeps no residual",
     "allreduce": "allreduce SGD keeps no residual (it takes no quantized allreduce)",
-    "gossip": "gossip keeps no residual (it takes no quantized allreduce)",
+    "gossip": "compressed gossip feeds back through CHOCO's public copies, not a residual "
+              "(see docs/algorithms.md)",
 }
 
 
