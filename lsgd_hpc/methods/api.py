@@ -839,9 +839,9 @@ class GossipSGD(Method):
         layout, opts = super()._check_before_collectives(model, optimizer, **kwargs)
         if opts["gossip_gamma"] is not None and kwargs.get("topk", 1.0) >= 1 \
                 and kwargs.get("comm_dtype", "fp32") not in QUANTIZED_COMM_DTYPES:
-            raise OptionError("gossip_gamma", "is CHOCO-SGD's consensus step: it needs "
-                              "--comm-dtype int8, fp8, int4 or int2 or --topk < 1 (fp32 and "
-                              "bf16 gossip mix with W as it is)")
+            raise OptionError("gossip_gamma", "needs --comm-dtype int8, fp8, int4 or int2 or "
+                              "--topk < 1: it is the consensus step of compressed gossip "
+                              "(CHOCO-SGD); fp32 and bf16 gossip mix with W as it is")
         return layout, opts
 
     def build(self, o):

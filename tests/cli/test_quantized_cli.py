@@ -93,19 +93,19 @@ def test_topk_error_feedback_resumes_exactly(tmp_path, name):
 
 BAD = [
     (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
-    (["--algorithm", "gossip", "--comm-dtype", "fp8"], "--comm-dtype"),
+    (["--algorithm", "gossip", "--gossip-gamma", "0.5"], "gossip_gamma needs --comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--topk", "0"], "--topk"),
-    (["--algorithm", "gossip", "--topk", "0.01"], "--topk"),
+    (["--algorithm", "gossip", "--topk", "0.01", "--gossip-gamma", "2"], "--gossip-gamma"),
     (["--algorithm", "lsgd", "--topk", "0.1", "--pull-delay", "2", "--on-failure", "shrink"],
      "--on-failure"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip", "hvd", "ef-alone",
-                                                  "topk-zero", "topk-gossip",
+@pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip-gamma-fp32", "hvd",
+                                                  "ef-alone", "topk-zero", "gossip-gamma-range",
                                                   "topk-delay-shrink"])
 def test_refused_with_one_line_exit_2(tmp_path, args, option):
     _check_one_line(_run_cli(["--run-dir", str(tmp_path / "never"), *args]), option)

@@ -183,7 +183,9 @@ def test_options_and_their_refusals():
         for kind in ("int8", "fp8", "int4", "int2"):
             assert comm_dtype_problem(kind, "mpi", ok) is None
             assert comm_dtype_problem(kind, "torch", ok) is None
-    for bad in ("allreduce", "gossip", "lsgd-async"):
+    for kind in ("int8", "fp8", "int4", "int2"):          # CHOCO-SGD (compressed gossip)
+        assert comm_dtype_problem(kind, "mpi", "gossip") is None
+    for bad in ("allreduce", "lsgd-async"):
         why = comm_dtype_problem("int8", "mpi", bad)
         assert why.startswith(f"int8 is not for {bad}: ") and "\n" not in why
     assert "mpi or torch backend" in comm_dtype_problem("fp8", "horovod", "lsgd")
@@ -258,10 +260,10 @@ def test_topk_options_and_refusals():
     for ok in ("easgd", "diloco", "lsgd", "local-sgd", "slowmo"):
         for kind in ("fp32", "bf16", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.01, kind, "mpi", ok) is None
-    for bad in ("allreduce", "gossip", "lsgd-async"):
+    for bad in ("allreduce", "lsgd-async"):
         why = topk_problem(0.1, "fp32", "mpi", bad)
         assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
-    assert "no periodic average" in topk_problem(0.1, "fp32", "mpi", "gossip")
+    assert topk_problem(0.1, "fp32", "mpi", "gossip") is None      # CHOCO-SGD
     assert topk_problem(0.1, "bf16", "mpi", "diloco") is None     # bf16 values (issue 47)
     assert "mpi or torch backend" in topk_problem(0.1, "fp32", "horovod", "diloco")
     assert error_feedback_problem(True, "fp32", 0.1) is None
@@ -271,9 +273,9 @@ def test_topk_options_and_refusals():
 @pytest.mark.parametrize("argv", [
     ["--algorithm", "diloco", "--topk", "0"], ["--algorithm", "diloco", "--topk", "1.5"],
     ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
-    ["--algorithm", "allreduce", "--topk", "0.1"], ["--algorithm", "gossip", "--topk", "0.1"],
+    ["--algorithm", "allreduce", "--topk", "0.1"],
     ["--algorithm", "lsgd-async", "--topk", "0.1"],
-], ids=["zero", "above-one", "negative", "word", "allreduce", "gossip", "lsgd-async"])
+], ids=["zero", "above-one", "negative", "word", "allreduce", "lsgd-async"])
 def test_config_refuses_topk(argv):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -296,12 +298,13 @@ def test_config_accepts_topk():
 
 @pytest.mark.parametrize("argv,option", [
     (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
-    (["--algorithm", "gossip", "--comm-dtype", "fp8"], "--comm-dtype"),
+    (["--algorithm", "gossip", "--comm-dtype", "fp8", "--error-feedback",
+      "--error-feedback-decay", "0.5"], "--error-feedback-decay"),
     (["--algorithm", "allreduce", "--comm-dtype", "int2"], "--comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--comm-dtype", "fp32", "--error-feedback"], "--error-feedback"),
-], ids=["allreduce", "gossip", "allreduce-int2", "hvd-backend", "ef-alone", "ef-fp32"])
+], ids=["allreduce", "gossip-decay", "allreduce-int2", "hvd-backend", "ef-alone", "ef-fp32"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:

@@ -226,7 +226,7 @@ def test_options_accepted_and_refused():
     opts = gossip.check(model, opt, world_size=4, comm_dtype="int2", gossip_gamma=0.3)
     assert opts["gossip_gamma"] == 0.3
     gossip.check(model, opt, world_size=4, comm_dtype="int8", error_feedback=True)
-    with pytest.raises(OptionError, match="gossip_gamma .*needs --comm-dtype int8"):
+    with pytest.raises(OptionError, match="gossip_gamma needs --comm-dtype int8"):
         gossip.check(model, opt, world_size=4, gossip_gamma=0.5)
     with pytest.raises(OptionError, match="gossip_gamma must be in"):
         gossip.check(model, opt, world_size=4, comm_dtype="int8", gossip_gamma=1.5)
