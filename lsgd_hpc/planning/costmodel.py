@@ -89,7 +89,7 @@ CHECK_BYTES = 48
 FLOAT_BYTES = 4
 #: top-k (lsgd_hpc.comm.sparse): elements per chunk, and bits of each kind of value sent
 TOPK_CHUNK = 4096
-VALUE_BITS = {"fp32": 32, "int8": 8, "fp8": 8, "int4": 4, "int2": 2}
+VALUE_BITS = {"fp32": 32, "bf16": 16, "int8": 8, "fp8": 8, "int4": 4, "int2": 2}
 ALLREDUCE_ALGORITHMS = ("auto", "ring", "hierarchical", "doubling")
 
 
@@ -248,7 +248,7 @@ def topk_payload_bytes(n: int, topk: float, value_bits: int = 32,
     m = -(-n // c)
     k = max(1, min(c, math.ceil(topk * c)))
     index = 2 if c <= 32768 else 4
-    scale = 0 if value_bits == 32 else 4
+    scale = 0 if value_bits >= 16 else 4          # fp32 and bf16 values carry no scale
     return m * (scale + k * index + -(-k * value_bits // 8))
 
 
@@ -500,8 +500,8 @@ def wire_bytes(n: int, nodes: int, kind: str = "fp32", topk: float = 1.0) -> int
     allreduce's count (dense kind), or one node's top-k payload S (topk < 1)."""
     if topk < 1:
         return _topk_bytes(int(n), float(topk), kind)
-    if kind == "fp32":
-        return 4 * int(n)
+    if kind in ("fp32", "bf16"):
+        return VALUE_BITS[kind] // 8 * int(n)
     return _dense_bytes(int(n), int(nodes), kind)
 
 
@@ -510,8 +510,8 @@ def pull_bytes(n: int, kind: str = "fp32", topk: float = 1.0) -> int:
     (4 n; quantized.broadcast_bytes; or the top-k payload S)."""
     if topk < 1:
         return _topk_bytes(int(n), float(topk), kind)
-    if kind == "fp32":
-        return 4 * int(n)
+    if kind in ("fp32", "bf16"):
+        return VALUE_BITS[kind] // 8 * int(n)
     from lsgd_hpc.comm.quantized import broadcast_bytes
     return broadcast_bytes(int(n), kind=kind)
 
@@ -566,7 +566,7 @@ def _averaging_round(w: Workload, c: Cluster, coll: Collectives,
     library's allreduce of ``w.flat_bytes`` (fp32, bf16)."""
     if topk or w.comm_dtype not in ("fp32", "bf16"):
         m, f = w.n_params + w.n_buffers, w.topk if topk else 1.0
-        kind = "fp32" if w.comm_dtype == "bf16" else w.comm_dtype
+        kind = w.comm_dtype                       # (top-k values may be bf16: 2 bytes)
         return hier_allreduce_time(m, c, kind, f), round_bytes_sent(m, c, kind, f)
     return allreduce_time(w.flat_bytes, c, coll), w.flat_bytes
 
