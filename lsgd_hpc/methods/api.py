@@ -187,10 +187,11 @@ class Method(Recoverable):
     - ``topk``: F in (0, 1]; below 1, each periodic allreduce of EASGD, DiLoCo, local SGD
       and SlowMo (these two: of the change since the last average) sends the
       largest ceil(F c) entries of every chunk of c = 4096 as (index, value), values as
-      ``comm_dtype`` (fp32, int8, fp8, int4, int2) (``lsgd_hpc.comm.sparse``).
-    - ``error_feedback``: with int8/fp8/int4/int2 or ``topk`` < 1, each rank's allreduce
-      input carries what rounding (or top-k) dropped from its previous ones; the residuals
-      are in ``state_dict``.
+      ``comm_dtype`` (fp32, bf16, int8, fp8, int4, int2) (``lsgd_hpc.comm.sparse``).
+    - ``error_feedback``: with bf16/int8/fp8/int4/int2 or ``topk`` < 1, each rank's
+      allreduce input carries what rounding (or top-k) dropped from its previous ones; the
+      residuals are in ``state_dict`` (bf16 alone: not for LSGD, AsyncLeaderSGD and gossip,
+      which have no allreduce to feed back).
     - ``error_feedback_decay``: beta in (0, 1]; below 1 (with ``error_feedback``) each
       allreduce compresses v + beta e instead of v + e: SparseLoCo's decayed accumulator,
       which replaces the outer momentum (DiLoCo with ``outer_momentum=0``). Not for LSGD,
