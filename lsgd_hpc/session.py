@@ -144,6 +144,10 @@ class Comm:
         if healed is None:
             return self
         ft.retired = True                  # the old world's exit barrier is not needed
+        if getattr(ft, "manager", None) is not None:     # torchft: the world healed in place
+            return _replica_session(healed, ft.manager, ft.replica_id, self.device,
+                                    ft.min_ranks, ft.ranks_per_node, ft.policy,
+                                    healed.healed_history, joined=None)
         return _session_over(healed, self.backend, self.device, ft.min_ranks,
                              ft.ranks_per_node, ft.policy, history, joined=None)
 
@@ -371,25 +375,44 @@ def _check_init_args(backend, ranks_per_node, on_failure, min_ranks, spares,
         raise ValueError(f"spares must be an integer >= 0, got {spares!r}")
     if spares and on_failure != "heal":
         raise ValueError("spares need on_failure='heal' (spares replace lost ranks)")
+    if spares and backend == "torch":
+        raise ValueError("spares are for backend='mpi': on the torch backend a lost worker's "
+                         "launcher starts it again (torchrun --max-restarts) and it joins")
     if failure_timeout is not None and not (on_failure != "abort" and backend == "torch"):
-        raise ValueError("failure_timeout is for backend='torch' with on_failure='shrink' "
-                         "(torchft's timeouts); ULFM detects failures itself")
+        raise ValueError("failure_timeout is for backend='torch' with on_failure='shrink' or "
+                         "'heal' (torchft's timeouts); ULFM detects failures itself")
 
 
 def _join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
                    failure_timeout) -> Comm:
-    """The torch backend with on_failure="shrink": the world of workers that torchft's first
-    quorum gives (lsgd_hpc/comm/replicas.py), its node groups, the fault tolerance."""
-    import atexit
-    from lsgd_hpc.comm import NodeGroups, launcher
-    from lsgd_hpc.comm.replicas import ReplicaFaultTolerance, join_replicas
+    """The torch backend with on_failure="shrink" or "heal": the world of workers that
+    torchft's first quorum gives (or, for a restarted worker under heal, the running job's:
+    lsgd_hpc/comm/replicas.py), its node groups, the fault tolerance."""
+    from lsgd_hpc.comm import launcher
+    from lsgd_hpc.comm.replicas import join_replicas
     dev = _pick_device(device, launcher.local_rank() or 0)
-    world, manager, rid = join_replicas(dev, ranks_per_node, min_ranks, policy,
-                                        failure_timeout)
+    world, manager, rid, history = join_replicas(dev, ranks_per_node, min_ranks, policy,
+                                                 failure_timeout)
+    return _replica_session(world, manager, rid, dev, min_ranks, ranks_per_node, policy,
+                            history, joined=None if history is None else {"history": history})
+
+
+def _replica_session(world, manager, rid: int, dev, min_ranks: int, ranks_per_node,
+                     policy: str, history, joined) -> Comm:
+    """Collective over a world of torchft replica groups (at the start, or healed: the
+    survivors and the restarted workers, the same calls): node groups, fault tolerance."""
+    import atexit
+    from lsgd_hpc.comm import NodeGroups
+    from lsgd_hpc.comm.replicas import ReplicaFaultTolerance, replica_env
     comm = Comm(world, NodeGroups.build(world, ranks_per_node), dev, "torch")
+    comm.joined = joined
+    n = replica_env()[1]
     comm.fault_tolerance = ReplicaFaultTolerance(comm, manager, rid, min_ranks, ranks_per_node,
-                                                 policy)
-    comm.groups.node_key = comm.fault_tolerance.initial_nodes[comm.rank]
+                                                 policy, initial_size=n)
+    if history is not None:
+        comm.fault_tolerance.take_history(history)
+    ft = comm.fault_tolerance
+    comm.groups.node_key = ft.initial_nodes[ft.initial_ranks[comm.rank]]
     atexit.register(comm.fault_tolerance.final_barrier)
     return comm
 

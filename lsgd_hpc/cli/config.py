@@ -556,9 +556,14 @@ def _check_failure_options(cfg: Config) -> None:
             raise ConfigError("--on-failure", problem.replace(
                 "on_failure='heal'", "heal").replace("on_failure='shrink'", "--on-failure "
                 "shrink").replace("backend='", "--backend ").replace("'", ""))
+        if cfg.spares:
+            raise ConfigError("--spares", "is for --backend mpi: on the torch backend a lost "
+                                          "worker's launcher starts it again (torchrun "
+                                          "--max-restarts), and it joins the running job")
         if cfg.worker_ranks != 1:
             raise ConfigError("--worker-ranks", f"{cfg.worker_ranks} is not supported with "
-                                                "--backend torch --on-failure shrink yet "
+                                                "--backend torch --on-failure "
+                                                f"{cfg.on_failure} yet "
                                                 "(every rank is its own torchft replica "
                                                 "group); use --worker-ranks 1")
     elif cfg.on_failure in ("shrink", "heal") and cfg.backend != "mpi":
@@ -726,7 +731,7 @@ def check_world(cfg: Config, world_size: int, env: dict, rebuilt: bool = False) 
         raise ConfigError("MPI world size", f"is {world_size} but mpirun started {expected} "
                           "ranks: mpi4py is built against another MPI than this mpirun's; "
                           "use the mpirun of the MPI that mpi4py was built with")
-    if cfg.resume:
+    if cfg.resume and not rebuilt:     # a healed world's restore checks its own (library)
         from lsgd_hpc.runtime.checkpoint import latest_checkpoint, resume_problem
         pointer = latest_checkpoint(cfg.run_dir)
         problem = pointer and resume_problem(cfg.run_dir, pointer, world_size)

@@ -1,7 +1,7 @@
 """Lost workers survived on the torch backend: workers as torchft replica groups.
 
 ``lsgd_hpc.init(backend="torch", on_failure="shrink")`` (the trainer's ``--backend torch
---on-failure shrink``) runs every worker as one torchft replica group, started by a launcher
+--on-failure shrink``, or ``heal``) runs every worker as one torchft replica group, started by a launcher
 of its own (one ``torchrun`` per replica group, or one plain process), with torchft's
 conventions:
 
@@ -39,8 +39,12 @@ collective timeout between workers is that figure, the lighthouse's heartbeat ti
 the start-up and quorum timeout several times it, so that a lost worker is always noticed by
 a collective or the lighthouse before anything waiting on it gives up.
 
-Not here yet: ``on_failure="heal"`` (a restarted replica group joining), and workers of more
-than one rank (a replica group of K ranks); both are refused with one line.
+``on_failure="heal"``: the same, and a lost worker that its launcher starts again (torchrun's
+``--max-restarts``, the job's script) joins the running job at a step boundary and takes its
+state from the survivors (:class:`ReplicaHealer`).
+
+Not here yet: workers of more than one rank (a replica group of K ranks), refused with one
+line.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ from lsgd_hpc.comm.base import CommStats
 from lsgd_hpc.comm.failures import ProcessFailure, UnrecoverableFailure
 from lsgd_hpc.comm.faults import MAX_ATTEMPTS, FaultTolerance
 from lsgd_hpc.comm.torchdist import TorchCommunicator
+from lsgd_hpc.envvars import HEAL_TIMEOUT
+from lsgd_hpc.ranklists import format_ranks
 
 __all__ = ["FailureTimeouts", "ReplicaCommunicator", "ReplicaFaultTolerance", "replica_env",
            "replica_problem", "join_replicas", "DEFAULT_FAILURE_TIMEOUT", "REPLICA_ENV"]
@@ -118,6 +124,13 @@ class FailureTimeouts:
         """How often a worker's manager tells the lighthouse it lives."""
         return min(1.0, max(0.02, self.detect / 20))
 
+    @property
+    def heal_poll(self) -> float:
+        """Under heal, while a worker is missing: how often the survivors ask torchft's
+        lighthouse for a quorum that a restarted worker may have joined (a round trip to the
+        lighthouse; between polls, one tiny allreduce per step decides whether one is due)."""
+        return min(5.0, max(0.5, self.detect / 2))
+
     def describe(self) -> str:
         return (f"failure timeout {self.detect:g} s: between workers {self.cross:g} s, inside a "
                 f"worker {self.intra:g} s, quorum and start-up {self.quorum:g} s, heartbeat "
@@ -146,17 +159,13 @@ def replica_env(env: Optional[dict] = None):
 
 def replica_problem(on_failure: str) -> Optional[str]:
     """Why ``on_failure`` cannot run on the torch backend here (one line), or None."""
-    if on_failure == "heal":
-        return ("on_failure='heal' is not supported with backend='torch' yet (a restarted "
-                "replica group cannot join a running job); use on_failure='shrink' with it, "
-                "or backend='mpi' under mpirun --with-ft ulfm")
     # torchft's Rust side logs every quorum at INFO on stderr (read when torchft loads); its
     # warnings and errors stay
     os.environ.setdefault("RUST_LOG", "warn")
     try:
         import torchft.manager  # noqa: F401
     except ImportError:
-        return ("on_failure='shrink' with backend='torch' needs torchft (pip install "
+        return (f"on_failure={on_failure!r} with backend='torch' needs torchft (pip install "
                 "'lsgd_hpc[torchft]', torchft-nightly)")
     return None
 
@@ -280,6 +289,7 @@ class ReplicaCommunicator(TorchCommunicator):
         self.timeouts, self.store, self.epoch = timeouts, store, epoch
         self._setup(pg, ReplicaCalls(pg, size, timeouts), stats, range(size), rank, key)
         self.one_host = None
+        self._quorum_group = None
 
     def adopt_quorum(self, rank: int, size: int, epoch: int) -> None:
         """Rewire this object onto the reconfigured group of a new quorum (in place: every
@@ -292,6 +302,24 @@ class ReplicaCommunicator(TorchCommunicator):
         self.key, self.epoch, self._n_derived = f"world~{epoch}", epoch, 0
         self._graphs.clear()
         self.one_host = None
+
+    def hold(self, pg) -> None:
+        """Go on over ``pg``, a group of this world's members alone (same ranks), while the
+        quorum's group (``self.group``, which torchft reconfigured to hold newcomers too)
+        waits for :meth:`release`: the survivors of a heal save their checkpoint over it."""
+        self._quorum_group = self.group
+        self.group, self._c10d = pg, ReplicaCalls(pg, self._size, self.timeouts)
+
+    def release(self, rank: int, size: int, epoch: int) -> None:
+        """Back onto the quorum's group after :meth:`hold`, as its member ``rank`` of
+        ``size`` (the held group is aborted)."""
+        held, self.group = self.group, self._quorum_group
+        self._quorum_group = None
+        try:
+            held.abort(errored=False)
+        except Exception:                         # noqa: BLE001 - already broken
+            pass
+        self.adopt_quorum(rank, size, epoch)
 
     def split(self, color: int, key: Optional[int] = None):
         key = self._rank if key is None else key
@@ -378,11 +406,17 @@ class ReplicaFaultTolerance(FaultTolerance):
     it themselves, meeting at the lowest member's store."""
 
     def __init__(self, comm, manager, replica_id: int, min_ranks: int, ranks_per_node,
-                 policy: str = "shrink"):
+                 policy: str = "shrink", initial_size: Optional[int] = None):
         self.manager, self.replica_id = manager, replica_id
         super().__init__(comm, min_ranks, ranks_per_node, policy)
         #: every worker's torchft store (host:port), by initial rank
-        self.stores = dict(enumerate(comm.world.allgather_object(comm.world.store)))
+        table = comm.world.allgather_object((replica_id, comm.world.store))
+        self.stores = dict(table)
+        self.initial_ranks = [int(i) for i, _ in table]
+        #: NUM_REPLICA_GROUPS: the job's size at the start (a healed world may hold fewer)
+        self.initial_size = int(initial_size or comm.world.size)
+        self._current_hosts = list(self.initial_hosts)    # by current rank
+        self.healer = ReplicaHealer(self) if policy == "heal" else None
 
     def _prepare_world(self, world) -> None:
         """torchft's groups report a lost peer as an error already."""
@@ -456,10 +490,166 @@ class ReplicaFaultTolerance(FaultTolerance):
 
     def final_barrier(self) -> None:
         super().final_barrier()
+        if self.retired:                          # the healed world's does it
+            return
         try:
             self.manager.shutdown(wait=False)
         except Exception:                         # noqa: BLE001 - leaving anyway
             pass
+
+    # -- heal: restarted workers join at a step boundary (ReplicaHealer) -----------------------
+    def _spawn_replacements(self, event) -> None:
+        """Nothing is spawned on the torch backend: torchrun's --max-restarts (or the job's
+        script) starts the lost worker again, and it joins at a quorum (ReplicaHealer)."""
+        self.healer.lost_at = self.healer.lost_at or time.time()
+        if self.comm.world.rank == 0:
+            missing = [r for r in range(self.initial_size) if r not in self.initial_ranks]
+            print(f"[lsgd_hpc] heal: waiting for worker(s) {format_ranks(missing)} to be "
+                  "restarted (torchrun --max-restarts, or the job's script) and join; going "
+                  f"on with {self.comm.world.size} meanwhile", file=sys.stderr, flush=True)
+
+    def history(self, app: dict) -> dict:
+        """What the healed world carries over (sent by the survivors' rank 0 in the join)."""
+        return {"generation": self.generation + 1, "lost_at": self.healer.lost_at,
+                "decided_at": time.time(), "app": dict(app), "spares": [],
+                "step": int(getattr(self, "last_step", -1)), "lost": list(self.lost),
+                "hosts": list(self.initial_hosts), "events": len(self.events)}
+
+    def take_history(self, history: dict) -> None:
+        """A healed world's: the job's numbering (initial ranks, hosts and nodes of all
+        NUM_REPLICA_GROUPS workers), who is still missing, the heal it came from."""
+        hosts = list(history["hosts"])
+        for r, host in zip(self.initial_ranks, self._current_hosts):
+            hosts[r] = host                       # a restarted worker may run elsewhere
+        self.initial_hosts = hosts
+        self.initial_nodes = [f"node {r // self.ranks_per_node}" if self.ranks_per_node
+                              else h for r, h in enumerate(hosts)]
+        history = dict(history, replaced=sorted(set(self.initial_ranks)
+                                                & set(history["lost"])))
+        self.lost = sorted(set(history["lost"]) - set(self.initial_ranks))
+        super().take_history(history)
+
+
+class ReplicaHealer:
+    """The survivors' side of ``on_failure="heal"`` on the torch backend (the interface of
+    :class:`lsgd_hpc.comm.heal.Healer`: ``pending``, ``ready``, ``join``, ``release``).
+
+    Nothing is spawned: a lost worker is started again by its launcher (torchrun's
+    ``--max-restarts``, or the job's script) and asks torchft's lighthouse for a quorum. While
+    a worker is missing, the survivors ask for one too at step boundaries, every
+    :attr:`FailureTimeouts.heal_poll` seconds (one tiny allreduce per step decides that a
+    poll is due, so that every survivor polls at the same step):
+
+    1. **Poll.** ``Manager.start_quorum`` (not shrink-only): the lighthouse answers at once
+       when every survivor asked, with any restarted worker that is waiting. The same quorum
+       id: nobody came, the group is untouched.
+    2. **Hello.** A new quorum id: torchft has reconfigured the group between workers over the
+       new members. Every member gathers (replica id, running?, store, host) over it; a
+       restarted worker says it is not running. A survivor missing from it is a failure
+       (ProcessFailure: the recovery follows, shrink-only, and leaves the newcomer out).
+    3. **Hold.** The survivors meet in a group of their own (the lowest survivor's store) and
+       the world goes on over it (:meth:`ReplicaCommunicator.hold`): the trainer saves its
+       checkpoint there, while the newcomers wait in the join.
+    4. **Join.** Every member back on the quorum's group; the survivors' rank 0 sends the
+       history (run folder, generation, the job's hosts, who is still missing); every member
+       builds the session over the healed world and resumes the survivors' checkpoint, in
+       which a joined worker rejoins (its state from a live peer, as at a full-size resume).
+
+    Workers restarted one at a time each join at the next poll: the healed world may hold
+    fewer than NUM_REPLICA_GROUPS workers, numbered as at the start."""
+
+    def __init__(self, ft: "ReplicaFaultTolerance"):
+        self.ft = ft
+        self.lost_at = 0.0
+        self.polled = time.monotonic()
+        self.problem: Optional[str] = None
+        self.replacing: List[int] = []
+        self._joined: Optional[tuple] = None      # (rank, size) in the quorum's group
+
+    @property
+    def pending(self) -> bool:
+        """A worker of the job is missing (its restart may join)."""
+        return len(self.ft.initial_ranks) < self.ft.initial_size
+
+    def ready(self) -> bool:
+        """Collective over the survivors, at a step boundary: True on every survivor once
+        restarted workers are in torchft's quorum (then save a checkpoint and call join)."""
+        from lsgd_hpc.comm.accounting import uncounted
+        ft, world = self.ft, self.ft.comm.world
+        due = time.monotonic() - self.polled >= world.timeouts.heal_poll
+        with uncounted(world):
+            if not world.any_true(due):
+                return False
+        self.polled = time.monotonic()
+        manager = ft.manager
+        before = manager._quorum_id               # (torchft says no other way whether it changed)
+        try:
+            manager.start_quorum(allow_heal=False, shrink_only=False,
+                                 timeout=timedelta(seconds=world.timeouts.quorum))
+            error = manager.errored()
+            if error is not None:
+                raise error.original_exception
+            rank, size = manager.participating_rank(), manager.num_participants()
+        except Exception as exc:                  # noqa: BLE001 - a worker lost meanwhile
+            raise _failure(exc) from exc
+        if manager._quorum_id == before:
+            return False
+        if rank is None:
+            raise UnrecoverableFailure("lsgd_hpc: this worker is not in torchft's new quorum; "
+                                       "ending it")
+        table = _hello(ReplicaCalls(world.group, size, world.timeouts), ft.replica_id,
+                       True, world.store)
+        running = [int(t[0]) for t in table if t[1]]
+        new = [int(t[0]) for t in table if not t[1]]
+        if running != list(ft.initial_ranks) or not new:
+            raise ProcessFailure(f"torchft's quorum changed (workers {running} running, "
+                                 f"{new} restarted; {list(ft.initial_ranks)} before)")
+        self.replacing, self._joined = new, (rank, size)
+        self._hold(table)
+        if world.rank == 0:
+            print(f"[lsgd_hpc] heal: worker(s) {format_ranks(new)} restarted and in torchft's "
+                  "quorum", file=sys.stderr, flush=True)
+        return True
+
+    def _hold(self, table: list) -> None:
+        """The survivors' own group, met at the lowest survivor's store (step 3)."""
+        from torchft.process_group import ProcessGroupGloo, reconfigure_with_store
+        ft, world = self.ft, self.ft.comm.world
+        store = next(t[2] for t in table if t[1])
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=world.timeouts.setup))
+        try:
+            reconfigure_with_store(pg, f"{store}/lsgd_hpc/heal/{ft.generation}-"
+                                   f"{ft.manager._quorum_id}", world.rank, world.size,
+                                   timedelta(seconds=world.timeouts.quorum))
+        except Exception as exc:                  # noqa: BLE001 - a survivor lost meanwhile
+            raise _failure(exc) from exc
+        world.hold(pg)
+
+    def join(self, history: dict):
+        """Collective with the restarted workers (step 4): the healed world (this
+        ReplicaCommunicator, on the quorum's group), with the history every member took."""
+        world = self.ft.comm.world
+        rank, size = self._joined
+        world.release(rank, size, int(history["generation"]))
+        table = world.allgather_object(history if world.rank == 0 else None)
+        world.healed_history = next(h for h in table if h is not None)
+        self._joined = None
+        return world
+
+    def release(self) -> None:
+        """At the end of the job: nothing to release (a worker restarted too late finds no
+        quorum and ends by itself)."""
+
+    def abandon(self) -> None:
+        self._joined = None
+
+
+def _hello(calls: "ReplicaCalls", rid: int, running: bool, store: str) -> list:
+    """Every member of a new quorum's group: (replica id, running?, store, host) in rank
+    order (the first collective over it; a restarted worker says it is not running)."""
+    out: list = [None] * calls.size
+    calls.all_gather_object(out, (int(rid), bool(running), store, socket.gethostname()))
+    return out
 
 
 # -- joining the job ---------------------------------------------------------------------------
@@ -475,9 +665,11 @@ def _store_for_group(env: dict):
 
 def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
                   failure_timeout: Optional[float] = None):
-    """The world of workers for ``backend="torch"`` with ``on_failure="shrink"``: join
-    torchft's first quorum of all NUM_REPLICA_GROUPS workers. Returns ``(world, manager,
-    replica_id)`` (lsgd_hpc.session builds the session over it: node groups, device,
+    """The world of workers for ``backend="torch"`` with ``on_failure="shrink"`` or
+    ``"heal"``: join torchft's first quorum of all NUM_REPLICA_GROUPS workers, or under heal
+    a running job's quorum (a restarted worker: see :class:`ReplicaHealer`). Returns
+    ``(world, manager, replica_id, history)``, history None at the start of a job, else what
+    the survivors sent (lsgd_hpc.session builds the session over it: node groups, device,
     :class:`ReplicaFaultTolerance`). ValueError (one line) for what the environment lacks;
     every worker that waits too long for the others ends with the same line."""
     env = os.environ
@@ -488,35 +680,84 @@ def join_replicas(device, ranks_per_node, min_ranks: int, policy: str,
     group_size = int(env.get("WORLD_SIZE", "1") or 1)
     if group_size != 1:
         raise ValueError(f"a replica group of {group_size} ranks (torchrun --nproc-per-node "
-                         f"{group_size}) is not supported with on_failure='shrink' on the torch "
-                         "backend yet: start one torchrun per rank (--nproc-per-node 1), each "
-                         "its own replica group")
+                         f"{group_size}) is not supported with on_failure={policy!r} on the "
+                         "torch backend yet: start one torchrun per rank (--nproc-per-node 1), "
+                         "each its own replica group")
     if min_ranks > n:
         raise ValueError(f"min_ranks={min_ranks} is more than the {n} workers of the job")
     timeouts = FailureTimeouts(float(failure_timeout or DEFAULT_FAILURE_TIMEOUT))
     manager, pg = _manager(env, rid, lighthouse, min_ranks, timeouts)
-    deadline = time.monotonic() + timeouts.quorum
-    while True:                                  # the first quorum holds every worker
-        manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=timeouts.quorum))
-        if manager.errored() is None and manager.num_participants() == n:
-            break
-        if time.monotonic() > deadline:
-            have = manager.num_participants()
-            raise ValueError(f"only {have} of NUM_REPLICA_GROUPS={n} workers joined torchft's "
-                             f"lighthouse {lighthouse} within {timeouts.quorum:g} s")
-        time.sleep(min(0.5, timeouts.heartbeat * 2))
     own_store = json.loads(pg.get_reconfigure_handle())["store"]
-    world = ReplicaCommunicator(pg, manager.participating_rank(), n, "world", timeouts,
-                                own_store)
-    ids = world.allgather_object(rid)
+    # a worker that its launcher restarted waits for a running job's survivors to poll
+    restarted = env.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    patience = max(timeouts.quorum, HEAL_TIMEOUT.read()) if policy == "heal" and restarted \
+        else timeouts.quorum
+    deadline = time.monotonic() + patience
+    have = 0
+    while time.monotonic() <= deadline:
+        joined = _join_quorum(manager, pg, rid, n, timeouts, own_store, policy)
+        if isinstance(joined, tuple):
+            world, history = joined
+            if history is None and rid == 0:
+                print(f"[lsgd_hpc] torchft: {n} workers in quorum through lighthouse "
+                      f"{lighthouse}; {timeouts.describe()}; listening: this worker's "
+                      f"manager on all addresses (torchft binds [::]), its store at "
+                      f"{own_store}", file=sys.stderr, flush=True)
+            return world, manager, rid, history
+        have = max(have, joined)
+        time.sleep(min(0.5, timeouts.heartbeat * 2))
+    raise ValueError(f"only {have} of NUM_REPLICA_GROUPS={n} workers joined torchft's "
+                     f"lighthouse {lighthouse} within {patience:g} s"
+                     + (" (and no running job took this restarted worker in)"
+                        if policy == "heal" else ""))
+
+
+def _join_quorum(manager, pg, rid: int, n: int, timeouts: FailureTimeouts, own_store: str,
+                 policy: str):
+    """One quorum asked for at the start: ``(world, history)`` once joined (history None:
+    all n workers start the job; else the running job's, under heal), or how many workers
+    the quorum held (ask again)."""
+    try:
+        manager.start_quorum(allow_heal=False, timeout=timedelta(seconds=timeouts.quorum))
+        if manager.errored() is not None:
+            return 0
+        rank, size = manager.participating_rank(), manager.num_participants()
+    except Exception:                             # noqa: BLE001 - the lighthouse's timeout
+        return 0
+    if rank is None:
+        return size
+    if policy != "heal":
+        if size != n:
+            return size
+        world = ReplicaCommunicator(pg, rank, n, "world", timeouts, own_store)
+        ids = world.allgather_object(rid)
+        if ids != list(range(n)):
+            raise ValueError(f"torchft's first quorum numbers the workers {ids}, not "
+                             f"0..{n - 1}: is REPLICA_GROUP_ID set twice?")
+        return world, None
+    try:
+        table = _hello(ReplicaCalls(pg, size, timeouts), rid, False, own_store)
+    except Exception:                             # noqa: BLE001 - the quorum changed meanwhile
+        return size
+    ids = [int(t[0]) for t in table]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"torchft's quorum numbers the workers {ids}: is REPLICA_GROUP_ID "
+                         "set twice?")
+    world = ReplicaCommunicator(pg, rank, size, "world", timeouts, own_store)
+    if any(t[1] for t in table):                  # a running job: join it (ReplicaHealer.join)
+        try:
+            sent = world.allgather_object(None)
+        except Exception:                         # noqa: BLE001 - the survivors recovered
+            return size
+        history = next(h for h in sent if h is not None)
+        g = int(history["generation"])
+        world.key, world.epoch = f"world~{g}", g
+        return world, history
+    if size != n:
+        return size
     if ids != list(range(n)):
-        raise ValueError(f"torchft's first quorum numbers the workers {ids}, not 0..{n - 1}: "
-                         "is REPLICA_GROUP_ID set twice?")
-    if rid == 0:
-        print(f"[lsgd_hpc] torchft: {n} workers in quorum through lighthouse {lighthouse}; "
-              f"{timeouts.describe()}; listening: this worker's manager on all addresses "
-              f"(torchft binds [::]), its store at {own_store}", file=sys.stderr, flush=True)
-    return world, manager, rid
+        raise ValueError(f"torchft's first quorum numbers the workers {ids}, not 0..{n - 1}")
+    return world, None
 
 
 def _manager(env: dict, rid: int, lighthouse: str, min_ranks: int, timeouts: FailureTimeouts):

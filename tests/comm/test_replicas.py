@@ -60,18 +60,23 @@ def lighthouse(tmp_path_factory):
     assert lh.stop() == 0                      # it ends cleanly on SIGTERM
 
 
-def start_workers(tmp_path, lighthouse, n, args, launcher=()):
-    """n workers (replica groups 0..n-1) of the trainer; (processes, their output files)."""
+def start_workers(tmp_path, lighthouse, n, args, launcher=(), policy="shrink", ids=None,
+                  restarted=False):
+    """n workers (replica groups 0..n-1, or ``ids``) of the trainer; (processes, their
+    output files). ``restarted``: as torchrun starts a worker again
+    (TORCHELASTIC_RESTART_COUNT=1)."""
     procs, outs = [], []
-    for r in range(n):
+    for r in (range(n) if ids is None else ids):
         env = dict(os.environ, REPLICA_GROUP_ID=str(r), NUM_REPLICA_GROUPS=str(n),
                    TORCHFT_LIGHTHOUSE=lighthouse.address, OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1")
-        out = tmp_path / f"worker{r}.out"
+        if restarted:
+            env["TORCHELASTIC_RESTART_COUNT"] = "1"
+        out = tmp_path / f"worker{r}{'.restarted' if restarted else ''}.out"
         with open(out, "w") as f:
             procs.append(subprocess.Popen(
                 [*launcher, *([] if launcher else [sys.executable]), "-m", "lsgd_hpc.train",
-                 "--backend", "torch", "--on-failure", "shrink", "--failure-timeout",
+                 "--backend", "torch", "--on-failure", policy, "--failure-timeout",
                  str(FAILURE_TIMEOUT), "--ranks-per-node", "2", "--run-dir",
                  str(tmp_path / "run"), *args],
                 stdout=f, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
@@ -80,12 +85,12 @@ def start_workers(tmp_path, lighthouse, n, args, launcher=()):
     return procs, outs
 
 
-def start_training(tmp_path, lighthouse, n, algorithm, steps, *args):
+def start_training(tmp_path, lighthouse, n, algorithm, steps, *args, policy="shrink"):
     """n workers training ``algorithm`` for ``steps`` steps, returned once worker 0 logged
     step 20 (mid-run: a kill from here on lands in training)."""
     procs, outs = start_workers(tmp_path, lighthouse, n,
                                 ["--algorithm", algorithm, "--max-steps", str(steps),
-                                 "--eval-every", "20", *args])
+                                 "--eval-every", "20", *args], policy=policy)
     wait_for(outs[0], r"step\s+20/", procs)
     return procs, outs
 
@@ -115,6 +120,25 @@ def wait_for(path: Path, pattern: str, procs, timeout=90.0) -> None:
             break
         time.sleep(0.05)
     pytest.fail(f"{path.name} never showed {pattern!r}:\n{path.read_text()[-3000:]}")
+
+
+def rank_pid(launcher_pid: int, timeout: float = 30.0) -> int:
+    """The trainer's process under a launcher (torchrun's agent starts it as its child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        todo = [launcher_pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                continue
+            if pid != launcher_pid and b"lsgd_hpc.train" in cmd:
+                return pid
+            todo += [int(k) for k in kids]
+        time.sleep(0.1)
+    pytest.fail(f"no trainer under launcher {launcher_pid}")
 
 
 def faults_of(run_dir: Path, rank: int) -> dict:
@@ -252,6 +276,80 @@ def test_torchrun_per_replica_group(tmp_path, lighthouse):
             assert "faults" not in f or len(f["faults"]["step"]) == 0
 
 
+# -- heal: a restarted worker joins the running job ---------------------------------------------
+def heal_rows(run_dir: Path, rank: int) -> list:
+    """The /faults rows of heals in a rank's file: (step, replaced ranks, world after)."""
+    rows = faults_of(run_dir, rank)
+    return [(s, r.decode(), w) for s, r, w in zip(rows["step"], rows["replaced_ranks"],
+                                                   rows["world_size_after"]) if r]
+
+
+@pytest.mark.replicas
+def test_a_worker_restarted_by_torchrun_joins_and_the_job_ends_at_full_size(tmp_path,
+                                                                          lighthouse):
+    """Allreduce SGD, 3 workers each under its own ``torchrun --max-restarts 1``: worker 1's
+    trainer SIGKILLed from outside (torchrun sees it die and starts it again); the survivors
+    go on with 2, the restarted one joins at their next poll of the quorum, every worker
+    resumes the survivors' checkpoint at full size (the joined one with the replica of a
+    survivor), the replicas are checked bit-identical every 10 steps to the end, all 3 exit 0
+    with every file at the last step, and the heal is a /faults row on every rank."""
+    torchrun = [str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "1",
+                "--standalone", "--max-restarts", "1", "--no-python"]
+    steps = 500
+    procs, outs = start_workers(tmp_path, lighthouse, 3,
+                                ["--algorithm", "allreduce", "--max-steps", str(steps),
+                                 "--eval-every", "20", "--check-replicas-every", "10",
+                                 "--straggler", "0:0.03"],
+                                launcher=[*torchrun, sys.executable], policy="heal")
+    wait_for(outs[0], r"step\s+20/", procs)
+    trainer = rank_pid(procs[1].pid)             # torchrun's child: the trainer itself
+    os.kill(trainer, signal.SIGKILL)
+    codes = wait_all(procs, outs, timeout=JOB_TIMEOUT + 60)
+    text = outs[0].read_text()
+    assert codes == [0, 0, 0], (codes, text[-4000:], outs[1].read_text()[-3000:])
+    assert "lost rank(s) 1 (initial numbering)" in text, text[-3000:]
+    assert "heal: worker(s) 1 restarted and in torchft's quorum" in text, text[-3000:]
+    assert re.search(r"resumed the survivors' checkpoint of step \d+ at the full 3 ranks: "
+                     r"rank\(s\) 1 rejoin with the replica of rank 0", text), text[-3000:]
+    run = tmp_path / "run"
+    for r in range(3):
+        assert last_step(run, r) == steps
+        (heal,) = heal_rows(run, r)
+        assert heal[1:] == ("1", 3), heal
+
+
+@pytest.mark.replicas
+def test_two_lost_workers_restarted_one_at_a_time_each_join(tmp_path, lighthouse):
+    """LSGD, 4 workers as 2 nodes: workers 2 and 3 (node 1) SIGKILLed together; worker 3
+    restarted at once joins a world of 3 (worker 2 still missing: the checkpoint resumed
+    with the ranks there are), then worker 2 restarted joins the full 4. Every worker ends
+    at the last step with exit 0, two heal rows on the survivors, and LSGD's elections go
+    on over all four."""
+    steps = 700
+    args = ["--algorithm", "lsgd", "--max-steps", str(steps), "--eval-every", "20",
+            "--straggler", "0:0.03"]
+    procs, outs = start_workers(tmp_path, lighthouse, 4, args, policy="heal")
+    wait_for(outs[0], r"step\s+20/", procs)
+    for p in procs[2:]:
+        p.send_signal(signal.SIGKILL)
+    wait_for(outs[0], r"heal: waiting for worker\(s\) 2,3", procs[:2])
+    late, late_outs = start_workers(tmp_path, lighthouse, 4, args, policy="heal", ids=[3],
+                                    restarted=True)
+    wait_for(outs[0], r"heal: rank\(s\) 3 joined", procs[:2] + late)
+    later, later_outs = start_workers(tmp_path, lighthouse, 4, args, policy="heal", ids=[2],
+                                      restarted=True)
+    codes = wait_all(procs[:2] + late + later, outs[:2] + late_outs + later_outs,
+                     timeout=JOB_TIMEOUT + 60)
+    text = outs[0].read_text()
+    assert codes == [0, 0, 0, 0], (codes, text[-4000:])
+    assert "heal: rank(s) 2 joined" in text, text[-3000:]
+    run = tmp_path / "run"
+    for r in range(4):
+        assert last_step(run, r) == steps
+    assert [h[1:] for h in heal_rows(run, 0)] == [("3", 3), ("2", 4)]
+    assert "4 ranks on 2 node(s)" in text, text[-3000:]
+
+
 # -- in-process: the timeouts and the refusals ------------------------------------------------
 def test_the_timeout_hierarchy_follows_from_one_figure():
     from lsgd_hpc.comm.replicas import FailureTimeouts
@@ -272,7 +370,9 @@ def test_the_timeout_hierarchy_follows_from_one_figure():
     (["--on-failure", "shrink"], {"REPLICA_GROUP_ID": "2", "NUM_REPLICA_GROUPS": "2",
                                   "TORCHFT_LIGHTHOUSE": "http://h:1"},
      "REPLICA_GROUP_ID must be in 0..NUM_REPLICA_GROUPS-1, got 2 of 2"),
-    (["--on-failure", "heal"], {}, "heal is not supported with --backend torch yet"),
+    (["--on-failure", "heal"], {}, "set REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, "
+                                   "TORCHFT_LIGHTHOUSE"),
+    (["--on-failure", "heal", "--spares", "1"], {}, "--spares: is for --backend mpi"),
     (["--on-failure", "shrink", "--worker-ranks", "2"],
      {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://h:1"},
      "--worker-ranks: 2 is not supported with --backend torch --on-failure shrink yet"),
