@@ -1,9 +1,9 @@
 """Lost workers survived on the torch backend: workers as torchft replica groups.
 
 ``lsgd_hpc.init(backend="torch", on_failure="shrink")`` (the trainer's ``--backend torch
---on-failure shrink``, or ``heal``) runs every worker as one torchft replica group, started by a launcher
-of its own (one ``torchrun`` per replica group, or one plain process), with torchft's
-conventions:
+--on-failure shrink``, or ``heal``) runs every worker as one torchft replica group, started
+by a launcher of its own (one ``torchrun`` per replica group, or one plain process), with
+torchft's conventions:
 
 ==========================  =================================================================
 ``REPLICA_GROUP_ID``        this worker's number, 0 .. NUM_REPLICA_GROUPS - 1 (its rank as
