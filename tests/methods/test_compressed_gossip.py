@@ -114,7 +114,7 @@ def assert_copies_agree(rules):
 
 
 COMPRESSORS = [("int8", 1.0), ("fp8", 1.0), ("int4", 1.0), ("int2", 1.0), ("fp32", 0.1),
-               ("int8", 0.05)]
+               ("bf16", 0.1), ("int8", 0.05)]
 
 
 @pytest.mark.parametrize("kind,topk", COMPRESSORS,
@@ -303,3 +303,51 @@ def test_four_ranks_train_in_a_fraction_of_the_bytes(mpi_runs):
         assert got["sent"] == 2 * 4 * n + 20 * 2 * want
         assert got["sent"] < 0.4 * fp32["sent"]
         assert got["mean_change"] <= 1e-6 * max(1.0, got["mean_scale"]), (kind, got)
+
+
+# -- a lost rank (on_failure="shrink", ULFM) and the full-size resume of the survivors' set ----
+FT_DRIVER = str(REPO / "tests" / "drivers" / "ft_loop.py")
+FT_N = 10 * 64 + 64 + 64 * 4 + 4          # the driver's MLP with --hidden 64
+
+
+def ft_results(proc) -> list:
+    import json
+    return [json.loads(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith("FTRESULT ")]
+
+
+def sent_per_step(run_dir, rank: int) -> dict:
+    with h5py.File(run_dir / "metrics" / f"rank{rank:05d}.h5", "r") as f:
+        t = f["train"]
+        return dict(zip(t["step"][()].tolist(),
+                        np.diff(np.concatenate([[0], t["comm_bytes_sent"][()]])).tolist()))
+
+
+@pytest.mark.mpi
+def test_lost_rank_and_rejoin_restart_the_copies_exactly(tmp_path):
+    """int8 gossip on a ring of 4 loses rank 1 at step 5 (checkpoints every 4 steps): the 3
+    survivors rebuild the ring, restart their copies by one float32 exchange at step 6 and
+    finish; the full-size resume of the survivors' set at step 16 (rank 1 rejoins) restarts
+    them again at step 17. Between restarts only the int8 messages travel."""
+    run_dir = tmp_path / "run"
+    common = [sys.executable, FT_DRIVER, "gossip", str(run_dir), "--hidden", "64",
+              "--checkpoint-every", "4", "-o", "comm_dtype=int8"]
+    ulfm = ["--with-ft", "ulfm"]
+    res = ft_results(run_mpi(4, common + ["--steps", "16", "--kill", "1:5"], timeout=300,
+                             mpi_args=ulfm))
+    assert sorted(r["initial_rank"] for r in res) == [0, 2, 3]
+    assert all(r["steps"] == 16 and r["finite"] and r["topology_n"] == 3 for r in res), res
+    msg, exact = 2 * layout(FT_N, 1, kind="int8").counted, 2 * 4 * FT_N     # ring: 2 peers
+    for r in (0, 2, 3):
+        sent = sent_per_step(run_dir, r)
+        assert {s for s, b in sent.items() if b > msg} == {1, 6}, (r, sent)
+        assert sent[1] == sent[6] == exact + msg and sent[5] <= msg
+        assert all(b == msg for s, b in sent.items() if s not in (1, 5, 6)), (r, sent)
+    res = ft_results(run_mpi(4, common + ["--steps", "24", "--resume"], timeout=300,
+                             mpi_args=ulfm))
+    assert len(res) == 4 and all(r["after_restore"]["rejoined"] == [1] for r in res)
+    assert all(r["steps"] == 24 and r["finite"] and r["topology_n"] == 4 for r in res), res
+    for r in (2, 3):                 # (rank 0 also broadcasts its parameters to rank 1)
+        sent = sent_per_step(run_dir, r)
+        assert sent[17] == exact + msg, (r, sent)
+        assert all(sent[s] == msg for s in range(18, 25)), (r, sent)
