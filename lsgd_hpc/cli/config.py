@@ -499,14 +499,16 @@ def validate(cfg: Config, env: dict, device_here: bool = True) -> None:
 
 
 def _check_replica_env(cfg: Config, env: dict) -> None:
-    """--backend torch --on-failure shrink: torchft's variables, before anything starts."""
-    if cfg.backend == "torch" and cfg.on_failure == "shrink":
+    """--backend torch --on-failure shrink or heal: torchft's variables, before anything
+    starts."""
+    if cfg.backend == "torch" and cfg.on_failure in ("shrink", "heal"):
         from lsgd_hpc.comm.replicas import replica_env
         try:
             replica_env(env)
         except ValueError as exc:
             raise ConfigError("--on-failure", str(exc).replace(
-                "--backend torch with --on-failure shrink", "shrink with --backend torch"))
+                "--backend torch with --on-failure shrink or heal",
+                f"{cfg.on_failure} with --backend torch"))
 
 
 def _check_device(cfg: Config) -> None:

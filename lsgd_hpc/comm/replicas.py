@@ -143,8 +143,8 @@ def replica_env(env: Optional[dict] = None):
     env = os.environ if env is None else env
     missing = [n for n in REPLICA_ENV if not env.get(n, "").strip()]
     if missing:
-        raise ValueError(f"--backend torch with --on-failure shrink runs every worker as a "
-                         f"torchft replica group: set {', '.join(missing)} (one torchrun per "
+        raise ValueError(f"--backend torch with --on-failure shrink or heal runs every worker "
+                         f"as a torchft replica group: set {', '.join(missing)} (one torchrun per "
                          "replica group; see docs/cluster.md, Fault tolerance on the torch "
                          "backend)")
     try:
