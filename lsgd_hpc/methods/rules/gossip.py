@@ -15,6 +15,7 @@ from lsgd_hpc.comm.quantized import Quantized, _Booked, layout
 from lsgd_hpc.comm.sparse import decode, encode, select, sent_vector, sparse_layout
 from lsgd_hpc.topology import Topology
 from lsgd_hpc.methods.rules.base import Rule
+from lsgd_hpc.methods.spec import QUANTIZED_COMM_DTYPES
 
 __all__ = ["GossipRule", "ChocoCodec", "choco_gamma", "COMPRESSED_GAMMA"]
 
@@ -94,8 +95,8 @@ class GossipRule(Rule):
     of x^_j sees every q_j (a time-varying topology exchanges over the union of its period's
     graphs and mixes with the step's W). gamma (``gamma``; None: :func:`choco_gamma`) is
     the consensus step; C exact and gamma 1 give plain gossip. With W doubly stochastic the
-    mean of x is kept: sum_i sum_j W_ij (x^_j - x^_i) = 0 (for a symmetric W, and every
-    doubly stochastic one: sum_ij W_ij x^_j = sum_j x^_j = sum_i x^_i). What C drops stays in
+    mean of x is kept, as the copies of x^_j are the same everywhere:
+    sum_i sum_j W_ij (x^_j - x^_i) = sum_j x^_j - sum_i x^_i = 0. What C drops stays in
     x_i - x^_i and is sent later: the copies are CHOCO's error feedback (no residual of the
     communicator's is used). The copies start (and restart, after a shrink, a rejoin or a
     checkpoint of another graph) as the exact x, by one float32 neighbour exchange at the
@@ -116,7 +117,7 @@ class GossipRule(Rule):
         self._recv = {}
         self.comm_dtype, self.topk = comm_dtype, float(topk)
         #: whether the wire is compressed (CHOCO-SGD); fp32 and bf16 gossip plain
-        self.compressed = comm_dtype in ("int8", "fp8", "int4", "int2") or self.topk < 1
+        self.compressed = comm_dtype in QUANTIZED_COMM_DTYPES or self.topk < 1
         self.gamma = (choco_gamma(comm_dtype, self.topk) if gamma is None else float(gamma)) \
             if self.compressed else 1.0
         if self.compressed:
