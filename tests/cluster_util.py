@@ -160,8 +160,8 @@ class Cluster:
                 continue
             try:
                 argv = (d / "cmdline").read_bytes().split(b"\0")
-                if b"lsgd_hpc.train" not in argv:
-                    continue
+                if b"lsgd_hpc.train" not in argv or argv[0].endswith(b"bash"):
+                    continue            # (a shell that starts the trainer again: not a rank)
                 environ = (d / "environ").read_bytes().split(b"\0")
             except OSError:
                 continue

@@ -224,23 +224,27 @@ def test_gpu_template_on_two_nodes(slurm_cluster, tmp_path, backend):
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 60)
+@pytest.mark.parametrize("policy", ["shrink", "heal"])
 def test_a_node_lost_under_the_gpu_template_with_torchft_the_job_finishes(slurm_cluster,
-                                                                         tmp_path):
+                                                                         tmp_path, policy):
     """LSGD_ON_FAILURE=shrink sbatch --no-kill slurm/lsgd_gpu.sbatch (--device cpu: gloo):
     the template starts torchft's lighthouse on the batch host and every task as a replica
-    group of its own; once they train, both tasks of the second node are SIGKILLed from
-    outside. The job ends COMPLETED (exit 0) on the first node; the log and the survivors'
-    /faults name the lost ranks and node."""
+    group of its own; once they train, both trainers of the second node are SIGKILLed from
+    outside. shrink: the job ends COMPLETED (exit 0) on the first node; the log and the
+    survivors' /faults name the lost ranks and node. heal: each task starts its trainer
+    again, they join the running job, and it ends COMPLETED with all four ranks at the last
+    step."""
     text = GPU_JOB.read_text()
     copy = tmp_path / "lsgd_gpu.sbatch"
     copy.write_text("".join(line for line in text.splitlines(keepends=True)
                             if not line.startswith("#SBATCH --gpus-per-node")))
-    steps = 300
+    steps = 300 if policy == "shrink" else 600
+    slow = ["--straggler", "0:0.03"] if policy == "heal" else []   # time for the restarts
     job = slurm_cluster.sbatch(f"--chdir={tmp_path}", *TWO_BY_TWO, "--no-kill", str(copy),
                                *DIGITS, "--device", "cpu", "--algorithm", "lsgd",
                                "--max-steps", str(steps), "--epochs", "1000", "--eval-every",
-                               str(steps), "--flush-every", "5",
-                               env=slurm_cluster.env({"LSGD_ON_FAILURE": "shrink",
+                               str(steps), "--flush-every", "5", *slow,
+                               env=slurm_cluster.env({"LSGD_ON_FAILURE": policy,
                                                       "LSGD_FAILURE_TIMEOUT": "5"}))
     run_dir = tmp_path / "runs" / str(job)
     try:
@@ -255,9 +259,18 @@ def test_a_node_lost_under_the_gpu_template_with_torchft_the_job_finishes(slurm_
         slurm_cluster.slurm_cmd("scancel", str(job), check=False)
         wait_for(lambda: not slurm_cluster.rank_pids(job), 60, f"job {job}'s ranks to exit")
     log = log_of(tmp_path, job, prefix="lsgd-gpu")
-    assert "on a dead rank: shrink (torchft lighthouse http://" in log, log
+    assert f"on a dead rank: {policy} (torchft lighthouse http://" in log, log
     assert rec["JobState"] == "COMPLETED" and rec["ExitCode"] == "0:0", f"{rec}\n{log}"
-    assert_second_node_lost(run_dir, log, steps)
+    if policy == "shrink":
+        assert_second_node_lost(run_dir, log, steps)
+        return
+    assert re.search(r"lost rank\(s\) [23,]+ \(initial numbering\)", log), log
+    assert "starting it again (1 of 3)" in log, log
+    joined = re.findall(r"heal: rank\(s\) ([23,]+) joined", log)
+    assert sorted(",".join(joined).split(",")) == ["2", "3"], log
+    for rank, (_, groups) in enumerate(read_ranks(run_dir)):
+        assert int(groups["train"]["step"][-1]) == steps, rank
+        assert groups["faults"]["world_size_after"][-1] == 4, rank
 
 
 # ------------------------------------------------------------------------------ torch backend
