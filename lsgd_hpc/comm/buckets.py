@@ -17,6 +17,15 @@ on every rank (each bucket's sum is one MPI reduction whose result every member 
 Non-blocking collectives must start in the same order on every member, whatever order the
 hooks fire in: bucket k starts only after buckets 0..k-1 (in backward order) have started.
 
+A staged collective (the compressed allreduce of lsgd_hpc.comm.quantized, ``serial=True``)
+posts its later exchanges from ``test()``, whenever a rank finds the earlier one completed:
+two such collectives in flight on one communicator could post their exchanges in different
+orders on different ranks, and MPI matches collectives by the order they are posted. So a
+serial plan keeps one bucket in flight: bucket k starts once bucket k-1 has completed (found
+by the hooks' ``test()``, or waited for in ``finish``). Every rank then posts every exchange
+in the same order (bucket 0's, then bucket 1's, ...), and the averaging of a bucket still
+runs behind the backward pass of the layers before it.
+
 A second backward before the step (gradient accumulation outside ``no_sync``) is DDP's case:
 before a gradient that already arrived is accumulated again, every bucket of the previous
 backward is completed, so the buffer holds mean_i(g1_i); the new backward adds g2_i to it and
@@ -26,7 +35,7 @@ at the price of one more round of communication; ``no_sync`` saves it.
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -64,10 +73,13 @@ class GradBuckets:
 
     Hooks are registered on the model's parameters when this is built. The bucket plan is checked once, here, to be the same on every member
     (one object allgather), so the per-call agreement check is skipped afterwards.
+    ``serial``: at most one bucket's collective in flight (a staged collective's, see the
+    module docstring).
     """
 
-    def __init__(self, comm: Communicator, flat: FlatParams, bucket_bytes: int):
-        self.comm, self.flat = comm, flat
+    def __init__(self, comm: Communicator, flat: FlatParams, bucket_bytes: int,
+                 serial: bool = False):
+        self.comm, self.flat, self.serial = comm, flat, serial
         params = list(flat.model.parameters())
         offsets = [off for _, off, _ in flat.slices[:len(params)]]
         sizes = [p.numel() for p in params]
@@ -95,6 +107,9 @@ class GradBuckets:
         self._handles = []
         #: a rank failure met inside a gradient hook, raised by finish()
         self.failure = None
+        #: called (no argument) before the first bucket of each backward starts: the owner's
+        #: last chance to set up what the averaging reads (AllreduceRule's residual keys)
+        self.before_start: Optional[Callable[[], None]] = None
         if comm.size > 1:
             for i, p in enumerate(params):
                 if p.requires_grad:
@@ -166,6 +181,12 @@ class GradBuckets:
             b = len(self.pending)
             if not all_ and self.missing[b]:
                 return
+            if b == 0 and self.before_start is not None:
+                self.before_start()
+            if self.serial and self.pending and not self.pending[-1].test():
+                if not all_:              # bucket b starts once b - 1 has completed
+                    return
+                self.pending[-1].wait()
             self.pending.append(self.comm.iallreduce_(self.views[b], "mean", agreed=True))
 
     def finish(self) -> torch.Tensor:

@@ -34,21 +34,18 @@ QUANTIZED_COMM_DTYPES = ("int8", "fp8", "int4", "int2")
 _PERIODIC = "the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)"
 #: methods that cannot send in int8/fp8/int4/int2, and why
 _NOT_QUANTIZED = {
-    "allreduce": "allreduce SGD averages gradients in non-blocking buckets every step; "
-                 f"int8/fp8/int4/int2 are for {_PERIODIC}",
     "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8/int4/int2 are for "
                   f"{_PERIODIC}",
 }
 
-#: the methods whose periodic allreduce the planner prices as top-k's (``topk`` < 1;
-#: lsgd_hpc.planning; local-sgd and slowmo average through a reference,
-#: rules/local_sgd.FlatAverage)
-TOPK_METHODS = ("easgd", "diloco", "local-sgd", "slowmo")
-#: methods that refuse ``topk`` < 1, and why (lsgd takes it for its global pull, easgd,
-#: local-sgd, diloco and slowmo for their periodic allreduce)
+#: the methods whose allreduce the planner prices as top-k's (``topk`` < 1;
+#: lsgd_hpc.planning; allreduce's gradient every step; local-sgd and slowmo average through
+#: a reference, rules/local_sgd.FlatAverage)
+TOPK_METHODS = ("allreduce", "easgd", "diloco", "local-sgd", "slowmo")
+#: methods that refuse ``topk`` < 1, and why (lsgd takes it for its global pull, allreduce
+#: for its gradient's average, easgd, local-sgd, diloco and slowmo for their periodic
+#: allreduce)
 _NOT_TOPK = {
-    "allreduce": "allreduce SGD averages every step's gradient in non-blocking buckets; it "
-                 "has no periodic average to sparsify",
     "lsgd-async": "lsgd-async broadcasts a leader's parameters; it has no periodic average "
                   "to sparsify (synchronous lsgd's global pull takes topk)",
 }
@@ -270,7 +267,6 @@ _NO_RESIDUAL = {
     "lsgd": "lsgd's pulls keep no residual (its compressed pull feeds back through the "
             "reference every rank keeps; see docs/algorithms.md)",
     "lsgd-async": "lsgd-async broadcasts parameters and keeps no residual",
-    "allreduce": "allreduce SGD keeps no residual (it takes no quantized allreduce)",
     "gossip": "compressed gossip feeds back through CHOCO's public copies, not a residual "
               "(see docs/algorithms.md)",
 }
@@ -320,8 +316,8 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
     Option("comm_dtype", "fp32", "choice",
            "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
            "half the bytes, rounded; or int8 or fp8, a quarter of the bytes, int4 an eighth, "
-           "int2 a sixteenth, plus per-block scales, for lsgd, easgd, local-sgd, diloco and "
-           "slowmo (see docs/algorithms.md)",
+           "int2 a sixteenth, plus per-block scales, for allreduce (its gradient), lsgd, "
+           "easgd, local-sgd, diloco and slowmo (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
     Option("error_feedback", False, "bool",
            "with comm_dtype bf16, int8, fp8, int4 or int2, or topk < 1: each rank adds what "
@@ -335,9 +331,10 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "(see docs/algorithms.md)",
            section="cluster and backend", low=0, low_open=True, high=1),
     Option("topk", 1.0, "float",
-           "F in (0, 1]: with F < 1 the periodic allreduce of easgd, diloco (Streaming "
+           "F in (0, 1]: with F < 1 the gradient's allreduce of allreduce (every step) and "
+           "the periodic allreduce of easgd, diloco (Streaming "
            "DiLoCo too), local-sgd and slowmo (these two send the change since the last "
-           "average) sends, of every chunk of 4096 elements, the ceil(F 4096) entries of "
+           "average) send, of every chunk of 4096 elements, the ceil(F 4096) entries of "
            "largest magnitude as (index, value), values as --comm-dtype (fp32, bf16, int8, "
            "fp8, int4, int2); with --error-feedback what was left out is sent later; lsgd's "
            "global pull sends the top-k of the leader's change since the last pull (its own "

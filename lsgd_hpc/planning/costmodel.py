@@ -431,18 +431,30 @@ def allreduce_sgd(w: Workload, c: Cluster, coll: Collectives = Collectives(),
     rank 0. With ``bucket_bytes`` > 0 the gradients go in k = ceil(n / bucket) allreduces of
     n / k bytes (k latencies and call costs). ``overlap`` in [0, 1]: fraction of compute that
     can hide communication (buckets started during backward): comm counts only
-    max(0, t_comm - overlap t_compute)."""
+    max(0, t_comm - overlap t_compute). With ``w.comm_dtype`` int8/fp8/int4/int2 or
+    ``w.topk`` < 1 each bucket (of ceil(n / k) float32 gradients) is the package's compressed
+    allreduce (hier_allreduce_time, round_bytes_sent) and the buffers' broadcast stays
+    float32."""
     p = c.ranks
     if p == 1:
         return MethodCost("allreduce", "every step", w.compute_s, 0.0, 0.0)
-    k = max(1, math.ceil(w.grad_bytes / bucket_bytes)) if bucket_bytes > 0 else 1
-    t = k * allreduce_time(w.grad_bytes / k, c, coll) + pass_time(w.grad_bytes, c, 1)
-    sent = float(w.grad_bytes)
+    compressed = w.topk < 1 or w.comm_dtype not in ("fp32", "bf16")
+    grad = FLOAT_BYTES * w.n_params if compressed else w.grad_bytes
+    k = max(1, math.ceil(grad / bucket_bytes)) if bucket_bytes > 0 else 1
+    if compressed:
+        m = math.ceil(w.n_params / k)
+        t = k * hier_allreduce_time(m, c, w.comm_dtype, w.topk) + pass_time(grad, c, 1)
+        sent = k * round_bytes_sent(m, c, w.comm_dtype, w.topk)
+        buffers = FLOAT_BYTES * w.n_buffers
+    else:
+        t = k * allreduce_time(w.grad_bytes / k, c, coll) + pass_time(w.grad_bytes, c, 1)
+        sent, buffers = float(w.grad_bytes), w.buffer_bytes
     if w.n_buffers:
-        t += cluster_broadcast_time(w.buffer_bytes, c) + call_cost(c)
-        sent += w.buffer_bytes / p
+        t += cluster_broadcast_time(buffers, c) + call_cost(c)
+        sent += buffers / p
     t = max(0.0, t - overlap * w.compute_s)
-    setting = "every step" + (f", {k} buckets" if k > 1 else "")
+    setting = "every step" + (f", {k} buckets" if k > 1 else "") + \
+        (f", top-k {w.topk:g}" if compressed and w.topk < 1 else "")
     return MethodCost("allreduce", setting, w.compute_s, t, sent)
 
 

@@ -196,8 +196,8 @@ def _per_step_gap(name: str, p: int, node_of: Sequence[int]) -> float:
 
 class _Costing:
     """``cost(method, **options)``: a method's predicted cost on the plan's cluster, with what
-    it sends (``inp.comm_dtype``; fp32 for a method that cannot send it: int8 and fp8 are
-    refused for allreduce SGD and gossip, which then run in fp32)."""
+    it sends (``inp.comm_dtype``; fp32 for a method that cannot send it, as the trainer
+    refuses it there: int8 and fp8 for lsgd-async)."""
 
     def __init__(self, inp: PlanInputs, facts: ModelFacts):
         self.inp = inp

@@ -92,7 +92,7 @@ def test_topk_error_feedback_resumes_exactly(tmp_path, name):
 
 
 BAD = [
-    (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
+    (["--algorithm", "lsgd-async", "--comm-dtype", "int8"], "--comm-dtype"),
     (["--algorithm", "gossip", "--gossip-gamma", "0.5"], "gossip_gamma needs --comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
@@ -104,7 +104,7 @@ BAD = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,option", BAD, ids=["allreduce", "gossip-gamma-fp32", "hvd",
+@pytest.mark.parametrize("args,option", BAD, ids=["lsgd-async", "gossip-gamma-fp32", "hvd",
                                                   "ef-alone", "topk-zero", "gossip-gamma-range",
                                                   "topk-delay-shrink"])
 def test_refused_with_one_line_exit_2(tmp_path, args, option):

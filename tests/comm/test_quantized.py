@@ -179,13 +179,13 @@ def test_packed_layout_and_bytes(kind):
 
 def test_options_and_their_refusals():
     assert COMM_DTYPES == ("fp32", "bf16", "int8", "fp8", "int4", "int2")
-    for ok in ("lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
+    for ok in ("allreduce", "lsgd", "easgd", "local-sgd", "diloco", "slowmo"):
         for kind in ("int8", "fp8", "int4", "int2"):
             assert comm_dtype_problem(kind, "mpi", ok) is None
             assert comm_dtype_problem(kind, "torch", ok) is None
     for kind in ("int8", "fp8", "int4", "int2"):          # CHOCO-SGD (compressed gossip)
         assert comm_dtype_problem(kind, "mpi", "gossip") is None
-    for bad in ("allreduce", "lsgd-async"):
+    for bad in ("lsgd-async",):
         why = comm_dtype_problem("int8", "mpi", bad)
         assert why.startswith(f"int8 is not for {bad}: ") and "\n" not in why
     assert "mpi or torch backend" in comm_dtype_problem("fp8", "horovod", "lsgd")
@@ -257,10 +257,10 @@ def test_topk_select_encode_decode_by_hand():
 
 def test_topk_options_and_refusals():
     assert topk_problem(1.0, "bf16", "horovod", "allreduce") is None     # dense: as before
-    for ok in ("easgd", "diloco", "lsgd", "local-sgd", "slowmo"):
+    for ok in ("allreduce", "easgd", "diloco", "lsgd", "local-sgd", "slowmo"):
         for kind in ("fp32", "bf16", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.01, kind, "mpi", ok) is None
-    for bad in ("allreduce", "lsgd-async"):
+    for bad in ("lsgd-async",):
         why = topk_problem(0.1, "fp32", "mpi", bad)
         assert why.startswith(f"0.1 is not for {bad}: ") and "\n" not in why
     assert topk_problem(0.1, "fp32", "mpi", "gossip") is None      # CHOCO-SGD
@@ -273,9 +273,8 @@ def test_topk_options_and_refusals():
 @pytest.mark.parametrize("argv", [
     ["--algorithm", "diloco", "--topk", "0"], ["--algorithm", "diloco", "--topk", "1.5"],
     ["--algorithm", "diloco", "--topk", "-1"], ["--algorithm", "diloco", "--topk", "x"],
-    ["--algorithm", "allreduce", "--topk", "0.1"],
     ["--algorithm", "lsgd-async", "--topk", "0.1"],
-], ids=["zero", "above-one", "negative", "word", "allreduce", "lsgd-async"])
+], ids=["zero", "above-one", "negative", "word", "lsgd-async"])
 def test_config_refuses_topk(argv):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:
@@ -297,14 +296,15 @@ def test_config_accepts_topk():
 
 
 @pytest.mark.parametrize("argv,option", [
-    (["--algorithm", "allreduce", "--comm-dtype", "int8"], "--comm-dtype"),
+    (["--algorithm", "lsgd-async", "--comm-dtype", "int8"], "--comm-dtype"),
     (["--algorithm", "gossip", "--comm-dtype", "fp8", "--error-feedback",
       "--error-feedback-decay", "0.5"], "--error-feedback-decay"),
-    (["--algorithm", "allreduce", "--comm-dtype", "int2"], "--comm-dtype"),
+    (["--algorithm", "lsgd-async", "--comm-dtype", "int2"], "--comm-dtype"),
     (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--comm-dtype", "fp32", "--error-feedback"], "--error-feedback"),
-], ids=["allreduce", "gossip-decay", "allreduce-int2", "hvd-backend", "ef-alone", "ef-fp32"])
+], ids=["lsgd-async", "gossip-decay", "lsgd-async-int2", "hvd-backend", "ef-alone",
+        "ef-fp32"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config
     with pytest.raises(ConfigError) as info:

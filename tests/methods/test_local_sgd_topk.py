@@ -129,7 +129,6 @@ def test_topk_accepted_for_local_sgd_and_slowmo_refused_elsewhere():
     for name in ("local-sgd", "slowmo"):
         for kind in ("fp32", "bf16", "int8", "fp8", "int4", "int2"):
             assert topk_problem(0.1, kind, "mpi", name) is None
-    for name, words in (("allreduce", "no periodic average"),
-                        ("lsgd-async", "no periodic average")):
+    for name, words in (("lsgd-async", "no periodic average"),):
         why = topk_problem(0.1, "fp32", "mpi", name)
         assert why.startswith(f"0.1 is not for {name}: ") and words in why, why

@@ -742,12 +742,12 @@ def test_topk_average_with_batchnorm_same_bits(comm, name):
 
 
 def test_refusals(comm):
-    """Allreduce SGD and asynchronous LSGD refuse int8/fp8, Horovod refuses both, and
+    """Asynchronous LSGD refuses int8/fp8, Horovod refuses both, and
     error feedback needs them: a ValueError on every rank, before any collective."""
     def build(name, **kw):
         model = nn.Linear(4, 2)
         return METHODS[name](model, torch.optim.SGD(model.parameters(), 0.1), comm, **kw)
-    for name in ("allreduce", "lsgd-async"):
+    for name in ("lsgd-async",):
         with pytest.raises(ValueError, match=f"comm_dtype int8 is not for {name}: "):
             build(name, comm_dtype="int8")
     with pytest.raises(ValueError, match="error_feedback needs --comm-dtype bf16, int8, fp8, "):
@@ -771,7 +771,7 @@ def test_topk_refusals(comm):
     for bad in (0, 0.0, -0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"^topk must be in \(0, 1\], got "):
             build("diloco", topk=bad)
-    why = {"allreduce": "no periodic average", "lsgd-async": "no periodic average"}
+    why = {"lsgd-async": "no periodic average"}
     for name, words in why.items():
         with pytest.raises(ValueError, match=f"^topk 0.1 is not for {name}: .*{words}") as info:
             build(name, topk=0.1)

@@ -122,7 +122,8 @@ def test_cli_int4_int2_bytes(dtype):
         m = method(result, name)
         assert m["bytes_per_step"] == pytest.approx(
             nbytes / 4 / result["recommended"][name][period])
-    assert method(result, "allreduce")["bytes_per_step"] == 8192 * 4      # stays fp32
+    # allreduce SGD's gradient (issue 47): the same exchange every step, in one bucket
+    assert method(result, "allreduce")["bytes_per_step"] == pytest.approx(nbytes / 4)
 
 
 def test_topk_payload_by_hand():
@@ -170,7 +171,7 @@ def test_topk_periodic_methods_cost_by_hand():
     assert cm.ring_allgather_time(s, c) == pytest.approx(3 * (1e-5 + s * 1e-9))
 
 
-def test_cli_topk_prices_the_periodic_methods_only():
+def test_cli_topk_prices_the_averaging_methods():
     result = plan_json(["--params", "10000", *CLUSTER, "--step-ms", "10",
                         "--comm-dtype", "int2", "--topk", "0.01"])
     s = 3 * (4 + 82 + 11)
@@ -182,8 +183,9 @@ def test_cli_topk_prices_the_periodic_methods_only():
     assert method(result, "local-sgd")["bytes_per_step"] == pytest.approx(
         s / 4 / rec["local-sgd"]["T"])
     assert "top-k 0.01" in method(result, "slowmo")["setting"]
-    # allreduce SGD sends its gradients dense: allreduce_bytes(10000, 2, int2) / 4 a rank
-    assert "top-k" not in method(result, "allreduce")["setting"]
+    # allreduce SGD's gradient (issue 47): the roots' top-k records every step (one bucket)
+    assert "top-k 0.01" in method(result, "allreduce")["setting"]
+    assert method(result, "allreduce")["bytes_per_step"] == pytest.approx(s / 4)
     # a zoo model with BatchNorm buffers: DiLoCo stays dense (the trainer refuses top-k)
     z = plan_json(["--model", "resnet20", *CLUSTER, "--step-ms", "10", "--topk", "0.01"])
     assert "top-k" not in method(z, "diloco")["setting"]
