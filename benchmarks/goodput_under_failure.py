@@ -17,8 +17,9 @@ budget, each its own job, interleaved per method:
   shrink``, torchft as the engine): a lighthouse (``python -m lsgd_hpc.lighthouse``) and one
   process per replica group (benchmarks/torch_ft_common.py), the same model, budget,
   checkpoints, ``--ranks-per-node`` and ``--inject-failure 1:K``, failure timeout
-  3 s; its goodput beside MPI's shrink (skipped without torchft). Heal is
-  not implemented on the torch backend: its row says so.
+  3 s; its goodput beside MPI's shrink (skipped without torchft); and ``torch heal``: the
+  same with ``--on-failure heal``, the killed worker started again at once (as torchrun
+  --max-restarts) and joining the running job.
 
 Checkpoints every 10 % of the budget in all of them. Time to finish = wall seconds of the
 mpirun job(s), start-up included (a restart pays it again; torch: the workers' launch to
@@ -76,7 +77,7 @@ RECOVERY_TARGET_S = 5.0
 #: the torch rows' --failure-timeout (and the lighthouse's): as tests/comm/test_replicas.py and
 #: torch_ft_recovery use it, short so that a recovery costs seconds here
 TORCH_FAILURE_TIMEOUT_S = 3.0
-TORCH_HEAL_WHY = "heal is not implemented on the torch backend"
+TORCH_HEAL_WHY = "the trainer's --help has no --on-failure heal"
 
 
 def _one_kill(policy: str, run_dir: Path, steps: int, opts, inject, survivors, log,
@@ -111,23 +112,26 @@ def _one_kill(policy: str, run_dir: Path, steps: int, opts, inject, survivors, l
 
 
 def _torch_one_kill(run_dir: Path, steps: int, opts, inject, survivors, log, label: str,
-                    timeout: float) -> dict:
-    """The shrink run on the torch backend: a lighthouse, NP workers (replica groups of one
-    process each) with the MPI shrink run's options and --inject-failure. Its seconds (the
-    workers' launch to the last exit, or to the done line when a survivor hangs after it:
-    ``torch_shrink_exit_hung``), its time to do the budget's work, its recovery (the
-    survivors' /faults rows) and goodput (_measure, as for the MPI runs); or
-    ``torch_shrink_error`` (a run is cut off at ``timeout``)."""
+                    timeout: float, policy: str = "shrink") -> dict:
+    """The shrink (or heal) run on the torch backend: a lighthouse, NP workers (replica
+    groups of one process each) with the MPI shrink run's options and --inject-failure; under
+    heal the killed worker is started again as soon as it is gone (as torchrun
+    --max-restarts does) and joins. Its seconds (the workers' launch to the last exit, or to
+    the done line when a survivor hangs after it: ``torch_<policy>_exit_hung``), its time to
+    do the budget's work, its recovery (the survivors' /faults rows) and goodput (_measure,
+    as for the MPI runs); or ``torch_<policy>_error`` (a run is cut off at ``timeout``)."""
+    key = f"torch_{policy}"
     why = tfc.torchft_missing()
     if why:
-        return {"torch_shrink_error": f"not run: {why}"}
+        return {f"{key}_error": f"not run: {why}"}
     run_dir.mkdir(parents=True, exist_ok=True)
     argv = _argv(steps, run_dir / "run",
-                 [*opts, "--backend", "torch", "--on-failure", "shrink", "--failure-timeout",
+                 [*opts, "--backend", "torch", "--on-failure", policy, "--failure-timeout",
                   f"{TORCH_FAILURE_TIMEOUT_S:g}", *inject])
     start_rx = re.compile(START_LINE.pattern, re.M)
     done_rx = re.compile(DONE_LINE.pattern, re.M)
     rc, hung, seconds, started, done, done_at = None, False, 0.0, None, None, None
+    restarted = policy != "heal"
     try:
         with tfc.Lighthouse(run_dir, TORCH_FAILURE_TIMEOUT_S) as lh:
             launched = time.perf_counter()
@@ -143,32 +147,38 @@ def _torch_one_kill(run_dir: Path, steps: int, opts, inject, survivors, log, lab
                 if m:
                     done, done_at = now, float(m.group(1))
                     break
+                if not restarted and w.procs[KILLED].poll() is not None:
+                    w.restart(KILLED, argv, lh.address, NP)       # heal: torchrun's restart
+                    restarted = True
                 if all(p.poll() is not None for p in w.procs):
                     break
                 time.sleep(0.02)
             codes = w.wait(EXIT_GRACE_S if done is not None else 1.0)
             end = time.perf_counter()
-            rc = [codes[r] for r in survivors]
+            finishers = list(range(NP)) if policy == "heal" else list(survivors)
+            rc = [codes[r] for r in finishers]
             hung = done is not None and any(c is None for c in rc)
             seconds = (done if hung else end) - launched
-            log(f"  goodput_under_failure: {label} torch shrink: {seconds:.1f} s, "
+            log(f"  goodput_under_failure: {label} torch {policy}: {seconds:.1f} s, "
                 f"{'hung after its done line' if hung else f'exit {codes}'}")
             if (any(c != 0 for c in rc) and not hung) or done is None or started is None \
-                    or _last_step(run_dir / "run", survivors) != steps:
-                raise RuntimeError(f"exit {codes}, the survivors did not finish")
+                    or _last_step(run_dir / "run", finishers) != steps:
+                raise RuntimeError(f"exit {codes}, the workers did not finish")
             res = {"span_s": done - started, "done_at_s": done_at, "kills": 1}
-            meas = _measure("shrink", res, steps, run_dir / "run")
-            return {"torch_shrink_s": seconds, "torch_shrink_exit_hung": hung,
-                    "torch_shrink_work_s": _work_time(run_dir / "run", steps, seconds)[0],
-                    "torch_shrink_goodput": meas["measured"],
-                    "torch_recovery_s": _recovery(run_dir / "run", survivors)}
+            meas = _measure(policy, res, steps, run_dir / "run")
+            out = {f"{key}_s": seconds, f"{key}_exit_hung": hung,
+                   f"{key}_work_s": _work_time(run_dir / "run", steps, seconds)[0],
+                   f"{key}_goodput": meas["measured"]}
+            if policy == "shrink":
+                out["torch_recovery_s"] = _recovery(run_dir / "run", survivors)
+            return out
     except Exception as exc:
         tail = ""
         if (run_dir / "worker0.out").exists():
             tail = " ".join(line for line in (run_dir / "worker0.out").read_text(
                 errors="replace").splitlines() if not line.startswith("step "))[-400:]
-        return {"torch_shrink_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: "
-                                      f"{tail}"}
+        return {f"{key}_error": f"{type(exc).__name__}: {exc} after {seconds:.0f} s: "
+                                f"{tail}"}
 
 
 def _argv(steps: int, run_dir: Path, opts) -> list:
@@ -254,6 +264,9 @@ def run(quick: bool = False, timeout: float = 300, log=print, poisson_part: bool
                 # the torch backend's shrink (torchft); its failure leaves the others standing
                 res.update(_torch_one_kill(d / "torch", steps, opts, inject, survivors, log,
                                            label, timeout))
+                if heal:          # and its heal: the killed worker started again, joining
+                    res.update(_torch_one_kill(d / "torch_heal", steps, opts, inject,
+                                               survivors, log, label, timeout, "heal"))
             except Exception as exc:              # report it, go on with the next method
                 errors[label] = f"{type(exc).__name__}: {exc}"
         pois = poisson(quick, tmp, timeout, log, heal) if poisson_part else \
@@ -290,8 +303,7 @@ def run(quick: bool = False, timeout: float = 300, log=print, poisson_part: bool
             f"{r['resume_s']:.1f} = {r['abort_resume_s']:.1f} s",
             ratio, "shrink / (abort + resume) seconds", **r))
         rows.append(_torch_row(label, r, steps, kill_at))
-    rows.append(row("goodput_under_failure: torch heal", "",
-                    f"not available: {TORCH_HEAL_WHY}", None, ""))
+        rows.append(_torch_heal_row(label, r, steps, kill_at))
     # the torch backend's shrink goodput over MPI's, the lower of the methods (informational)
     torch_vs_mpi = min((r["torch_shrink_goodput"] / r["shrink_goodput"] for r in runs.values()
                         if "torch_shrink_goodput" in r), default=None)
@@ -307,7 +319,7 @@ def run(quick: bool = False, timeout: float = 300, log=print, poisson_part: bool
         "ranks_per_node": RANKS_PER_NODE, "steps": steps, "kill_at": kill_at,
         "killed_rank": KILLED, "runs": runs, "errors": errors, "rows": rows,
         "ratio": worst_ratio, "target": "< 1", "recovery_s": worst_recovery,
-        "poisson": pois, "heal_available": heal, "torch_heal_available": False,
+        "poisson": pois, "heal_available": heal, "torch_heal_available": heal,
         "torch_failure_timeout_s": TORCH_FAILURE_TIMEOUT_S,
         "extra_targets": {"goodput_recovery_s": {"value": worst_recovery,
                                                  "target": f"<= {RECOVERY_TARGET_S:g}"},
@@ -353,11 +365,31 @@ def run(quick: bool = False, timeout: float = 300, log=print, poisson_part: bool
             "comes before it); it is not in goodput_recovery_s. goodput_torch_shrink_vs_mpi "
             "(targets table, informational, no target) = the lower over the methods of torch "
             "shrink goodput / MPI shrink goodput (separate runs on a shared machine). "
-            f"torch heal: not available ({TORCH_HEAL_WHY}: the trainer refuses "
-            "--backend torch --on-failure heal). The one-kill rows have no planner "
+            "torch heal rows: the same with --on-failure heal, the killed worker started "
+            "again as soon as it is gone (TORCHELASTIC_RESTART_COUNT=1, as torchrun "
+            "--max-restarts) and joining at the survivors' next poll; value = torch shrink "
+            "goodput / torch heal goodput (informational). The one-kill rows have no planner "
             "prediction (MPI's neither); the Poisson runs are MPI only.",
         ] + _poisson_notes(pois),
     }
+
+
+def _torch_heal_row(label: str, r: dict, steps: int, kill_at: int) -> dict:
+    """The torch backend's one-kill heal row of a method: its goodput beside torch shrink's."""
+    name = f"goodput_under_failure: {label} torch heal"
+    if "torch_heal_error" in r:
+        return row(name, "", f"failed: {r['torch_heal_error']}", None, "")
+    if "torch_heal_s" not in r:
+        return row(name, "", f"not available: {TORCH_HEAL_WHY}", None, "")
+    shrink = r.get("torch_shrink_goodput")
+    return row(
+        name, f"rank {KILLED} killed at step {kill_at} of {steps} and started again at once "
+        "(as torchrun --max-restarts): --backend torch --on-failure heal",
+        f"to finish: {r['torch_heal_s']:.1f} s (the budget's work: "
+        f"{r['torch_heal_work_s']:.1f} s; goodput {_pct(r['torch_heal_goodput'])})"
+        + (f"; torch shrink goodput {_pct(shrink)}" if shrink else ""),
+        shrink / r["torch_heal_goodput"] if shrink else None,
+        "torch shrink goodput / torch heal goodput")
 
 
 def _torch_row(label: str, r: dict, steps: int, kill_at: int) -> dict:

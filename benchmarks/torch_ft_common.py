@@ -108,6 +108,16 @@ class Workers:
             time.sleep(0.02)
         return False
 
+    def restart(self, r: int, argv, lighthouse: str, n: int, cwd: Path = REPO) -> None:
+        """Start worker r again as torchrun --max-restarts would (TORCHELASTIC_RESTART_COUNT
+        1), its output appended to its file."""
+        with open(self.outs[r], "a") as f:
+            self.procs[r] = subprocess.Popen(
+                argv, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
+                env=base_env(REPLICA_GROUP_ID=str(r), NUM_REPLICA_GROUPS=str(n),
+                             TORCHFT_LIGHTHOUSE=lighthouse, TORCHELASTIC_RESTART_COUNT="1"),
+                start_new_session=True)
+
     def kill(self, r: int) -> None:
         """SIGKILL worker r from outside (its process only)."""
         self.procs[r].send_signal(signal.SIGKILL)
