@@ -31,7 +31,8 @@ COMM_DTYPES = ("fp32", "bf16", "int8", "fp8", "int4", "int2")
 #: scales, a two-phase allreduce (lsgd_hpc.comm.quantized)
 QUANTIZED_COMM_DTYPES = ("int8", "fp8", "int4", "int2")
 #: the methods that may send quantized (and top-k) traffic
-_PERIODIC = "the periodic methods (lsgd, easgd, local-sgd, diloco, slowmo)"
+_PERIODIC = ("the synchronous methods (lsgd, allreduce, easgd, local-sgd, diloco, slowmo, "
+             "gossip)")
 #: methods that cannot send in int8/fp8/int4/int2, and why
 _NOT_QUANTIZED = {
     "lsgd-async": "lsgd-async broadcasts without blocking; int8/fp8/int4/int2 are for "
@@ -317,12 +318,14 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "what the method sends (pulls, averages, pseudo-gradients, gradients): fp32, or bf16, "
            "half the bytes, rounded; or int8 or fp8, a quarter of the bytes, int4 an eighth, "
            "int2 a sixteenth, plus per-block scales, for allreduce (its gradient), lsgd, "
-           "easgd, local-sgd, diloco and slowmo (see docs/algorithms.md)",
+           "easgd, local-sgd, diloco and slowmo, and gossip (CHOCO-SGD: the change against "
+           "public copies) (see docs/algorithms.md)",
            section="cluster and backend", choices=COMM_DTYPES),
     Option("error_feedback", False, "bool",
            "with comm_dtype bf16, int8, fp8, int4 or int2, or topk < 1: each rank adds what "
            "rounding dropped (or top-k left out) from its allreduce input to the next one "
-           "(residuals kept in the checkpoint)",
+           "(residuals kept in the checkpoint); gossip's public copies feed back already "
+           "(accepted, no change)",
            section="cluster and backend"),
     Option("error_feedback_decay", 1.0, "float",
            "beta in (0, 1]: with --error-feedback, each allreduce sends the compression of "
@@ -338,7 +341,8 @@ COMMON_OPTIONS: Tuple[Option, ...] = (
            "largest magnitude as (index, value), values as --comm-dtype (fp32, bf16, int8, "
            "fp8, int4, int2); with --error-feedback what was left out is sent later; lsgd's "
            "global pull sends the top-k of the leader's change since the last pull (its own "
-           "error feedback; with --pull-delay, not under --on-failure shrink or heal) (see "
+           "error feedback; with --pull-delay, not under --on-failure shrink or heal); gossip "
+           "sends the top-k of the change against its public copy (CHOCO-SGD) (see "
            "docs/algorithms.md); 1: dense",
            section="cluster and backend",
            low=0, low_open=True, high=1),
