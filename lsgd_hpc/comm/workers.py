@@ -215,6 +215,23 @@ class WorkerView(Communicator):
         return _Spread(self, tensor, inner, self._size > 1 and self._rank != root,
                        lambda: tensor, "ibroadcast_")
 
+    def alltoall(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Between the representatives, then ``out`` spread inside each worker (every rank of
+        a worker passes the same ``send``: the compressed allreduce's byte buffers)."""
+        self._exchange_args("alltoall", send, out)
+        if self.between is not None:
+            self.between.alltoall(send, out)
+        self._spread(out)
+        return out
+
+    def allgather(self, send: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """As :meth:`alltoall`: between the representatives, spread inside each worker."""
+        self._exchange_args("allgather", send, out)
+        if self.between is not None:
+            self.between.allgather(send, out)
+        self._spread(out)
+        return out
+
     def _worker_score(self, score: float) -> float:
         """The worker's score: the mean of its ranks' (a non-finite one makes it +inf)."""
         buf = torch.tensor([sanitize_score(score)], dtype=torch.float64)
