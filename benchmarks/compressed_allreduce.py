@@ -1,4 +1,4 @@
-"""Allreduce SGD with a compressed gradient (int8 + error feedback, top-k 1 % int2 + error feedback) against fp32: bytes per step and steps to 93 % on digits, 4 ranks as 2 nodes, 1 Gbit/s priced.
+"""Allreduce SGD's gradient in int8 + EF and top-k 1 % int2 + EF vs fp32: bytes/step, steps to 93 %.
 
     python benchmarks/compressed_allreduce.py --out FILE [--quick]
 

@@ -10,7 +10,8 @@ blocking, int8 and top-k int2 with error feedback, the replicas bit-identical at
 the bytes between the nodes as the formula counts them, the residuals in the state and a
 resume from it exact, also when the residuals were saved under another communicator's key.
 One rank lost under ULFM (on_failure="shrink"): the survivors' replicas agree and their
-residuals go on being fed back."""
+residuals go on being fed back. Through the trainer (2 ranks): a resume from a checkpoint
+ends with exactly the rows of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -330,3 +331,23 @@ def test_compressed_allreduce_survives_a_lost_rank(tmp_path, wire):
     roots = [r for r in res if r["local_rank"] == 0]
     assert len(roots) == 2 and all(r["residual_norm"] > 0 for r in roots), res
     assert all(r["residual_norm"] == 0 for r in res if r["local_rank"] != 0), res
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("wire", [["--comm-dtype", "int8"],
+                                  ["--comm-dtype", "int2", "--topk", "0.05"]],
+                         ids=["int8", "topk-int2"])
+def test_trainer_resumes_exactly(tmp_path, wire):
+    """Through the trainer (tests/runtime/test_checkpoint.py's check, 2 ranks): allreduce SGD
+    with its gradient in buckets of about 10 kB (digits_cnn: several, each with its residual),
+    error feedback, checkpoints at 20 and 24; the newest set damaged on rank 0, the resume
+    falls back to step 20 and ends with exactly the rows of the uninterrupted run."""
+    from test_checkpoint import resumes_like_the_uninterrupted_run
+    args = ["--algorithm", "allreduce", *wire, "--error-feedback", "--bucket-mb", "0.01",
+            "--max-steps", "24", "--checkpoint-every", "10", "--eval-every", "8", "--seed", "7",
+            "--consensus-every", "4", "--check-replicas-every", "1"]
+    reference = resumes_like_the_uninterrupted_run(tmp_path / "run", args)
+    for r, rows in enumerate(reference):
+        loss = rows["train"]["loss"]
+        assert loss[-6:].mean() < 0.8 * loss[:6].mean(), (wire, r, loss)
