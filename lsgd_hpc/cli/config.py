@@ -562,12 +562,6 @@ def _check_failure_options(cfg: Config) -> None:
             raise ConfigError("--spares", "is for --backend mpi: on the torch backend a lost "
                                           "worker's launcher starts it again (torchrun "
                                           "--max-restarts), and it joins the running job")
-        if cfg.worker_ranks != 1:
-            raise ConfigError("--worker-ranks", f"{cfg.worker_ranks} is not supported with "
-                                                "--backend torch --on-failure "
-                                                f"{cfg.on_failure} yet "
-                                                "(every rank is its own torchft replica "
-                                                "group); use --worker-ranks 1")
     elif cfg.on_failure in ("shrink", "heal") and cfg.backend != "mpi":
         from lsgd_hpc.comm.ulfm import ulfm_problem
         raise ConfigError("--on-failure", ulfm_problem(cfg.backend).replace(

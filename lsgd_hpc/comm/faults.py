@@ -202,10 +202,12 @@ class FaultTolerance:
         self.events.append(event)
         if self.comm.world.rank == 0:
             nodes = f" and node(s) {', '.join(event.lost_nodes)}" if event.lost_nodes else ""
-            print(f"[lsgd_hpc] lost rank(s) {format_ranks(event.lost_ranks)} (initial "
-                  f"numbering){nodes}; {event.world_size_after} of {self.initial_size} ranks go on "
-                  f"from step {event.step} after {event.recovery_seconds:.2f} s of recovery",
-                  file=sys.stderr, flush=True)
+            what = (f"lost rank(s) {format_ranks(event.lost_ranks)} (initial numbering){nodes}"
+                    if event.lost_ranks else "a collective failed but no rank was lost (one "
+                    "was slower than the failure timeout)")
+            print(f"[lsgd_hpc] {what}; {event.world_size_after} of {self.initial_size} ranks "
+                  f"go on from step {event.step} after {event.recovery_seconds:.2f} s of "
+                  "recovery", file=sys.stderr, flush=True)
         for fn in list(self.listeners) + list(self.callbacks):
             fn(event)
         if self.healer is not None:

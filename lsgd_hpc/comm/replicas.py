@@ -301,6 +301,7 @@ class ReplicaCommunicator(TorchCommunicator):
         self.world_ranks = tuple(range(size))
         self.key, self.epoch, self._n_derived = f"world~{epoch}", epoch, 0
         self._graphs.clear()
+        self._agreed = {}        # new members (a heal's) have agreed on no buffer yet
         self.one_host = None
 
     def hold(self, pg) -> None:
@@ -501,9 +502,11 @@ class ReplicaFaultTolerance(FaultTolerance):
     def _spawn_replacements(self, event) -> None:
         """Nothing is spawned on the torch backend: torchrun's --max-restarts (or the job's
         script) starts the lost worker again, and it joins at a quorum (ReplicaHealer)."""
+        missing = [r for r in range(self.initial_size) if r not in self.initial_ranks]
+        if not event.lost_ranks or not missing:   # (a slow collective: nobody was lost)
+            return
         self.healer.lost_at = self.healer.lost_at or time.time()
         if self.comm.world.rank == 0:
-            missing = [r for r in range(self.initial_size) if r not in self.initial_ranks]
             print(f"[lsgd_hpc] heal: waiting for worker(s) {format_ranks(missing)} to be "
                   "restarted (torchrun --max-restarts, or the job's script) and join; going "
                   f"on with {self.comm.world.size} meanwhile", file=sys.stderr, flush=True)

@@ -80,7 +80,8 @@ def _workers_of(comm, layout, worker_ranks):
     method alike)."""
     from lsgd_hpc.comm.workers import build_workers
     per_world = _WORKERS.setdefault(comm.world, {})
-    key = (tuple(comm.groups.node_of), worker_ranks)
+    # (a world that torchft reconfigured in place has a new key: its old workers are gone)
+    key = (getattr(comm.world, "key", None), tuple(comm.groups.node_of), worker_ranks)
     if key not in per_world:
         workers = build_workers(comm.world, comm.groups, worker_ranks, layout=layout)
         initial = getattr(comm, "initial_ranks", range(comm.world.size))

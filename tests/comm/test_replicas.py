@@ -360,6 +360,31 @@ def test_every_method_heals_a_restarted_worker(tmp_path, lighthouse, algorithm):
 
 
 @pytest.mark.replicas
+def test_a_worker_of_two_ranks_loses_one_and_heals(tmp_path, lighthouse):
+    """LSGD between workers of 2 ranks (--worker-ranks 2; every rank its own replica group):
+    rank 3 SIGKILLed, its worker goes on with rank 2 alone (the shrink), rank 3 started again
+    rejoins it (the heal), and all four ranks end at the last step with exit 0."""
+    steps = 400
+    args = ["--algorithm", "lsgd", "--worker-ranks", "2", "--max-steps", str(steps),
+            "--eval-every", "20", "--straggler", "0:0.03"]
+    procs, outs = start_workers(tmp_path, lighthouse, 4, args, policy="heal")
+    wait_for(outs[0], r"step\s+20/", procs)
+    procs[3].send_signal(signal.SIGKILL)
+    wait_for(outs[0], r"heal: waiting for worker\(s\) 3", procs[:3])
+    again, again_outs = start_workers(tmp_path, lighthouse, 4, args, policy="heal", ids=[3],
+                                      restarted=True)
+    codes = wait_all(procs[:3] + again, outs[:3] + again_outs, timeout=JOB_TIMEOUT + 60)
+    text = outs[0].read_text()
+    assert codes == [0, 0, 0, 0], (codes, text[-4000:])
+    assert "lost rank(s) 3 (initial numbering); 3 of 4 ranks go on" in text, text[-3000:]
+    assert "heal: rank(s) 3 joined" in text, text[-3000:]
+    run = tmp_path / "run"
+    for r in range(4):
+        assert last_step(run, r) == steps
+        assert ("3", 4) in [h[1:] for h in heal_rows(run, r)]
+
+
+@pytest.mark.replicas
 def test_two_lost_workers_restarted_one_at_a_time_each_join(tmp_path, lighthouse):
     """LSGD, 4 workers as 2 nodes: workers 2 and 3 (node 1) SIGKILLed together; worker 3
     restarted at once joins a world of 3 (worker 2 still missing: the checkpoint resumed
@@ -414,9 +439,6 @@ def test_the_timeout_hierarchy_follows_from_one_figure():
     (["--on-failure", "heal"], {}, "set REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, "
                                    "TORCHFT_LIGHTHOUSE"),
     (["--on-failure", "heal", "--spares", "1"], {}, "--spares: is for --backend mpi"),
-    (["--on-failure", "shrink", "--worker-ranks", "2"],
-     {"REPLICA_GROUP_ID": "0", "NUM_REPLICA_GROUPS": "2", "TORCHFT_LIGHTHOUSE": "http://h:1"},
-     "--worker-ranks: 2 is not supported with --backend torch --on-failure shrink yet"),
     (["--failure-timeout", "5"], {}, "--failure-timeout: is for --backend torch with "
                                      "--on-failure shrink"),
 ])
