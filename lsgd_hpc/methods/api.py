@@ -260,6 +260,9 @@ class Method(Recoverable):
         when workers span ranks; a rule with collectives in flight across steps moves them
         on during backward (gradient hooks)."""
         rule = self.build(opts)
+        # whether the rule's after_step reads the loss: AllreduceRule's does not (step then
+        # leaves a loss tensor unread, no device sync per step)
+        self._reads_loss = type(rule) is not AllreduceRule
         self._progress_hooks = []
         if rule.overlaps and self.world.size > 1:
             progress = rule.progress
@@ -293,8 +296,11 @@ class Method(Recoverable):
         # step to drop after a recovery inside the user's synchronize()
         self._phase = None
         self._drop_next = False
-        self._grad_views = [(p, self.flat.grad[off:off + n].view_as(p)) for p, (_, off, n)
-                            in zip(self.model.parameters(), self.flat.slices) if p.requires_grad]
+        # (parameter, its gradient's view in the flat buffer, the view's address)
+        self._grad_views = [(p, v, v.data_ptr()) for p, v in
+                            ((p, self.flat.grad[off:off + n].view_as(p)) for p, (_, off, n)
+                             in zip(self.model.parameters(), self.flat.slices)
+                             if p.requires_grad)]
         self._agreement = None
         if self.rule.owns_schedule:
             if max_steps is None:
@@ -410,8 +416,9 @@ class Method(Recoverable):
     def zero_grad(self) -> None:
         """Zero every gradient in place in one operation over the fused gradient buffer (a
         faster equivalent of ``optimizer.zero_grad(set_to_none=False)``; either works)."""
-        for p, view in self._grad_views:
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+        for p, view, ptr in self._grad_views:
+            g = p.grad
+            if g is not None and g.data_ptr() != ptr:
                 p.grad = view
         self.flat.grad.zero_()
 
@@ -420,11 +427,11 @@ class Method(Recoverable):
         averaging reads it): ``optimizer.zero_grad()`` sets ``.grad`` to None and backward
         then allocates a new tensor. A parameter without a gradient this step contributes
         zeros, and gets the averaged gradient like the others (as DDP does)."""
-        for p, view in self._grad_views:
+        for p, view, ptr in self._grad_views:
             g = p.grad
             if g is None:
                 view.zero_()
-            elif g.data_ptr() != view.data_ptr():
+            elif g.data_ptr() != ptr:
                 view.copy_(g)
             else:
                 continue
@@ -455,53 +462,57 @@ class Method(Recoverable):
         """The optimizer step and the method's communication of this step.
 
         ``loss``: this minibatch's loss (a tensor or a float); leader methods score workers
-        by it. ``scaler``: a ``torch.amp.GradScaler`` for fp16 training: the step is then
+        by it (and local SGD's automatic period fits it); the methods that never read it
+        (AllreduceSGD) leave a tensor unread: no device sync. ``scaler``: a
+        ``torch.amp.GradScaler`` for fp16 training: the step is then
         ``scaler.step(optimizer)`` and ``scaler.update()``; a step it skips for inf/NaN
         gradients is counted in ``skipped_steps``.
         """
-        if self.closed:
-            raise RuntimeError(f"{type(self).__name__}.step() after close(): the method has "
-                               "released its hooks; build a new one to train on")
-        if self.done:
-            raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
+        # (the per-step path: a few attribute reads and calls, nothing built per step)
+        if self.closed or self.done:
+            self._refuse_step()
         if self._fault_tolerance is None:
             # the testing hook (a no-op without a plan) under on_failure="abort" too
             injection_point("step", self.steps + 1, self.comm)
             self._step(loss, scaler)
-            return self._stepped()
-        if self._drop_next:        # a recovery cut off this step's synchronize(): dropped
+        elif self._drop_next:      # a recovery cut off this step's synchronize(): dropped
             self._drop_next = self._synced = False
-            return self._stepped()
-        injection_point("step", self.steps + 1, self.comm)
-        self._guarded(self._step, loss, scaler)
-        self._phase = None
-        self._stepped()
-
-    def _stepped(self) -> None:
+        else:
+            injection_point("step", self.steps + 1, self.comm)
+            self._guarded(self._step, loss, scaler)
+            self._phase = None
         for listener in self.step_listeners:
             listener()
 
+    def _refuse_step(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"{type(self).__name__}.step() after close(): the method has "
+                               "released its hooks; build a new one to train on")
+        raise RuntimeError(f"{type(self).__name__}.step() after done (max_steps reached)")
+
     def _step(self, loss, scaler) -> None:
         self._phase = "before"
-        self._synchronize()
+        if not self._synced:
+            self._synchronize()
         self._synced = False
-        if scaler is not None:
+        if scaler is None:
+            self.optimizer.step()
+        else:
             scale = scaler.get_scale()
             scaler.step(self.optimizer)
             scaler.update()
             if scaler.get_scale() < scale:
                 self.skipped_steps += 1
-        else:
-            self.optimizer.step()
-        self.steps += 1
-        MONITOR.step = self.steps          # the collective watchdog's reports name the step
+        steps = self.steps = self.steps + 1
+        MONITOR.step = steps               # the collective watchdog's reports name the step
         self._phase = "after"
         value = self._loss_value(loss)
-        if self.consensus_every and not self.rule.owns_schedule \
-                and self.steps % self.consensus_every == 0:
-            self.rule.measure_consensus(self.steps)
-        self.rule.after_step(self.steps, value)
-        self.after_rule(self.steps)
+        rule = self.rule
+        if self.consensus_every and not rule.owns_schedule \
+                and steps % self.consensus_every == 0:
+            rule.measure_consensus(steps)
+        rule.after_step(steps, value)
+        self.after_rule(steps)
         self._phase = "control"
         self._control()
 
@@ -509,10 +520,14 @@ class Method(Recoverable):
         """Hook after the rule's communication of ``step``."""
 
     def _loss_value(self, loss) -> float:
+        """The loss as the rule's ``after_step`` takes it: a float, NaN for none; a tensor
+        is read (a device sync) only for a rule that reads it (``_reads_loss``)."""
         if loss is None:
             return math.nan
+        if type(loss) is float:
+            return loss
         if isinstance(loss, torch.Tensor):
-            return float(loss.detach())
+            return float(loss.detach()) if self._reads_loss else math.nan
         return float(loss)
 
     def _control(self) -> None:

@@ -26,6 +26,12 @@ __all__ = ["RunMetrics", "open_metrics", "NODE_COLUMNS"]
 #: (cumulative; docs/metrics.md): written when ``method.node_stats`` is not None
 NODE_COLUMNS = {"node_bytes_sent": "i8", "node_bytes_recv": "i8", "node_seconds": "f8"}
 
+#: the schema's /train columns in the order of ``RunMetrics.log_step``'s values
+_SCHEMA_TRAIN = ("step", "epoch", "wall_time", "loss", "accuracy", "lr", "comm_bytes_sent",
+                 "comm_bytes_recv", "comm_seconds", "compute_seconds", "overhead_seconds",
+                 "probe_seconds", "eval_seconds", "checkpoint_seconds", "metrics_seconds",
+                 "training_time")
+
 
 class RunMetrics(MetricsWriter):
     """The per-rank HDF5 metrics file of the package's schema, with the bookkeeping of the
@@ -68,6 +74,9 @@ class RunMetrics(MetricsWriter):
         self.node_stats = None
         #: whether some /train accuracy in ``rows`` is still a tensor (``log_step``)
         self._deferred = False
+        #: the /train columns' appends in log_step's order (None: not looked at yet; ():
+        #: rows go through ``log``)
+        self._schema_appends: Optional[tuple] = None
 
     # -- compute time ------------------------------------------------------------------------
     @property
@@ -195,7 +204,9 @@ class RunMetrics(MetricsWriter):
         """The /train row of ``step``. ``accuracy``: a number, or a tensor whose mean it is
         (the batch's per-sample hits, ``out.argmax(1) == labels``), left on its device and
         read when the rows are written (``flush``), ``column`` is read or a tracker mirrors
-        the row: no device sync and no reduction per step, one per flush for all rows."""
+        the row: no device sync and no reduction per step, one per flush for all rows.
+        A row of the schema's columns alone (no extra columns, trackers or node columns) is
+        appended to the columns in place: no row dictionary per step."""
         s, wall = self.comm.stats, self.wall()
         if isinstance(accuracy, torch.Tensor):
             if self.trackers:            # the trackers mirror each row as it comes
@@ -206,7 +217,38 @@ class RunMetrics(MetricsWriter):
             accuracy = float(accuracy)
         if self.method is not None:
             # the method's own /train columns (async LSGD's staleness, local SGD's T)
-            extra = {**self.method.rule.train_columns(), **extra}
+            own = self.method.rule.train_columns()
+            if own:
+                extra = {**own, **extra}
+        appends = self._schema_appends
+        if appends is None:
+            appends = self._schema_appends = self._appends_of_schema()
+        if appends and not extra and self.node_stats is None and not self.trackers:
+            for append, value in zip(appends, (
+                    step, epoch, wall, float(loss), accuracy, float(lr), s.bytes_sent,
+                    s.bytes_recv, s.seconds, self.compute_seconds, s.overhead_seconds,
+                    s.probe_seconds, self.eval_seconds, self.checkpoint_seconds,
+                    self.metrics_seconds, self.training_time(wall))):
+                append(value)
+            self._rows_since_flush += 1
+        else:
+            self._log_step_row(step, loss, accuracy, lr, epoch, wall, s, extra)
+        t = time.perf_counter()
+        self.maybe_flush()
+        self.metrics_seconds += time.perf_counter() - t
+
+    def _appends_of_schema(self) -> tuple:
+        """The ``append`` of each /train column in the order of ``log_step``'s values
+        (``_SCHEMA_TRAIN``) when /train holds the schema's columns alone and rows go through
+        ``RunMetrics.log``; else () (every row through ``log``)."""
+        cols = self.rows["train"]
+        if set(cols) != set(_SCHEMA_TRAIN) or type(self).log is not RunMetrics.log \
+                or "log" in self.__dict__:
+            return ()
+        return tuple(cols[c].append for c in _SCHEMA_TRAIN)
+
+    def _log_step_row(self, step, loss, accuracy, lr, epoch, wall, s, extra) -> None:
+        """``log_step``'s row through ``log`` (extra columns, trackers, node columns)."""
         if self.node_stats is not None:      # inside the node; comm_* between the nodes
             n = self.node_stats
             extra = {"node_bytes_sent": n.bytes_sent, "node_bytes_recv": n.bytes_recv,
@@ -222,9 +264,6 @@ class RunMetrics(MetricsWriter):
                  checkpoint_seconds=self.checkpoint_seconds,
                  metrics_seconds=self.metrics_seconds, training_time=self.training_time(wall),
                  **extra)
-        t = time.perf_counter()
-        self.maybe_flush()
-        self.metrics_seconds += time.perf_counter() - t
 
     def _materialise(self) -> None:
         """The deferred /train accuracies (``log_step``'s tensors) as numbers, in place."""
