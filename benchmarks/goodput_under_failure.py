@@ -153,9 +153,15 @@ def _torch_one_kill(run_dir: Path, steps: int, opts, inject, survivors, log, lab
                 if all(p.poll() is not None for p in w.procs):
                     break
                 time.sleep(0.02)
+            # under heal, a worker restarted too late for the budget (its start-up longer than
+            # what was left) waits for a quorum that never comes: it is ended with the job
+            joined = policy == "heal" and \
+                re.search(r"heal: rank\(s\) [\d,]+ joined", w.outs[0].read_text()) is not None
+            if policy == "heal" and not joined and done is not None:
+                w.kill(KILLED)
             codes = w.wait(EXIT_GRACE_S if done is not None else 1.0)
             end = time.perf_counter()
-            finishers = list(range(NP)) if policy == "heal" else list(survivors)
+            finishers = list(range(NP)) if joined else list(survivors)
             rc = [codes[r] for r in finishers]
             hung = done is not None and any(c is None for c in rc)
             seconds = (done if hung else end) - launched
@@ -171,6 +177,8 @@ def _torch_one_kill(run_dir: Path, steps: int, opts, inject, survivors, log, lab
                    f"{key}_goodput": meas["measured"]}
             if policy == "shrink":
                 out["torch_recovery_s"] = _recovery(run_dir / "run", survivors)
+            else:
+                out["torch_heal_joined"] = joined
             return out
     except Exception as exc:
         tail = ""
@@ -382,11 +390,13 @@ def _torch_heal_row(label: str, r: dict, steps: int, kill_at: int) -> dict:
     if "torch_heal_s" not in r:
         return row(name, "", f"not available: {TORCH_HEAL_WHY}", None, "")
     shrink = r.get("torch_shrink_goodput")
+    late = "; the survivors finished before the restarted worker joined"
     return row(
         name, f"rank {KILLED} killed at step {kill_at} of {steps} and started again at once "
         "(as torchrun --max-restarts): --backend torch --on-failure heal",
         f"to finish: {r['torch_heal_s']:.1f} s (the budget's work: "
-        f"{r['torch_heal_work_s']:.1f} s; goodput {_pct(r['torch_heal_goodput'])})"
+        f"{r['torch_heal_work_s']:.1f} s; goodput {_pct(r['torch_heal_goodput'])}"
+        f"{'' if r['torch_heal_joined'] else late})"
         + (f"; torch shrink goodput {_pct(shrink)}" if shrink else ""),
         shrink / r["torch_heal_goodput"] if shrink else None,
         "torch shrink goodput / torch heal goodput")
