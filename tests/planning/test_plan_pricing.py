@@ -1,25 +1,33 @@
 """The planner's rho, --params, and its pricing of int4/int2 and top-k, against hand
-computations (in-process and cheap subprocesses of ``python -m lsgd_hpc.plan``)."""
+computations (in-process, and ``python -m lsgd_hpc.plan``'s main() in this process)."""
 
 import dataclasses
 import json
 import math
-import subprocess
-import sys
+import contextlib
+import io
+from types import SimpleNamespace
 
 import pytest
 
 from lsgd_hpc.planning import costmodel as cm
-from lsgd_hpc.planning.plan import PlanInputs, WIRE_BYTES, params_facts, plan
+from lsgd_hpc.planning.plan import PlanInputs, WIRE_BYTES, main, params_facts, plan
 
-PLAN = [sys.executable, "-m", "lsgd_hpc.plan"]
 # 2 nodes of 4 ranks; between nodes 8 Gbit/s (beta 1e-9 s/byte), no latency
 CLUSTER = ["--nodes", "2", "--ranks-per-node", "4", "--inter-gbps", "8",
            "--inter-latency-us", "0", "--intra-gbps", "800"]
 
 
-def plan_cli(args, timeout=120):
-    return subprocess.run(PLAN + args, capture_output=True, text=True, timeout=timeout)
+def plan_cli(args):
+    """What ``python -m lsgd_hpc.plan ARGS`` answers (its exit status, stdout and stderr), from
+    its main() in this process (a subprocess would spend a second importing torch)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:            # argparse's refusals
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def plan_json(args):
