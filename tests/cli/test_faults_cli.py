@@ -16,9 +16,9 @@ STEPS = 40
 TIMEOUT = 240
 
 
-def train(tmp_path, *args, mpi_args=ULFM, check=True, steps=STEPS):
+def train(tmp_path, *args, mpi_args=ULFM, check=True, steps=STEPS, np_=4):
     run_dir = tmp_path / "run"
-    proc = run_mpi(4, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(steps),
+    proc = run_mpi(np_, [sys.executable, "-m", "lsgd_hpc.train", "--max-steps", str(steps),
                        "--eval-every", "20", "--ranks-per-node", "2", "--run-dir", str(run_dir),
                        *args], timeout=TIMEOUT, mpi_args=mpi_args, check=check, cwd=tmp_path)
     return proc, run_dir
@@ -130,7 +130,8 @@ def test_fewer_survivors_than_min_ranks_end_every_survivor_with_one_line(tmp_pat
 @pytest.mark.mpi
 @pytest.mark.fast
 def test_shrink_without_ulfm_is_refused_before_training(tmp_path):
-    proc, _ = train(tmp_path, "--on-failure", "shrink", mpi_args=[], check=False)
+    """(2 ranks, one node: the refusal comes before the layout matters, as at 4.)"""
+    proc, _ = train(tmp_path, "--on-failure", "shrink", mpi_args=[], check=False, np_=2)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
     lines = error_lines(proc.stderr)
     assert lines and len(set(lines)) == 1 and "--with-ft ulfm" in lines[0], proc.stderr
