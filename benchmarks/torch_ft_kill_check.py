@@ -13,13 +13,13 @@ killed one's status is -9 and that the survivors' quorum shrank to the others af
 kill. Writes ``--out`` (JSON: ok, exit statuses, the survivors' stall and last
 participants, a reason when not ok) and exits 0 when ok, 1 when not.
 
-This is kill-and-shrink only: lsgd_hpc's torch backend does not heal yet (no restarted
-worker joins; ``--on-failure heal`` is refused with ``--backend torch``), so neither does
-this check. torchft's process groups between workers are checked here with torchft's own
-training loop; lsgd_hpc's own trainer talks between workers over torchft's ProcessGroupGloo
-(``--trainer ALGORITHM``: the same kill with ``python -m lsgd_hpc.train --backend torch
---on-failure shrink --device DEVICE``; the survivors must reach ``--max-steps`` and record the
-recovery in /faults).
+torchft's process groups between workers are checked here with torchft's own training loop
+(kill and shrink); lsgd_hpc's own trainer talks between workers over torchft's
+ProcessGroupGloo (``--trainer ALGORITHM``: the same kill with ``python -m lsgd_hpc.train
+--backend torch --on-failure shrink --device DEVICE``; the survivors must reach
+``--max-steps`` and record the recovery in /faults; with ``--heal``, ``--on-failure heal`` and
+the killed worker started again at once, as torchrun --max-restarts does: it must join, every
+worker must reach ``--max-steps`` and record the heal).
 """
 
 from __future__ import annotations
@@ -39,29 +39,43 @@ from torch_ft_common import (PY, Lighthouse, Workers, torchft_missing,  # noqa: 
 
 
 def check_trainer(device: str, algorithm: str, workers: int, steps: int, kill_at: int,
-                  failure_timeout: float, timeout: float, folder: Path) -> dict:
+                  failure_timeout: float, timeout: float, folder: Path,
+                  heal: bool = False, straggler_s: float = 0.0) -> dict:
     """The same with lsgd_hpc's own trainer (``--backend torch --on-failure shrink``, its
-    groups between workers torchft's ProcessGroupGloo, the model on ``device``)."""
+    groups between workers torchft's ProcessGroupGloo, the model on ``device``); ``heal``:
+    ``--on-failure heal``, the killed worker started again at once, joining."""
     run_dir = folder / "run"
     killed = workers - 1
+    policy = "heal" if heal else "shrink"
     res = {"device": device, "trainer": algorithm, "workers": workers, "steps": steps,
-           "kill_at": kill_at, "failure_timeout_s": failure_timeout, "killed": killed}
+           "kill_at": kill_at, "failure_timeout_s": failure_timeout, "killed": killed,
+           "policy": policy}
     t0 = time.perf_counter()
+    argv = train_argv(run_dir, [
+        "--on-failure", policy, "--failure-timeout", str(failure_timeout),
+        "--device", device, "--algorithm", algorithm, "--ranks-per-node", "1",
+        "--max-steps", str(steps), "--eval-every", str(kill_at),
+        *(["--straggler", f"0:{straggler_s:g}"] if straggler_s else [])])
+    killed_status = None
     with Lighthouse(folder, failure_timeout) as lh:
-        w = Workers(folder, lh.address, workers, lambda r: train_argv(run_dir, [
-            "--on-failure", "shrink", "--failure-timeout", str(failure_timeout),
-            "--device", device, "--algorithm", algorithm, "--ranks-per-node", "1",
-            "--max-steps", str(steps), "--eval-every", str(kill_at)]))
+        w = Workers(folder, lh.address, workers, lambda r: argv)
         seen = w.wait_for(0, rf"step\s+{kill_at}/", timeout)
         if seen:
             w.kill(killed)
+            if heal:                              # torchrun --max-restarts: start it again
+                killed_status = w.procs[killed].wait()
+                w.restart(killed, argv, lh.address, workers)
         codes = w.wait(max(1.0, timeout - (time.perf_counter() - t0)))
+    if killed_status is not None:
+        codes = codes + [killed_status]           # (the first run's status last)
     res.update(exit_statuses=codes, killed_at_step=kill_at if seen else None,
                seconds=time.perf_counter() - t0)
     why = [] if seen else [f"worker 0 never reported step {kill_at}"]
-    if seen and codes[killed] != -9:
-        why.append(f"the killed worker's status is {codes[killed]}, not -9")
-    survivors = [r for r in range(workers) if r != killed]
+    if seen and codes[-1] != -9:
+        why.append(f"the killed worker's status is {codes[-1]}, not -9")
+    survivors = [r for r in range(workers) if r != killed or heal]
+    if heal and seen and "joined" not in w.outs[0].read_text():
+        why.append("the restarted worker did not join")
     recovery = []
     for r in survivors:
         if codes[r] != 0:
@@ -71,8 +85,8 @@ def check_trainer(device: str, algorithm: str, workers: int, steps: int, kill_at
         if rows["step"][-1] != steps:
             why.append(f"survivor {r} ended at step {rows['step'][-1]} of {steps}")
         if not rows["fault_steps"]:
-            why.append(f"survivor {r} recorded no recovery in /faults")
-        recovery += rows["recovery_seconds"]
+            why.append(f"worker {r} recorded no recovery in /faults")
+        recovery += rows["recovery_seconds"] if r != killed else []
     res.update(ok=not why, why="; ".join(why), recovery_seconds=recovery)
     return res
 
@@ -132,6 +146,12 @@ def main(argv=None) -> int:
     p.add_argument("--trainer", metavar="ALGORITHM", default=None,
                    help="run lsgd_hpc's trainer with this --algorithm (--backend torch "
                         "--on-failure shrink) in place of torchft's DDP; --pg is then unused")
+    p.add_argument("--heal", action="store_true",
+                   help="with --trainer: --on-failure heal, the killed worker started again "
+                        "(as torchrun --max-restarts) and joining")
+    p.add_argument("--straggler-s", type=float, default=0.0,
+                   help="with --trainer: worker 0 sleeps this long every step (--straggler), "
+                        "so that a restarted worker's start-up fits in the budget")
     p.add_argument("--out", default=None, help="JSON result (default: stdout only)")
     args = p.parse_args(argv)
     if args.workers < 2 or not 0 < args.kill_at < args.steps:
@@ -143,7 +163,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="torch_ft_kill_check_") as tmp:
             if args.trainer:
                 res = check_trainer(args.device, args.trainer, args.workers, args.steps,
-                                    args.kill_at, args.failure_timeout, args.timeout, Path(tmp))
+                                    args.kill_at, args.failure_timeout, args.timeout, Path(tmp),
+                                    heal=args.heal, straggler_s=args.straggler_s)
             else:
                 res = check(args.device, args.pg, args.workers, args.steps, args.kill_at,
                             args.failure_timeout, args.timeout, Path(tmp))

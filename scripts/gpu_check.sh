@@ -123,23 +123,23 @@ run ompi_cuda_support sh -c "ompi_info --parsable --all 2>&1 | grep mpi_built_wi
 # a lighthouse, 2 replica groups of torchft's own DDP on the GPU(s) (one GPU: each its own
 # NCCL_HOSTID), the second SIGKILLed from outside at step 100, the survivor finishing its 300
 # steps in a quorum of 1; through ProcessGroupBabyNCCL and ProcessGroupNCCL. Then the same kill
-# with lsgd_hpc's trainer on the GPU (--backend torch --on-failure shrink, allreduce). Kill and
-# shrink only: heal is not implemented on the torch backend (--on-failure heal is refused with
-# --backend torch; no restarted worker can join), so nothing is healed here. At most 3 x 90 s.
+# with lsgd_hpc's trainer on the GPU (--backend torch --on-failure heal, allreduce): the killed
+# worker started again at once (as torchrun --max-restarts) joins, and both end at the last
+# step. At most 3 x 90 s.
 # (The check's own --timeout ends its workers, whose sessions are their own, before timeout
 # ends the check.)
 ft_timeout=90
 ft_check=$ROOT/benchmarks/torch_ft_kill_check.py
-ft_runs="torchft-baby-nccl-kill torchft-nccl-kill torchft-trainer-kill"
+ft_runs="torchft-baby-nccl-kill torchft-nccl-kill torchft-trainer-heal"
 if "$PY" -c "import torchft.manager" > /dev/null 2>&1; then
     for pg in baby-nccl nccl; do
         timeout_s=$ft_timeout run "torchft-$pg-kill" "$PY" "$ft_check" --device cuda --pg "$pg" \
             --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
             --timeout $((ft_timeout - 25))
     done
-    timeout_s=$ft_timeout run torchft-trainer-kill "$PY" "$ft_check" --device cuda \
-        --trainer allreduce --workers 2 --steps 300 --kill-at 100 --failure-timeout 5 \
-        --timeout $((ft_timeout - 25))
+    timeout_s=$ft_timeout run torchft-trainer-heal "$PY" "$ft_check" --device cuda \
+        --trainer allreduce --heal --straggler-s 0.02 --workers 2 --steps 1500 --kill-at 100 \
+        --failure-timeout 5 --timeout $((ft_timeout - 25))
 else
     for name in $ft_runs; do unavailable "$name" "torchft is not installed in $PY"; done
 fi

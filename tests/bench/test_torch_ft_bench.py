@@ -46,6 +46,17 @@ def test_trainer_survives_a_kill_in_the_kill_check():
     assert res["exit_statuses"] == [0, -9] and len(res["recovery_seconds"]) == 1
 
 
+@pytest.mark.replicas
+@pytest.mark.timeout(240)
+def test_trainer_heals_a_kill_in_the_kill_check():
+    """What scripts/gpu_check.sh runs on a GPU, here on the CPU: the killed worker started
+    again joins, both end at the last step (statuses: the two finishers, then the kill)."""
+    code, res, err = kill_check("--trainer", "allreduce", "--heal", "--steps", "400",
+                                "--straggler-s", "0.03", timeout=210)
+    assert code == 0 and res["ok"], (res, err[-2000:])
+    assert res["exit_statuses"] == [0, 0, -9] and res["policy"] == "heal"
+
+
 def test_stall_and_steps_per_second_readers():
     from torch_ft_common import steady_steps_per_s, typical_steps_per_s
     from torch_ft_recovery import _stall

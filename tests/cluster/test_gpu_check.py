@@ -76,7 +76,7 @@ def test_dry_run_report_shape(tmp_path):
     assert {"facts", "ompi_cuda_support", "collectives-np2-cuda", "collectives-np4-cuda"} <= \
         set(runs)
     assert "--device cuda" in " ".join(runs["collectives-np4-cuda"]["command"])
-    # torchft's NCCL groups: a worker killed, the survivor going on (kill and shrink only)
+    # torchft's NCCL groups: a worker killed, the survivor going on; the trainer's heal
     try:
         import torchft.manager  # noqa: F401
         have_torchft = True
@@ -89,9 +89,9 @@ def test_dry_run_report_shape(tmp_path):
             cmd = " ".join(r["command"])
             assert "benchmarks/torch_ft_kill_check.py" in cmd and f"--pg {pg}" in cmd
             assert "--device cuda" in cmd and "--workers 2" in cmd
-    trainer = runs["torchft-trainer-kill"]
+    trainer = runs["torchft-trainer-heal"]
     if have_torchft:
-        assert "--trainer allreduce" in " ".join(trainer["command"])
+        assert "--trainer allreduce --heal" in " ".join(trainer["command"])
     # the commands are listed on stdout
     assert p.stdout.count("[dry-run] ") == sum(r["status"] == "dry-run" for r in runs.values())
     # --out wins over $OUT
