@@ -177,26 +177,27 @@ def share(results) -> Tuple[int, int, int]:
 
 
 # -- the tests --------------------------------------------------------------------------------
-_RESULTS: list = []
-
-
-def results():
-    if not _RESULTS:
-        _RESULTS.extend(run_grid())
-    return _RESULTS
-
-
 def test_the_grid_is_issue_47s():
     assert len(list(combinations())) == 8 * 6 * 2 * 2 * 3 * 3 * 3 * 2 == 10368
     # 432 with fp32, 54 with bf16 for each of the 3 methods without an allreduce
     assert sum(meaningless(c) for c in combinations()) == 432 + 3 * 54
 
 
-def test_every_refusal_left_is_a_documented_one():
+def test_the_matrix():
+    """The grid once (one test: workers of ``make test`` would each run it), then: every
+    refusal is a documented one, the meaningless rows are the meaningless combinations, and
+    the accepted share only goes up."""
+    results = run_grid()
+    every_refusal_left_is_a_documented_one(results)
+    meaningless_combinations_are_refused_and_only_they_are_called_so(results)
+    the_accepted_share_only_goes_up(results)
+
+
+def every_refusal_left_is_a_documented_one(results):
     rows = documented()
     assert rows, "the table has no rows"
     assert all(r.kind in KINDS for r in rows), [r for r in rows if r.kind not in KINDS]
-    counts, stray, double = classify(results(), rows)
+    counts, stray, double = classify(results, rows)
     assert not stray, "refusals not in docs/library.md's table:\n" + "\n".join(
         f"{n:6d}  {e}" for e, n in stray.most_common())
     assert not double, f"messages matching several rows: {double}"
@@ -204,10 +205,9 @@ def test_every_refusal_left_is_a_documented_one():
     assert not unused, f"rows no combination is refused by (delete them): {unused}"
 
 
-def test_meaningless_combinations_are_refused_and_only_they_are_called_so():
-    rows = {r.pattern: r for r in documented()}
-    compiled = [(re.compile(p), r) for p, r in rows.items()]
-    for c, error in results():
+def meaningless_combinations_are_refused_and_only_they_are_called_so(results):
+    compiled = [(re.compile(r.pattern), r) for r in documented()]
+    for c, error in results:
         if meaningless(c):
             assert error is not None, c
         if error is not None:
@@ -216,8 +216,8 @@ def test_meaningless_combinations_are_refused_and_only_they_are_called_so():
                 assert meaningless(c), (c, error)
 
 
-def test_the_accepted_share_only_goes_up():
-    accepted, meaningful, _ = share(results())
+def the_accepted_share_only_goes_up(results):
+    accepted, meaningful, _ = share(results)
     got = accepted / meaningful
     print(f"accepted {accepted} of {meaningful} meaningful combinations: {got:.1%} "
           f"(goal {GOAL:.0%})")
