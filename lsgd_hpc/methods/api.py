@@ -77,7 +77,6 @@ def _check_common(backend, model, name: str, *, max_steps, checkpoint_every, con
     problem = topk_problem(topk, comm_dtype, backend, name)
     if problem:
         raise OptionError("topk", problem)
-    _check_topk_model(model, name, topk)
     _COMMON["error_feedback"].check(error_feedback)
     problem = error_feedback_problem(error_feedback, comm_dtype, topk, name)
     if problem:
@@ -92,18 +91,6 @@ def _check_common(backend, model, name: str, *, max_steps, checkpoint_every, con
         problem = kind_problem(comm_dtype, None if first is None else first.device)
         if problem:
             raise OptionError("comm_dtype", problem)
-
-
-def _check_topk_model(model, name: str, topk: float) -> None:
-    """DiLoCo averages the model's floating-point buffers (BatchNorm statistics) in the
-    same allreduce as its pseudo-gradient: top-k would zero them."""
-    if topk < 1 and name == "diloco" and isinstance(model, nn.Module):
-        from lsgd_hpc.comm.flat import state_buffers
-        if state_buffers(model):
-            raise OptionError("topk", f"{topk:g} is not for diloco on a model with "
-                                      "floating-point buffers (BatchNorm statistics): they are "
-                                      "averaged in the allreduce of its pseudo-gradient, and "
-                                      "top-k would set them to zero but for the largest")
 
 
 def _agree_on_model(world, model, optimizer, where: str) -> None:

@@ -102,6 +102,21 @@ class _Fragment:
         self.opt: Optional[torch.optim.Optimizer] = None
 
 
+class _Both:
+    """Two requests in flight as one (top-k DiLoCo's records and its dense buffers)."""
+
+    def __init__(self, first, second):
+        self.parts = (first, second)
+
+    def test(self) -> bool:
+        done = [r.test() for r in self.parts]         # (progress both)
+        return all(done)
+
+    def wait(self):
+        for r in self.parts:
+            r.wait()
+
+
 class DiLoCoRule(Rule):
     """DiLoCo (Douillard et al. 2023; as in torchft's DiLoCo and OpenDiLoCo) and Streaming
     DiLoCo (Douillard et al. 2025; torchft's DiLoCo with fragments).
@@ -121,6 +136,22 @@ class DiLoCoRule(Rule):
     trained: they are averaged at the outer step, in the same allreduce as delta.
     x_prev and the outer momentum buffer are in ``state_dict``. ``optimizer`` (the inner one)
     is accepted for a uniform constructor and not used.
+
+    Top-k (the world's ``topk`` F < 1: its allreduces send each chunk's top-k records,
+    lsgd_hpc.comm.sparse): the pseudo-gradient goes as records and the buffers dense, two
+    allreduces in the same round, the buffers' on the communicator under the wire layer
+    (exact float32):
+
+        delta  = (1/p) sum_i C(x_prev - x_i (+ e_i))      top-k records (residuals e_i:
+                                                          with ``error_feedback``)
+        b      = (1/p) sum_i b_i                          dense
+
+    Every rank adds the same records in the same order, so delta, x_prev and the buffers
+    have the same bits on every rank, as in dense DiLoCo: x_prev is the reference the
+    records are taken against, no other is kept. A model without buffers: one allreduce,
+    as before. The bytes of an outer step: S(n) records sent, (p - 1) S(n) received (S:
+    :func:`lsgd_hpc.comm.sparse.payload_bytes`), plus 4 m each way for m buffer elements.
+    Streaming: the same split of each fragment's message (both non-blocking with tau >= 1).
 
     Streaming (``fragments`` P, ``fragment_sync_delay`` tau, ``fragment_update_alpha``
     alpha): the parameters are split into P fragments (:func:`fragment_tensors`); with
@@ -163,6 +194,8 @@ class DiLoCoRule(Rule):
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.outer_nesterov = bool(outer_nesterov)
         n = flat.n_params
+        #: top-k on the world: the pseudo-gradient as records, the buffers dense (beside)
+        self.sparse = float(getattr(self.world, "topk", 1.0)) < 1
         # x_prev as a parameter of the outer optimizer; its .grad receives delta
         self.prev = torch.nn.Parameter(flat.params.detach().clone(), requires_grad=False)
         self.prev.grad = torch.zeros_like(self.prev)
@@ -178,7 +211,7 @@ class DiLoCoRule(Rule):
             self.outer_opt = self._outer_optimizer([self.prev])
             # [delta | buffers]: one allreduce per outer step
             self.scratch = torch.empty_like(flat.flat)
-            self.world.agree_buffers(self.scratch)
+            self.world.agree_buffers(self.scratch, *self._split(self.scratch, n))
             return
         self.delay, self.alpha = int(fragment_sync_delay), float(fragment_update_alpha)
         self.fragments = self._build_fragments(fragment_tensors(flat.model, fragments))
@@ -190,6 +223,9 @@ class DiLoCoRule(Rule):
         # each fragment's message is a prefix of scratch (one fragment in flight at a time)
         self.world.agree_buffers(*{fr.size: self.scratch[:fr.size]
                                    for fr in self.fragments}.values())
+        self.world.agree_buffers(*{(fr.n_params, fr.size, i): t for fr in self.fragments
+                                   for i, t in enumerate(self._split(self.scratch[:fr.size],
+                                                                     fr.n_params))}.values())
         #: the fragment allreduces' own communicator: in flight across steps, they never
         #: interleave with blocking collectives (tau = 0 needs none)
         self.stream_comm = self.world.dup() if self.delay > 0 else None
@@ -200,6 +236,33 @@ class DiLoCoRule(Rule):
         self.contribution = torch.empty_like(self.scratch)
         #: a rank failure that progress() met in a gradient hook (raised in the next step)
         self.progress_failure: Optional[BaseException] = None
+
+    def _split(self, buf: torch.Tensor, n: int) -> Tuple[torch.Tensor, ...]:
+        """The parts of a message ``buf`` = [delta (n) | buffers] that go apart: top-k with
+        buffers, (records, dense); else none (one allreduce of ``buf``)."""
+        if not self.sparse or n == buf.numel():
+            return ()
+        return buf[:n], buf[n:]
+
+    def _mean(self, buf: torch.Tensor, n: int) -> None:
+        """buf <- the mean over the ranks of [delta (n) | buffers]: one allreduce; top-k
+        with buffers, delta's records and the buffers dense (the communicator under the wire
+        layer: exact float32)."""
+        parts = self._split(buf, n)
+        if not parts:
+            self.world.allreduce_(buf, "mean")
+            return
+        self.world.allreduce_(parts[0], "mean")
+        getattr(self.world, "inner", self.world).allreduce_(parts[1], "mean")
+
+    def _imean(self, comm, buf: torch.Tensor, n: int):
+        """:meth:`_mean` non-blocking on ``comm`` (one request; two in flight with top-k and
+        buffers, posted in the same order on every rank)."""
+        parts = self._split(buf, n)
+        if not parts:
+            return comm.iallreduce_(buf, "mean", agreed=True)
+        return _Both(comm.iallreduce_(parts[0], "mean", agreed=True),
+                     getattr(comm, "inner", comm).iallreduce_(parts[1], "mean", agreed=True))
 
     def _outer_optimizer(self, params) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.outer_lr, momentum=self.outer_momentum,
@@ -245,7 +308,7 @@ class DiLoCoRule(Rule):
         n, x, buf = self.n_params, self.flat.flat, self.scratch
         torch.sub(self.prev.data, x[:n], out=buf[:n])          # x_prev - x_i
         buf[n:].copy_(x[n:])                                   # BatchNorm statistics
-        self.world.allreduce_(buf, "mean")
+        self._mean(buf, n)
         self.prev.grad.copy_(buf[:n])                          # delta
         self.outer_opt.step()                                  # x_prev <- outer step
         x[:n].copy_(self.prev.data)
@@ -298,15 +361,15 @@ class DiLoCoRule(Rule):
             o += b - a
 
     def _start(self, f: int, sync_step: int) -> None:
-        buf = self.scratch[:self.fragments[f].size]
+        fr = self.fragments[f]
+        buf = self.scratch[:fr.size]
         self.contribute(f, buf)
         self.contribution[:buf.numel()].copy_(buf)
         if self.stream_comm is None:
             self._inflight = [f, sync_step, None]        # (in flight while it runs)
-            self.world.allreduce_(buf, "mean")
+            self._mean(buf, fr.n_params)
         else:
-            self._inflight = [f, sync_step, self.stream_comm.iallreduce_(buf, "mean",
-                                                                         agreed=True)]
+            self._inflight = [f, sync_step, self._imean(self.stream_comm, buf, fr.n_params)]
 
     def _sync(self, f: int, step: int) -> None:
         got, due, request = self._inflight
@@ -428,7 +491,7 @@ class DiLoCoRule(Rule):
             buf.copy_(self.contribution[:buf.numel()])
         else:
             self.contribute(f, buf)
-        self.world.allreduce_(buf, "mean")          # (the registered prefix, on every rank)
+        self._mean(buf, self.fragments[f].n_params)   # (registered parts, on every rank)
         self._inflight = [f, due, None]
         if due <= recovery.steps:
             self._sync(f, due)
