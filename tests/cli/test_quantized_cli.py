@@ -94,7 +94,7 @@ def test_topk_error_feedback_resumes_exactly(tmp_path, name):
 BAD = [
     (["--algorithm", "lsgd-async", "--comm-dtype", "int8"], "--comm-dtype"),
     (["--algorithm", "gossip", "--gossip-gamma", "0.5"], "gossip_gamma needs --comm-dtype"),
-    (["--algorithm", "lsgd", "--comm-dtype", "int8", "--backend", "horovod"], "--comm-dtype"),
+    (["--algorithm", "lsgd", "--comm-dtype", "bf16", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--topk", "0"], "--topk"),
     (["--algorithm", "gossip", "--topk", "0.01", "--gossip-gamma", "2"], "--gossip-gamma"),
