@@ -4,11 +4,14 @@ a real 4-rank run's counters, and the planner's command line (python -m lsgd_hpc
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 
@@ -251,6 +254,20 @@ def plan_cli(args, timeout=120):
                           env=mpi_env(), cwd=REPO)
 
 
+def plan_main(args):
+    """What ``python -m lsgd_hpc.plan ARGS`` answers (exit status, stdout, stderr), from its
+    main() in this process: the entry point itself is run once, by the test below; the other
+    cases need no torch import of their own (a second each)."""
+    from lsgd_hpc.planning.plan import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:            # argparse's refusals
+            code = exc.code
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
 def test_cli_prints_every_method_and_the_recommendations():
     p = plan_cli(EXAMPLE + ["--step-ms", "45"])
     assert p.returncode == 0, p.stderr
@@ -265,7 +282,7 @@ def test_cli_prints_every_method_and_the_recommendations():
 
 
 def test_cli_json_is_consistent_with_the_model():
-    p = plan_cli(EXAMPLE + ["--step-ms", "45", "--inter-gbps", "1", "--json"])
+    p = plan_main(EXAMPLE + ["--step-ms", "45", "--inter-gbps", "1", "--json"])
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert doc["inputs"]["n_params"] == 269_722 and doc["inputs"]["ranks"] == 512
@@ -282,7 +299,7 @@ def test_cli_json_is_consistent_with_the_model():
     assert by["allreduce"]["comm_share"] > 0.1
     assert rec["gossip"]["topology"] in {g["topology"] for g in doc["gossip"]}
     # slower network, higher share: the planner reacts to its inputs
-    fast = json.loads(plan_cli(EXAMPLE + ["--step-ms", "45", "--json"]).stdout)
+    fast = json.loads(plan_main(EXAMPLE + ["--step-ms", "45", "--json"]).stdout)
     assert fast["methods"][0]["comm_share"] < by["allreduce"]["comm_share"]
 
 
@@ -297,7 +314,7 @@ def test_cli_json_is_consistent_with_the_model():
     (["--model", "vgg16"] + EXAMPLE[2:] + ["--dataset", "digits"], "--model"),   # needs 32x32
 ])
 def test_cli_bad_input_one_line_exit_2(args, needle):
-    p = plan_cli(args)
+    p = plan_main(args)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], p.stderr
@@ -352,15 +369,11 @@ def test_diloco_and_slowmo_cost_one_model_allreduce_per_period():
 
 def test_comm_dtype_bf16_halves_every_methods_bytes():
     """The planner knows what --comm-dtype bf16 sends: two bytes per element."""
-    import json
-    import subprocess
-    import sys
     out = {}
     for dtype in ("fp32", "bf16"):
-        proc = subprocess.run([sys.executable, "-m", "lsgd_hpc.plan", "--model", "resnet20",
-                               "--nodes", "4", "--ranks-per-node", "4", "--inter-gbps", "10",
-                               "--intra-gbps", "100", "--comm-dtype", dtype, "--json"],
-                              capture_output=True, text=True, timeout=120)
+        proc = plan_main(["--model", "resnet20", "--nodes", "4", "--ranks-per-node", "4",
+                          "--inter-gbps", "10", "--intra-gbps", "100", "--comm-dtype", dtype,
+                          "--json"])
         assert proc.returncode == 0, proc.stderr
         out[dtype] = {(m["method"], m["setting"]): m["bytes_per_step"]
                       for m in json.loads(proc.stdout)["methods"]}
