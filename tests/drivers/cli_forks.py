@@ -20,6 +20,8 @@ import yaml  # noqa: F401
 
 import lsgd_hpc.cli.config  # noqa: F401
 import lsgd_hpc.cli.train  # noqa: F401
+import lsgd_hpc.models.zoo  # noqa: F401 - the parser's help imports the zoo (~1.5 s)
+import torch._dynamo  # noqa: F401 - the first torch.optim optimizer imports it (~2 s)
 from lsgd_hpc.session import exit_as_interpreter
 
 assert "mpi4py.MPI" not in sys.modules, "MPI must not be initialised before a fork"
