@@ -571,12 +571,6 @@ def _check_failure_options(cfg: Config) -> None:
         raise ConfigError("--on-failure", "heal needs step boundaries that every rank "
                                           "shares, and lsgd-async's ranks take uneven steps; "
                                           "use --on-failure shrink with it")
-    if (cfg.on_failure in ("shrink", "heal") and cfg.algorithm == "lsgd" and cfg.topk < 1
-            and cfg.pull_delay):
-        raise ConfigError("--on-failure", f"{cfg.on_failure} is not for lsgd with --topk "
-                                          f"{cfg.topk:g} and --pull-delay {cfg.pull_delay}: "
-                                          "the recovery of a compressed pull in flight is not "
-                                          "implemented (use --pull-delay 0)")
     if cfg.spares and cfg.on_failure != "heal":
         raise ConfigError("--spares", "needs --on-failure heal (spares replace lost ranks)")
     if cfg.min_ranks != 1 and cfg.on_failure not in ("shrink", "heal"):

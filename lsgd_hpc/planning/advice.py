@@ -106,10 +106,9 @@ RECOVERABLE = ("--prtemca", "state_base_recoverable", "1")
 def failure_problem(method: str, options: Dict, topk: float, on_failure: str) -> Optional[str]:
     """Why the trainer refuses this method with ``--on-failure`` (lsgd_hpc.cli.config's
     rule; the test parses the command with the trainer's parser), or None."""
-    if (on_failure in ("shrink", "heal") and method == "lsgd" and topk < 1
-            and options.get("pull_delay")):
-        return (f"{on_failure} is not for lsgd with --topk and --pull-delay (the recovery of a "
-                "compressed pull in flight is not implemented)")
+    if on_failure == "heal" and method == "lsgd-async":
+        return ("heal is not for lsgd-async (a joining rank needs step boundaries that every "
+                "rank shares; use shrink)")
     return None
 
 

@@ -64,6 +64,8 @@ def shared_state(name, method, opt):
         return {"old": rule.old, "u": rule.u}
     if name == "local-sgd":
         return {"T": rule.T, "since": rule.since_avg}
+    if name == "lsgd" and rule.compressed:       # the compressed pull's reference
+        return {"reference": rule.reference}
     return {}
 
 

@@ -132,12 +132,12 @@ def test_heal_with_spares_command_is_one_the_trainer_accepts(capsys, monkeypatch
 
 
 def test_a_policy_the_trainer_refuses_with_the_method_is_not_recommended(monkeypatch):
-    """LSGD with a top-k pull and a pull delay: the trainer refuses shrink and heal; the
-    answer takes the next eligible method (or abort), never the refused pair."""
+    """Asynchronous LSGD: the trainer refuses heal with it; the answer takes the next
+    eligible method (or the next policy), never the refused pair."""
     from lsgd_hpc.cli.config import ConfigError, parse_config
-    lsgd = {"method": "lsgd", "options": {"tau_local": 8, "tau_global": 16, "pull_delay": 4},
-            "comm_dtype": "fp32", "topk": 0.03, "step_s": 0.1, "comm_share": 0.02,
-            "args": "--algorithm lsgd --tau-local 8 --tau-global 16 --pull-delay 4 --topk 0.03"}
+    lsgd = {"method": "lsgd-async", "options": {"tau_local": 8, "tau_global": 16},
+            "comm_dtype": "fp32", "topk": 1.0, "step_s": 0.1, "comm_share": 0.02,
+            "args": "--algorithm lsgd-async --tau-local 8 --tau-global 16"}
     with pytest.raises(ConfigError, match="--on-failure"):         # the rule mirrored is real
         parse_config(lsgd["args"].split() + ["--on-failure", "heal"], env={})
     diloco = {"method": "diloco", "options": {"H": 16}, "comm_dtype": "int8", "topk": 1.0,
@@ -150,10 +150,10 @@ def test_a_policy_the_trainer_refuses_with_the_method_is_not_recommended(monkeyp
     r = advice.run_recommendation(rec, failures, 4, 8, "cpu", [])
     assert (r["method"], r["on_failure"]) == ("diloco", "heal") and "refused" in r["note"]
     r = advice.run_recommendation(dict(rec, runners_up=[]), failures, 4, 8, "cpu", [])
-    assert (r["method"], r["on_failure"]) == ("lsgd", "abort")
+    assert (r["method"], r["on_failure"]) == ("lsgd-async", "abort")
     assert r["checkpoint_every"] == 6000                             # Daly's 600 s / 0.1 s
     cfg, _ = train_config(r["command"], monkeypatch)
-    assert cfg.on_failure == "abort" and cfg.pull_delay == 4
+    assert cfg.on_failure == "abort" and cfg.algorithm == "lsgd-async"
 
 
 def test_help_description_is_whole_and_help_prints(capsys):

@@ -17,7 +17,6 @@ from lsgd_hpc.comm.delta import (BookedBroadcast, BookedRequest, apply_delta, de
 from lsgd_hpc.methods.registry import LSGD_BN_POLICIES
 from lsgd_hpc.methods.rules.base import MetricsSink, Rule
 from lsgd_hpc.methods.rules.state import broadcast_copy, take_parameters
-from lsgd_hpc.methods.spec import OptionError
 
 __all__ = ["LeaderRule", "BN_POLICIES", "window_score", "to_the_leader"]
 
@@ -93,7 +92,8 @@ class LeaderRule(Rule):
     of its bytes (progressed at every step, booked as the blocking one); at s + d every rank
     sets r <- r + d(s) and pulls toward r, the leader too (as the delayed dense pull);
     ``state_dict`` keeps the message and the step it lands at. The recovery of lost ranks
-    (``suspend``) is refused with it (OptionError): a message in flight is not recovered.
+    drops a message in flight on every survivor (r stays the source's shared r:
+    :meth:`_drop_compressed_delayed`).
     """
 
     name = "lsgd"
@@ -397,13 +397,11 @@ class LeaderRule(Rule):
     # the survivors report whether they hold a complete copy of the leader (they finished
     # its broadcast, or are that leader); if one does, it is re-broadcast from the lowest
     # such rank and the others pull; if none does (the leader died before anyone had its
-    # copy), nobody pulled. With pull_delay the broadcasts in flight are treated alike. A
-    # dead rank is never elected again: the new world does not hold it.
+    # copy), nobody pulled. With pull_delay the broadcasts in flight are treated alike, but
+    # for the compressed global pull's, which is dropped on every survivor
+    # (_drop_compressed_delayed). A dead rank is never elected again: the new world does not
+    # hold it.
     def suspend(self, complete: bool, recovery) -> dict:
-        if self.compressed and self.pull_delay:
-            raise OptionError("topk", f"{self.topk:g} with pull_delay {self.pull_delay} is not "
-                              "for on_failure shrink or heal: the recovery of a compressed "
-                              "pull in flight is not implemented (use pull_delay 0)")
         node = recovery.node_key
         pending = None
         if self.pull_in_flight is not None:
@@ -506,8 +504,12 @@ class LeaderRule(Rule):
         leader, or it already pulled it) or dropped on all (nobody holds it: nobody pulls).
         A completed one lands now when its pull step is behind the agreed step, else at it."""
         world, reports, mine = recovery.world, recovery.reports, recovery.mine
+        if self.compressed:
+            self._drop_compressed_delayed(recovery)
         for key in sorted({d[:4] for rep in reports for d in rep["delayed"]}):
             level, count, node, pull_step = key
+            if self.compressed and level == GLOBAL:
+                continue
             holders, started, landed, group = [], 0, False, 0
             for r, rep in enumerate(reports):
                 if level == LOCAL and rep["node"] != node:
@@ -537,6 +539,22 @@ class LeaderRule(Rule):
                 if pull_step <= recovery.steps:              # its step is behind: land now
                     self._land(level)
                 mine["done"][level] = self.pulls_done[level]
+
+    def _drop_compressed_delayed(self, recovery) -> None:
+        """pull_delay with the compressed global pull: the one in flight is dropped on every
+        survivor alike (its request died with the old world; nobody pulls toward it). The
+        reference r is shared state, already the source's on every survivor (taken before
+        ``resume``), and r changes only when a pull lands (r <- r + d at its step), so r has
+        d(s) in it iff the source had landed it: the same r everywhere either way, and the
+        next message d = C(x_L - r) is taken against it. A survivor that landed it already
+        pulled its own x toward its r + d (x is its own); one that had not does not pull.
+        Every survivor counts the source's landed global pulls."""
+        mine = recovery.mine
+        self.delayed.pop(GLOBAL, None)
+        mine["delayed"] = [d for d in mine["delayed"] if d[0] != GLOBAL]
+        done = int(recovery.reports[recovery.source]["done"].get(GLOBAL, 0))
+        self.pulls_done[GLOBAL] = mine["done"][GLOBAL] = done
+        self.have_copy[GLOBAL] = self.have_copy[GLOBAL] or done > 0
 
     def rejoin(self, world, joined: bool, source: int) -> str:
         """The rejoining ranks take the global leader's parameters (the survivor with the best
