@@ -26,6 +26,19 @@ Horovod specifics handled here:
 * ``broadcast_``'s root is a world rank in Horovod, also on a process set.
 * Horovod has no bfloat16 and no half-precision broadcast path of its own here: 2-byte
   types are broadcast as int16 words (as the MPI backend moves them as 16-bit words).
+* Horovod 0.28.1's allreduce has no bfloat16 sum (``hvd.allreduce_`` raises "Tensor type
+  torch.BFloat16Tensor is not supported"). A bfloat16 allreduce here is a reduce-scatter and
+  an allgather of int16 words: with c = ceil(n / p), chunk j (c elements, zero padded) of
+  every member goes to member j (``hvd.alltoall``), member j sums its p chunks in rank order,
+  s <- bf16(s + x_i) for i = 1..p-1 (each addition widened to float32, exact, and rounded to
+  nearest even, as the MPI backend's bfloat16 sum rounds after every addition), and
+  ``hvd.allgather`` gives every member every summed chunk: the same bits on every member,
+  2 (p - 1) c bytes each way in all (a ring allreduce's), counted as the MPI backend's
+  allreduce (n * 2 bytes each way). The rank order may differ from the order in which MPI
+  combines; past 2 members the two backends' bfloat16 sums may differ in the last bit.
+* The compressed allreduce's byte buffers (lsgd_hpc.comm.quantized, lsgd_hpc.comm.sparse)
+  go through ``hvd.alltoall`` (equal splits) and ``hvd.allgather``: :meth:`alltoall`,
+  :meth:`allgather`, blocking (``ialltoall``/``iallgather`` are the base class's).
 """
 
 from __future__ import annotations
@@ -159,12 +172,6 @@ class HorovodCommunicator(Communicator):
         dtype = str(tensor.dtype).replace("torch.", "")
         return f"lsgd.{self._tag}.{kind}.{dtype}.{tensor.numel()}"
 
-    def _check_allreduce(self, tensor: torch.Tensor, op: str) -> None:
-        super()._check_allreduce(tensor, op)
-        if tensor.dtype == torch.bfloat16:
-            raise CommError("allreduce of torch.bfloat16 is not supported by Horovod here; "
-                            "use --backend mpi or torch for bfloat16 communication")
-
     def allreduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         self._check_allreduce(tensor, op)
         if self.size == 1:
@@ -174,7 +181,9 @@ class HorovodCommunicator(Communicator):
         self._mpi._agree("allreduce_", tensor)
         nbytes = tensor.numel() * tensor.element_size()
         with self._counted(nbytes, nbytes), self._mpi._watch("allreduce_ (horovod)"):
-            if tensor.numel() > 0:
+            if tensor.dtype == torch.bfloat16:
+                self._bf16_sum_(tensor)
+            elif tensor.numel() > 0:
                 # detach(): same storage, and Horovod never sees autograd state.
                 self._hvd.allreduce_(tensor.detach(), op=self._hvd.Sum,
                                      name=self._name("sum", tensor), process_set=self._ps)
@@ -185,6 +194,9 @@ class HorovodCommunicator(Communicator):
         if not agreed:
             self._mpi._agree("iallreduce_", tensor)
         if tensor.numel() == 0:
+            return (lambda: None), (lambda: True)
+        if tensor.dtype == torch.bfloat16:        # no non-blocking form: done at the start
+            self._bf16_sum_(tensor)
             return (lambda: None), (lambda: True)
         # Names must be unique among operations in flight and the same on every member.
         # Members start these in the same order, but they see them complete at different
@@ -216,6 +228,26 @@ class HorovodCommunicator(Communicator):
                 self._hvd.broadcast_(buf, root_rank=self.world_ranks[root],
                                      name=self._name("bcast", buf), process_set=self._ps)
         return tensor
+
+    def _bf16_sum_(self, tensor: torch.Tensor) -> None:
+        """In place: the bfloat16 sum over the group, as a reduce-scatter (alltoall of
+        chunks) with the rank-order sum and an allgather (module doc). Not counted here."""
+        n, p = tensor.numel(), self.size
+        if n == 0:
+            return
+        c = -(-n // p)
+        words = torch.zeros(p * c, dtype=torch.int16)
+        words[:n].copy_(tensor.detach().reshape(-1).view(torch.int16))
+        splits = torch.full((p,), c, dtype=torch.int32)
+        got = self._hvd.alltoall(words, splits=splits, name=self._name("bf16rs", words),
+                                 process_set=self._ps)
+        parts = (got[0] if isinstance(got, tuple) else got).view(torch.bfloat16).view(p, c)
+        acc = parts[0].clone()
+        for i in range(1, p):                      # rank order, rounded after every addition
+            acc = (acc.to(torch.float32) + parts[i].to(torch.float32)).to(torch.bfloat16)
+        acc = acc.view(torch.int16)
+        every = self._hvd.allgather(acc, name=self._name("bf16ag", acc), process_set=self._ps)
+        tensor.detach().reshape(-1).view(torch.int16).copy_(every[:n])
 
     # Byte buffers of the compressed allreduce (lsgd_hpc.comm.quantized: alltoall then
     # allgather of quantized records; top-k: allgather of index/value records). Horovod's

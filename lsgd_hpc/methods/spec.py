@@ -238,8 +238,6 @@ class Check:
 def comm_dtype_problem(comm_dtype: str, backend: Optional[str],
                        method: Optional[str] = None) -> Optional[str]:
     """Why ``comm_dtype`` cannot run on ``backend`` with ``method`` (a spec name), or None."""
-    if comm_dtype == "bf16" and backend == "horovod":
-        return "bf16 needs the mpi or torch backend (Horovod has no bfloat16 sum here)"
     if comm_dtype in QUANTIZED_COMM_DTYPES:
         if method in _NOT_QUANTIZED:
             return f"{comm_dtype} is not for {method}: {_NOT_QUANTIZED[method]}"

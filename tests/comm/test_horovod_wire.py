@@ -20,6 +20,7 @@ def test_horovod_takes_the_compressed_wire():
     for kind in ("int8", "fp8", "int4", "int2"):
         assert comm_dtype_problem(kind, "horovod", "local-sgd") is None
     assert topk_problem(0.05, "int8", "horovod", "local-sgd") is None
+    assert comm_dtype_problem("bf16", "horovod", "local-sgd") is None
     # what is not for a method stays refused on every backend alike
     assert comm_dtype_problem("int8", "horovod", "lsgd-async") == \
         comm_dtype_problem("int8", "mpi", "lsgd-async")
@@ -92,6 +93,43 @@ for name, w in (("mpi", mpi), ("horovod", hvd)):
         outs.append(buf.clone())
     got[name] = torch.cat(outs)
 assert torch.equal(got["mpi"], got["horovod"])
+
+# 3. bf16 (Horovod has no bfloat16 sum): a reduce-scatter by alltoall, the rank-order sum
+#    rounded after every addition, an allgather; by hand here; counted as MPI's bf16 allreduce
+def by_hand(xs):
+    acc = xs[0].to(torch.bfloat16)
+    for x in xs[1:]:
+        acc = (acc.float() + x.to(torch.bfloat16).float()).to(torch.bfloat16)
+    return acc
+for m in (1, 7, n):
+    t = v_of(me, 5)[:m].to(torch.bfloat16)
+    counts = []
+    for w in (mpi, hvd):
+        before = w.stats.snapshot()
+        u = t.clone()
+        w.allreduce_(u, "sum")
+        counts.append((w.stats.bytes_sent - before.bytes_sent, w.stats.bytes_recv - before.bytes_recv))
+        if w is hvd:
+            assert torch.equal(u, by_hand([v_of(r, 5)[:m] for r in range(4)])), m
+            assert len(set(mpi.allgather_object(digest(u.view(torch.int16))))) == 1
+    assert counts[0] == counts[1] == (2 * m, 2 * m), counts
+u = v_of(me, 6).to(torch.bfloat16)
+req = hvd.iallreduce_(u, "mean")
+req.wait()
+want = by_hand([v_of(r, 6) for r in range(4)]) / 4
+assert torch.equal(u, want)
+# the bf16 wire with error feedback, through the node hierarchy (process sets): every rank
+# the same bits
+from lsgd_hpc.comm.lowprec import low_precision_groups
+low = low_precision_groups(NodeGroups.build(hvd, 2), torch.bfloat16, error_feedback=True)
+b = torch.zeros(n)
+low.world.agree_buffers(b)
+for rnd in range(3):
+    b.copy_(v_of(me, rnd))
+    low.world.allreduce_(b, "mean")
+    assert len(set(mpi.allgather_object(digest(b)))) == 1
+    exact = sum(v_of(r, rnd) for r in range(4)) / 4
+    assert float((b - exact).norm() / exact.norm()) < 0.01
 print("HOROVOD_WIRE_OK", me)
 """
 

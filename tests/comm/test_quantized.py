@@ -190,6 +190,7 @@ def test_options_and_their_refusals():
         assert why.startswith(f"int8 is not for {bad}: ") and "\n" not in why
     assert comm_dtype_problem("fp8", "horovod", "lsgd") is None     # Horovod's alltoall
     assert comm_dtype_problem("bf16", "mpi", "gossip") is None     # bf16 stays as it was
+    assert comm_dtype_problem("bf16", "horovod", "lsgd") is None   # reduce-scatter + allgather
     assert error_feedback_problem(False, "fp32") is None
     for kind in ("int8", "int4", "int2"):
         assert error_feedback_problem(True, kind) is None
@@ -300,10 +301,9 @@ def test_config_accepts_topk():
     (["--algorithm", "gossip", "--comm-dtype", "fp8", "--error-feedback",
       "--error-feedback-decay", "0.5"], "--error-feedback-decay"),
     (["--algorithm", "lsgd-async", "--comm-dtype", "int2"], "--comm-dtype"),
-    (["--algorithm", "lsgd", "--comm-dtype", "bf16", "--backend", "horovod"], "--comm-dtype"),
     (["--algorithm", "diloco", "--error-feedback"], "--error-feedback"),
     (["--algorithm", "diloco", "--comm-dtype", "fp32", "--error-feedback"], "--error-feedback"),
-], ids=["lsgd-async", "gossip-decay", "lsgd-async-int2", "hvd-backend", "ef-alone",
+], ids=["lsgd-async", "gossip-decay", "lsgd-async-int2", "ef-alone",
         "ef-fp32"])
 def test_config_refuses(argv, option):
     from lsgd_hpc.cli.config import ConfigError, parse_config

@@ -181,10 +181,8 @@ def test_replicas_stay_identical_with_bf16_clipping_accumulation_and_checks(comm
     layout = layout_or_skip(comm, "node")
     model = net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    # (Horovod has no bfloat16 sum here and refuses bf16: float32 between workers there)
     method = lsgd_hpc.SlowMo(model, opt, comm, local_steps=2, slowmo_every=4,
-                             worker_ranks="node",
-                             comm_dtype="fp32" if comm.backend == "horovod" else "bf16")
+                             worker_ranks="node", comm_dtype="bf16")
     method.rule.check_every = 3
     data = batches(comm.rank, 12)
     for i in range(6):
