@@ -34,8 +34,23 @@ import torch
 from lsgd_hpc.comm.base import Communicator
 from lsgd_hpc.comm.groups import NodeGroups
 
+
 __all__ = ["LowPrecision", "LowPrecisionGroups", "Residuals", "low_precision_groups",
-           "through_low", "WIRE_DTYPES", "MIN_ELEMENTS"]
+           "through_low", "residual_key", "WIRE_DTYPES", "MIN_ELEMENTS"]
+
+
+def residual_key(agreed: Sequence[torch.Tensor], comm_key: str, t: torch.Tensor) -> str:
+    """The name of ``t``'s error-feedback residual on the communicator ``comm_key``: its
+    place in a registered buffer (``agreed``: the same buffers in the same order on every
+    rank, so the same name everywhere and across a checkpoint), else its size."""
+    ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    for i, a in enumerate(agreed):
+        lo = a.data_ptr()
+        if (a.device == t.device and a.dtype == t.dtype and lo <= ptr
+                and end <= lo + a.numel() * a.element_size()):
+            return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
+    return f"{comm_key}/numel{t.numel()}"
+
 
 #: the wire dtype of each low-precision comm_dtype (the names: lsgd_hpc.methods.spec.COMM_DTYPES)
 WIRE_DTYPES = {"bf16": torch.bfloat16}
@@ -65,13 +80,7 @@ class Residuals:
         self.residuals: Dict[str, torch.Tensor] = {}
 
     def key(self, comm_key: str, t: torch.Tensor) -> str:
-        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        for i, a in enumerate(self.agreed):
-            lo = a.data_ptr()
-            if (a.device == t.device and a.dtype == t.dtype and lo <= ptr
-                    and end <= lo + a.numel() * a.element_size()):
-                return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
-        return f"{comm_key}/numel{t.numel()}"
+        return residual_key(self.agreed, comm_key, t)
 
     def rounded(self, comm_key: str, t: torch.Tensor, dtype: torch.dtype,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:

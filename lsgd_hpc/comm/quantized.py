@@ -122,7 +122,7 @@ from lsgd_hpc.comm.base import CommError, CommStats, Communicator, Pending
 from lsgd_hpc.comm.codec import (BITS, BLOCK, KINDS, QMAX, SCALE_BYTES, dequantize,
                                  kind_problem, pack, quantize, unpack)
 from lsgd_hpc.comm.groups import NodeGroups
-from lsgd_hpc.comm.lowprec import MIN_ELEMENTS, WIRE_DTYPES, through_low
+from lsgd_hpc.comm.lowprec import MIN_ELEMENTS, WIRE_DTYPES, residual_key, through_low
 from lsgd_hpc.comm.monitor import MONITOR
 from lsgd_hpc.comm.sparse import (FLOAT_VALUES, Sparse, decode, encode, reduce_records, select,
                                   sent_vector, sparse_layout)
@@ -216,13 +216,7 @@ class _Shared:
                    and a.dtype == t.dtype for a in self.agreed)
 
     def key(self, comm_key: str, t: torch.Tensor) -> str:
-        ptr, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-        for i, a in enumerate(self.agreed):
-            lo = a.data_ptr()
-            if (a.device == t.device and a.dtype == t.dtype and lo <= ptr
-                    and end <= lo + a.numel() * a.element_size()):
-                return f"{comm_key}/buffer{i}@{(ptr - lo) // t.element_size()}+{t.numel()}"
-        return f"{comm_key}/numel{t.numel()}"
+        return residual_key(self.agreed, comm_key, t)
 
     def feed(self, x: torch.Tensor, e: torch.Tensor) -> None:
         """x <- x + beta e: the residual fed back into an allreduce's input."""

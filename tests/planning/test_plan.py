@@ -4,19 +4,17 @@ a real 4-rank run's counters, and the planner's command line (python -m lsgd_hpc
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import math
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 
 from lsgd_hpc.planning import costmodel as cm
 from mpi_util import REPO, mpi_env, run_mpi
+from plan_util import plan_main
 
 A, B = 1e-6, 1e-9                  # 1 us, 1 GB/s
 LINK = cm.Link(A, B)
@@ -252,20 +250,6 @@ EXAMPLE = ["--model", "resnet20", "--nodes", "64", "--ranks-per-node", "8", "--i
 def plan_cli(args, timeout=120):
     return subprocess.run(PLAN + args, capture_output=True, text=True, timeout=timeout,
                           env=mpi_env(), cwd=REPO)
-
-
-def plan_main(args):
-    """What ``python -m lsgd_hpc.plan ARGS`` answers (exit status, stdout, stderr), from its
-    main() in this process: the entry point itself is run once, by the test below; the other
-    cases need no torch import of their own (a second each)."""
-    from lsgd_hpc.planning.plan import main
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:            # argparse's refusals
-            code = exc.code
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_prints_every_method_and_the_recommendations():

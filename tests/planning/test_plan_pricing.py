@@ -4,30 +4,19 @@ computations (in-process, and ``python -m lsgd_hpc.plan``'s main() in this proce
 import dataclasses
 import json
 import math
-import contextlib
-import io
-from types import SimpleNamespace
 
 import pytest
 
 from lsgd_hpc.planning import costmodel as cm
 from lsgd_hpc.planning.plan import PlanInputs, WIRE_BYTES, main, params_facts, plan
+from plan_util import plan_main
 
 # 2 nodes of 4 ranks; between nodes 8 Gbit/s (beta 1e-9 s/byte), no latency
 CLUSTER = ["--nodes", "2", "--ranks-per-node", "4", "--inter-gbps", "8",
            "--inter-latency-us", "0", "--intra-gbps", "800"]
 
 
-def plan_cli(args):
-    """What ``python -m lsgd_hpc.plan ARGS`` answers (its exit status, stdout and stderr), from
-    its main() in this process (a subprocess would spend a second importing torch)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(args))
-        except SystemExit as exc:            # argparse's refusals
-            code = exc.code
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+plan_cli = plan_main
 
 
 def plan_json(args):
