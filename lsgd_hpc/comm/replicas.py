@@ -43,8 +43,9 @@ a collective or the lighthouse before anything waiting on it gives up.
 ``--max-restarts``, the job's script) joins the running job at a step boundary and takes its
 state from the survivors (:class:`ReplicaHealer`).
 
-Not here yet: workers of more than one rank (a replica group of K ranks), refused with one
-line.
+Workers of several ranks (``worker_ranks``) are that many replica groups of one process,
+grouped as under ULFM (shrink only: with heal they are refused, lsgd_hpc/comm/stack.py). Not
+here yet: a replica group of several ranks under one torchrun, refused with one line.
 """
 
 from __future__ import annotations
@@ -516,7 +517,7 @@ class ReplicaFaultTolerance(FaultTolerance):
         return {"generation": self.generation + 1, "lost_at": self.healer.lost_at,
                 "decided_at": time.time(), "app": dict(app), "spares": [],
                 "step": int(getattr(self, "last_step", -1)), "lost": list(self.lost),
-                "hosts": list(self.initial_hosts), "events": len(self.events)}
+                "hosts": list(self.initial_hosts)}
 
     def take_history(self, history: dict) -> None:
         """A healed world's: the job's numbering (initial ranks, hosts and nodes of all
@@ -534,8 +535,9 @@ class ReplicaFaultTolerance(FaultTolerance):
 
 
 class ReplicaHealer:
-    """The survivors' side of ``on_failure="heal"`` on the torch backend (the interface of
-    :class:`lsgd_hpc.comm.heal.Healer`: ``pending``, ``ready``, ``join``, ``release``).
+    """The survivors' side of ``on_failure="heal"`` on the torch backend (what
+    FaultTolerance and the session ask of :class:`lsgd_hpc.comm.heal.Healer`: ``pending``,
+    ``ready``, ``join``, ``release``, ``lost_at``).
 
     Nothing is spawned: a lost worker is started again by its launcher (torchrun's
     ``--max-restarts``, or the job's script) and asks torchft's lighthouse for a quorum. While
@@ -565,8 +567,6 @@ class ReplicaHealer:
         self.ft = ft
         self.lost_at = 0.0
         self.polled = time.monotonic()
-        self.problem: Optional[str] = None
-        self.replacing: List[int] = []
         self._joined: Optional[tuple] = None      # (rank, size) in the quorum's group
 
     @property
@@ -607,7 +607,7 @@ class ReplicaHealer:
         if running != list(ft.initial_ranks) or not new:
             raise ProcessFailure(f"torchft's quorum changed (workers {running} running, "
                                  f"{new} restarted; {list(ft.initial_ranks)} before)")
-        self.replacing, self._joined = new, (rank, size)
+        self._joined = (rank, size)
         self._hold(table)
         if world.rank == 0:
             print(f"[lsgd_hpc] heal: worker(s) {format_ranks(new)} restarted and in torchft's "
@@ -642,9 +642,6 @@ class ReplicaHealer:
     def release(self) -> None:
         """At the end of the job: nothing to release (a worker restarted too late finds no
         quorum and ends by itself)."""
-
-    def abandon(self) -> None:
-        self._joined = None
 
 
 def _hello(calls: "ReplicaCalls", rid: int, running: bool, store: str) -> list:
@@ -727,17 +724,8 @@ def _join_quorum(manager, pg, rid: int, n: int, timeouts: FailureTimeouts, own_s
         rank, size = manager.participating_rank(), manager.num_participants()
     except Exception:                             # noqa: BLE001 - the lighthouse's timeout
         return 0
-    if rank is None:
-        return size
-    if policy != "heal":
-        if size != n:
-            return size
-        world = ReplicaCommunicator(pg, rank, n, "world", timeouts, own_store)
-        ids = world.allgather_object(rid)
-        if ids != list(range(n)):
-            raise ValueError(f"torchft's first quorum numbers the workers {ids}, not "
-                             f"0..{n - 1}: is REPLICA_GROUP_ID set twice?")
-        return world, None
+    if rank is None or (size != n and policy != "heal"):
+        return size                     # (under shrink nobody runs yet: wait for all n)
     try:
         table = _hello(ReplicaCalls(pg, size, timeouts), rid, False, own_store)
     except Exception:                             # noqa: BLE001 - the quorum changed meanwhile
@@ -747,9 +735,9 @@ def _join_quorum(manager, pg, rid: int, n: int, timeouts: FailureTimeouts, own_s
         raise ValueError(f"torchft's quorum numbers the workers {ids}: is REPLICA_GROUP_ID "
                          "set twice?")
     world = ReplicaCommunicator(pg, rank, size, "world", timeouts, own_store)
-    if any(t[1] for t in table):                  # a running job: join it (ReplicaHealer.join)
+    if any(t[1] for t in table):                  # a running job (heal): join it
         try:
-            sent = world.allgather_object(None)
+            sent = world.allgather_object(None)   # (ReplicaHealer.join's, on the survivors)
         except Exception:                         # noqa: BLE001 - the survivors recovered
             return size
         history = next(h for h in sent if h is not None)
