@@ -169,6 +169,11 @@ class FaultTolerance:
         world.adopt_shrunk(new, key=f"world~{self.generation + 1}")
         return [self.initial_ranks[r] for r in kept]
 
+    def workers_problem(self, worker_ranks) -> Optional[str]:
+        """Why a method cannot run between workers of ``worker_ranks`` ranks under this
+        engine (one line), or None: ULFM's recovery handles every worker shape."""
+        return None
+
     # -- registration ------------------------------------------------------------------------
     def register(self, participant: "Participant") -> None:
         """Restore ``participant`` at every recovery, after the ones registered before it

@@ -499,6 +499,13 @@ class ReplicaFaultTolerance(FaultTolerance):
         except Exception:                         # noqa: BLE001 - leaving anyway
             pass
 
+    def workers_problem(self, worker_ranks) -> Optional[str]:
+        if self.policy != "heal":
+            return None
+        return (f"worker_ranks={worker_ranks!r} is not supported with on_failure='heal' on the "
+                "torch backend yet (a restarted rank of a worker does not rejoin it reliably); "
+                "use on_failure='shrink', or worker_ranks=1")
+
     # -- heal: restarted workers join at a step boundary (ReplicaHealer) -----------------------
     def _spawn_replacements(self, event) -> None:
         """Nothing is spawned on the torch backend: torchrun's --max-restarts (or the job's

@@ -104,11 +104,10 @@ def compose(comm, *, layout=None, worker_ranks=1, comm_dtype: str = "fp32",
     grouping is used (every rank composes alike); options arrive checked."""
     stack = Stack(comm.world, comm.groups, comm.groups)
     ft = getattr(comm, "fault_tolerance", None)
-    if layout is not None and getattr(ft, "manager", None) is not None and ft.policy == "heal":
-        raise ValueError(f"worker_ranks={worker_ranks!r} is not supported with "
-                         "on_failure='heal' on the torch backend yet (a restarted rank of a "
-                         "worker does not rejoin it reliably); use on_failure='shrink', or "
-                         "worker_ranks=1")
+    problem = ft.workers_problem(worker_ranks) if ft is not None and layout is not None \
+        else None
+    if problem:
+        raise ValueError(problem)
     if layout is not None:
         stack.workers = _workers_of(comm, layout, worker_ranks)
         stack.groups = stack.base = stack.workers.groups

@@ -444,6 +444,21 @@ def test_refusals_name_the_option(tmp_path, args, env, message):
     assert message in str(err.value), str(err.value)
 
 
+def test_the_library_refuses_workers_of_several_ranks_only_under_torch_heal():
+    """What lsgd_hpc.comm.stack.compose asks the session's fault tolerance before it builds
+    workers that span ranks: torchft's heal refuses them (one line), its shrink and ULFM's
+    engine do not."""
+    from types import SimpleNamespace
+    from lsgd_hpc.comm.faults import FaultTolerance
+    from lsgd_hpc.comm.replicas import ReplicaFaultTolerance
+    heal, shrink = SimpleNamespace(policy="heal"), SimpleNamespace(policy="shrink")
+    problem = ReplicaFaultTolerance.workers_problem(heal, 2)
+    assert problem.startswith("worker_ranks=2 is not supported with on_failure='heal' on the "
+                              "torch backend yet") and "\n" not in problem
+    assert ReplicaFaultTolerance.workers_problem(shrink, 2) is None
+    assert FaultTolerance.workers_problem(heal, "node") is None
+
+
 def test_the_job_rank_of_a_replica_group():
     """The rank that prints a start-up error once, and the world size check, count every
     replica group's ranks (torchrun's RANK and WORLD_SIZE are the group's)."""
